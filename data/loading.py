@@ -1,0 +1,200 @@
+"""Load a domain's records into a ``datasets.DatasetDict`` with deterministic train/validation/test splits.
+
+Columns: ``id`` (``"{domain}/{source}/{record_id}"``), ``source``, ``prompt``, ``completion``.
+Files come from the data root (see :mod:`data.paths`); with ``data.source=hub`` from the Hugging Face hub.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import datasets
+
+from .errors import DataFormatError, DataSourceError
+from .paths import ENV_DATA_ROOT, resolve_data_root
+from .readers import READERS
+from .registry import Domain, Example, Source, chat, get_domain
+from .splits import SPLITS, assign_split, hash_unit
+
+log = logging.getLogger(__name__)
+
+SOURCE_MODES = ("root", "hub", "auto")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """How to find and split the data (mirrors the ``data`` config group)."""
+
+    root: str | None = None
+    source: str = "root"  # root | hub | auto (root, then hub for files that are missing)
+    validation_fraction: float = 0.05
+    test_fraction: float = 0.1
+
+
+def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataSourceError:
+    where = f"data root {root}" if root else "no data root (data.root unset, $SPECDRAFT_DATA_ROOT unset, no ../shared/data)"
+    hub = (
+        f"or read it from the hub with data.source=hub (dataset {source.hub.path!r}"
+        + (f", config {source.hub.name!r}" if source.hub.name else "") + ")"
+        if source.hub
+        else "(this source has no hub copy, so it must come from a data root)"
+    )
+    return DataSourceError(
+        f"missing data file for domain {domain!r}: {source.file} (looked in {where}). Supply it either through a "
+        f"data root that contains {source.file} (set data.root=/path/to/data or export {ENV_DATA_ROOT}=/path/to/data) "
+        f"{hub}."
+    )
+
+
+def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
+    if path.stat().st_size == 0:
+        raise DataFormatError(f"{path}: the file is empty. Replace it with the published file or remove the source.")
+    yield from READERS[source.format](path)
+
+
+def _records_from_hub(source: Source) -> Iterable[tuple[Any, Any]]:
+    assert source.hub is not None
+    try:
+        ds = datasets.load_dataset(source.hub.path, source.hub.name, split=source.hub.split)
+    except Exception as e:  # network, auth, missing dataset: all end the same way for the user
+        raise DataSourceError(
+            f"could not load {source.hub.path!r} from the hub for source {source.name!r} ({type(e).__name__}: {e}). "
+            f"Check the network / HF_TOKEN, or use a data root with {source.file} (data.root or ${ENV_DATA_ROOT})."
+        ) from e
+    for i, row in enumerate(ds):
+        yield i, (source.hub.to_local(row) if source.hub.to_local else row)
+
+
+def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any]], origin: str) -> Iterable[Example]:
+    """Turn raw ``(position, record)`` pairs into :class:`Example` s; field errors name ``origin`` and the line."""
+    for pos, rec in records:
+        where = f"{origin}:{pos}" if isinstance(pos, int) else f"{origin} (record {pos})"
+
+        def get(name: str, _rec=rec, _where=where):
+            if not isinstance(_rec, dict) or name not in _rec or _rec[name] is None:
+                have = sorted(_rec) if isinstance(_rec, dict) else type(_rec).__name__
+                raise DataFormatError(f"{_where}: field {name!r} is missing (record has: {have}).")
+            return _rec[name]
+
+        try:
+            formatted = source.format_record(rec, get)
+        except DataFormatError as e:
+            msg = str(e)
+            raise DataFormatError(msg if msg.startswith(origin) else f"{where}: {msg}") from None
+        if formatted is None:
+            continue
+        prompt, completion = formatted
+        if not (prompt or completion).strip():
+            continue
+        if source.record_id and isinstance(rec, dict) and rec.get(source.record_id) is not None:
+            rid = str(rec[source.record_id])
+        else:
+            rid = str(pos)
+        yield Example(f"{domain}/{source.name}/{rid}", prompt, completion)
+
+
+def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> Iterable[tuple[Example, str]]:
+    """Yield ``(example, split)`` for every record of every source of ``domain``.
+
+    Raises:
+        DataSourceError: a file is missing (message names the file and both ways to supply it).
+        DataFormatError: a file cannot be parsed or lacks a field (message names file and line).
+    """
+    dom = get_domain(domain) if isinstance(domain, str) else domain
+    if opts.source not in SOURCE_MODES:
+        raise ValueError(f"data.source must be one of {SOURCE_MODES}, got {opts.source!r}")
+    root = resolve_data_root(opts.root)
+    for source in dom.sources:
+        path = (root / source.file) if root else None
+        if opts.source == "hub" and source.hub is None and path is not None and path.exists():
+            records, origin = _records_from_file(source, path), str(path)
+        elif opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
+            if source.hub is None:
+                raise _missing_file_error(source, root, dom.name)
+            records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
+        elif path is None or not path.exists():
+            raise _missing_file_error(source, root, dom.name)
+        else:
+            records, origin = _records_from_file(source, path), str(path)
+        for ex in format_records(dom.name, source, records, origin):
+            yield ex, assign_split(ex.id, opts.validation_fraction, opts.test_fraction, source.split_policy)
+
+
+def load_domain(domain: Domain | str, opts: DataOptions = DataOptions()) -> datasets.DatasetDict:
+    """All of a domain's records as a ``DatasetDict`` with ``train``, ``validation`` and ``test`` splits.
+
+    Rows in each split are ordered by the hash of their id (a deterministic shuffle that does not depend on file
+    order), so taking the first N gives a fixed, well-mixed sample.
+    """
+    rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
+    for ex, split in iter_examples(domain, opts):
+        rows[split].append({"id": ex.id, "source": ex.id.split("/")[1], "prompt": ex.prompt, "completion": ex.completion})
+    features = datasets.Features({k: datasets.Value("string") for k in ("id", "source", "prompt", "completion")})
+    out = {}
+    for s, r in rows.items():
+        r.sort(key=lambda row: hash_unit(row["id"]))
+        out[s] = datasets.Dataset.from_list(r, features=features)
+    return datasets.DatasetDict(out)
+
+
+def eval_prompts(domain: Domain | str, opts: DataOptions = DataOptions(), max_prompts: int | None = None) -> list[Example]:
+    """The evaluation prompts of a domain: the ``prompt`` part of its test records, in hash order.
+
+    Raises:
+        DataSourceError: the domain has no test records with a non-empty prompt.
+    """
+    ds = load_domain(domain, opts)["test"]
+    out = [Example(r["id"], r["prompt"], r["completion"]) for r in ds if r["prompt"].strip()]
+    if not out:
+        name = domain if isinstance(domain, str) else domain.name
+        raise DataSourceError(f"domain {name!r} has no test prompts; raise data.test_fraction or add a test file.")
+    return out[:max_prompts] if max_prompts else out
+
+
+def user_domain(name: str, path: str | os.PathLike, text_field: str, prompt_field: str | None = None) -> Domain:
+    """A domain from a user's own JSONL or CSV file (all records are test/eval prompts).
+
+    Args:
+        name: domain name used in reports.
+        path: ``.jsonl`` or ``.csv`` file.
+        text_field: field holding the prompt text (or the whole text when ``prompt_field`` is given, the completion).
+        prompt_field: optional separate prompt field.
+
+    Raises:
+        DataSourceError: the file does not exist. DataFormatError: unsupported extension (at load time, fields).
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise DataSourceError(f"extra domain {name!r}: file {p} does not exist; fix its path in eval.extra_domains.")
+    fmt = {".jsonl": "jsonl", ".csv": "csv"}.get(p.suffix.lower())
+    if fmt is None:
+        raise DataFormatError(f"extra domain {name!r}: {p} must be .jsonl or .csv, got {p.suffix!r}.")
+
+    def fmt_record(r, get):
+        if prompt_field:
+            return chat(get(prompt_field), get(text_field))
+        return get(text_field), ""
+
+    return Domain(name, f"user file {p}", (Source(name, str(p.resolve()), fmt, fmt_record, split_policy="test"),))
+
+
+def files_fingerprint(domain: Domain | str, opts: DataOptions = DataOptions()) -> str:
+    """SHA-256 over the content of the domain's files under the data root (identifies the data a model saw)."""
+    dom = get_domain(domain) if isinstance(domain, str) else domain
+    root = resolve_data_root(opts.root)
+    h = hashlib.sha256()
+    for source in dom.sources:
+        path = (root / source.file) if root else None
+        h.update(source.name.encode())
+        if path is not None and path.exists():
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        else:
+            h.update(f"hub:{source.hub.path if source.hub else None}".encode())
+    return h.hexdigest()

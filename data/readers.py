@@ -1,0 +1,81 @@
+"""File readers with precise errors: every parse failure names the file and the line (or row)."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import DataFormatError
+
+csv.field_size_limit(1 << 28)
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(line_number, value)`` for each non-blank line (1-based line numbers).
+
+    Raises:
+        DataFormatError: a line is not valid JSON (message gives file, line and the parser's reason).
+    """
+    with open(path, encoding="utf-8-sig") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). Each line of a .jsonl file "
+                    f"must be one JSON value; fix or remove that line."
+                ) from None
+
+
+def read_json_dict(path: Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(key, value)`` of a JSON object file (e.g. PubMedQA's ``{pmid: record}``).
+
+    Raises:
+        DataFormatError: invalid JSON (with line) or the top level is not an object.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}).") from None
+    if not isinstance(obj, dict):
+        raise DataFormatError(f"{path}: expected a JSON object mapping ids to records, got {type(obj).__name__}.")
+    yield from obj.items()
+
+
+def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
+    """Yield ``(line_number, row_dict)`` for each CSV row (line of the row's start, header is line 1).
+
+    Raises:
+        DataFormatError: an empty file, a row with more fields than the header, or a CSV syntax error.
+    """
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f)
+        try:
+            if not reader.fieldnames:
+                raise DataFormatError(f"{path}: empty CSV file (no header row).")
+            start = reader.line_num + 1
+            for row in reader:
+                if None in row:
+                    raise DataFormatError(
+                        f"{path}:{start}: row has more fields than the header ({len(reader.fieldnames)} columns); "
+                        f"quote fields that contain commas."
+                    )
+                yield start, row
+                start = reader.line_num + 1
+        except csv.Error as e:
+            raise DataFormatError(f"{path}:{reader.line_num}: CSV error: {e}") from None
+
+
+def read_text(path: Path) -> Iterator[tuple[int, str]]:
+    """Yield ``(paragraph_index, paragraph)`` of a plain text file, paragraphs split on blank lines."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        text = f.read().replace("\r\n", "\n")
+    for i, para in enumerate(p for p in text.split("\n\n") if p.strip()):
+        yield i, para.strip("\n")
+
+
+READERS = {"jsonl": read_jsonl, "json_dict": read_json_dict, "csv": read_csv, "text": read_text}

@@ -1,0 +1,288 @@
+"""The domain registry: which files make up each domain and how a record becomes (prompt, completion).
+
+A *domain* (``medical``, ``code``, ...) is a list of *sources*. A source is one file under the data root (and,
+where one exists, the ``datasets`` hub id that holds the same data), a reader format, a formatter that turns one
+record into an :class:`Example`, and a split policy (see :mod:`data.splits`).
+
+To add a domain, add a :class:`Domain` to :data:`DOMAINS` (or pass files at run time, see
+:func:`data.loading.user_domain`).
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .errors import DataFormatError, UnknownDomainError
+
+
+@dataclass(frozen=True)
+class Example:
+    """One formatted record. ``prompt`` is what a user would send; ``completion`` the reference continuation.
+
+    Training text is ``prompt + completion``; evaluation prompts are the ``prompt`` of test records.
+    """
+
+    id: str
+    prompt: str
+    completion: str
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.completion
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """The same data on the Hugging Face hub: ``datasets.load_dataset(path, name, split=split)``.
+
+    ``to_local`` maps a hub row to the local file's record schema so one formatter serves both.
+    """
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    to_local: Callable[[dict], Any] | None = None
+
+
+Formatter = Callable[[Any, Callable[[str], Any]], "tuple[str, str] | None"]
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data file of a domain.
+
+    Attributes:
+        name: stable short name; part of every record's split key, so never rename it.
+        file: path relative to the data root.
+        format: reader name in :data:`data.readers.READERS` (``jsonl``, ``json_dict``, ``csv``, ``text``).
+        format_record: ``(record, get) -> (prompt, completion)`` or ``None`` to skip; ``get(field)`` fetches a
+            required field and raises a :class:`DataFormatError` naming file, line and field when it is absent.
+        record_id: field that identifies a record (``None``: the line number / key).
+        split_policy: ``hash`` | ``train`` | ``test`` (see :func:`data.splits.assign_split`).
+        hub: where the same data lives on the hub, if anywhere.
+        license: the record-level license, repeated in reports that quote the data.
+    """
+
+    name: str
+    file: str
+    format: str
+    format_record: Formatter
+    record_id: str | None = None
+    split_policy: str = "hash"
+    hub: HubSource | None = None
+    license: str = ""
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    description: str
+    sources: tuple[Source, ...]
+    tags: tuple[str, ...] = field(default_factory=tuple)
+
+
+def _clean(s: Any) -> str:
+    """Collapse runs of spaces/tabs and trim; keep newlines (they carry structure in code and dialogue)."""
+    s = str(s).replace("\r\n", "\n")
+    s = re.sub(r"[ \t]+", " ", s)
+    s = re.sub(r"\n\s*\n\s*\n+", "\n\n", s)
+    return s.strip()
+
+
+def qa(question: str, answer: str | None) -> tuple[str, str]:
+    return f"Question: {_clean(question)}\nAnswer:", (" " + _clean(answer)) if answer else ""
+
+
+def chat(user: str, assistant: str | None) -> tuple[str, str]:
+    return f"User: {_clean(user)}\nAssistant:", (" " + _clean(assistant)) if assistant else ""
+
+
+# ----------------------------------------------------------------------------------------------- medical
+def _pubmedqa(r, get):
+    contexts = " ".join(_clean(c) for c in get("CONTEXTS"))
+    return f"Context: {contexts}\nQuestion: {_clean(get('QUESTION'))}\nAnswer:", " " + _clean(get("LONG_ANSWER"))
+
+
+def _medquad(r, get):
+    return qa(get("question"), get("answer"))
+
+
+def _meqsum(r, get):
+    return f"Summarize the patient question.\n{_clean(get('CHQ'))}\nSummary:", " " + _clean(get("Summary"))
+
+
+def _mtsdialog(r, get):
+    return (
+        f"Dialogue:\n{_clean(get('dialogue'))}\nWrite the {_clean(get('section_header'))} section of the note.\nNote:",
+        " " + _clean(get("section_text")),
+    )
+
+
+def _medmcqa(r, get):
+    options = get("options")
+    if isinstance(options, str):
+        options = ast.literal_eval(options)
+    opts = "\n".join(f"{k}. {_clean(v)}" for k, v in options.items())
+    return f"Question: {_clean(get('question'))}\n{opts}\nAnswer:", f" {get('answer_idx')}. {_clean(get('answer'))}"
+
+
+def _pubmedqa_from_hub(row: dict) -> dict:
+    return {"QUESTION": row["question"], "CONTEXTS": row["context"]["contexts"], "LONG_ANSWER": row["long_answer"]}
+
+
+# ----------------------------------------------------------------------------------------------- code
+def _humaneval(r, get):
+    return get("prompt"), get("canonical_solution")
+
+
+def _mbpp(r, get):
+    tests = "\n".join(r.get("test_list") or [])
+    return f'"""\n{_clean(get("text"))}\n{tests}\n"""\n', get("code").replace("\r\n", "\n")
+
+
+# ----------------------------------------------------------------------------------------------- chat
+def _turns(r, get):
+    return chat(get("turns")[0], None)
+
+
+def _oasst_tree(r, get):
+    root = get("prompt")
+    replies = sorted(root.get("replies") or [], key=lambda x: (x.get("rank") is None, x.get("rank") or 0))
+    return chat(root["text"], replies[0]["text"] if replies else None)
+
+
+def _prompt_string(r, get):
+    if not isinstance(r, str):
+        raise DataFormatError("expected each line to be a JSON string (a prompt)")
+    return chat(r, None)
+
+
+def _selfinstruct(r, get):
+    inst = get("instances")[0] if get("instances") else {}
+    user = get("instruction") + (("\n" + inst["input"]) if inst.get("input") else "")
+    return chat(user, inst.get("output"))
+
+
+# ----------------------------------------------------------------------------------------------- math
+def _gsm8k(r, get):
+    return qa(get("question"), get("answer"))
+
+
+# ----------------------------------------------------------------------------------------------- corpus
+def _paragraph(r, get):
+    return "", _clean(r)
+
+
+_MEDQUAD = [
+    ("medquad_cancergov", "medquad_1_CancerGov_QA.jsonl"),
+    ("medquad_mplus", "medquad_4_MPlus_Health_Topics_QA.jsonl"),
+    ("medquad_niddk", "medquad_5_NIDDK_QA.jsonl"),
+    ("medquad_ninds", "medquad_6_NINDS_QA.jsonl"),
+    ("medquad_seniorhealth", "medquad_7_SeniorHealth_QA.jsonl"),
+    ("medquad_nhlbi", "medquad_8_NHLBI_QA_XML.jsonl"),
+    ("medquad_cdc", "medquad_9_CDC_QA.jsonl"),
+]
+
+MEDICAL = Domain(
+    "medical",
+    "PubMedQA, MedQuAD, MeQSum, MTS-Dialog, MedMCQA: biomedical QA, consumer health questions, clinical notes",
+    (
+        Source("pubmedqa", "medical/pubmedqa_ori_pqal.json", "json_dict", _pubmedqa,
+               hub=HubSource("qiaojin/PubMedQA", "pqa_labeled", "train", _pubmedqa_from_hub), license="MIT"),
+        *(Source(n, f"medical/{f}", "jsonl", _medquad, record_id="qid", license="CC-BY-4.0") for n, f in _MEDQUAD),
+        Source("meqsum", "medical/meqsum.jsonl", "jsonl", _meqsum, record_id="File", license="CC-BY-4.0"),
+        Source("mtsdialog_train", "medical/mtsdialog_MTS-Dialog-TrainingSet.csv", "csv", _mtsdialog,
+               record_id="ID", split_policy="train", license="CC-BY-4.0"),
+        Source("mtsdialog_validation", "medical/mtsdialog_MTS-Dialog-ValidationSet.csv", "csv", _mtsdialog,
+               record_id="ID", split_policy="test", license="CC-BY-4.0"),
+        Source("medmcqa", "medical/medmcqa_dev_singleanswer.jsonl", "jsonl", _medmcqa, record_id="realidx",
+               license="MIT"),
+    ),
+)
+
+CODE = Domain(
+    "code",
+    "HumanEval, HumanEval-X (C++, Java, JS), MBPP: function completion from a docstring or a description",
+    (
+        Source("humaneval", "code/HumanEval.jsonl", "jsonl", _humaneval, record_id="task_id", split_policy="test",
+               hub=HubSource("openai/openai_humaneval", None, "test"), license="MIT"),
+        Source("humanevalx_cpp", "code/humanevalx_cpp.jsonl", "jsonl", _humaneval, record_id="task_id",
+               split_policy="test", license="Apache-2.0"),
+        Source("humanevalx_java", "code/humanevalx_java.jsonl", "jsonl", _humaneval, record_id="task_id",
+               split_policy="test", license="Apache-2.0"),
+        Source("humanevalx_js", "code/humanevalx_js.jsonl", "jsonl", _humaneval, record_id="task_id",
+               split_policy="test", license="Apache-2.0"),
+        Source("mbpp", "code/mbpp.jsonl", "jsonl", _mbpp, record_id="task_id",
+               hub=HubSource("google-research-datasets/mbpp", "full", "train"), license="CC-BY-4.0"),
+    ),
+)
+
+CHAT = Domain(
+    "chat",
+    "MT-Bench and Vicuna-bench first turns (eval only), OASST conversations, OASST prompts, Self-Instruct seeds",
+    (
+        Source("mt_bench", "chat/mt_bench_question.jsonl", "jsonl", _turns, record_id="question_id",
+               split_policy="test", license="Apache-2.0"),
+        Source("vicuna_bench", "chat/vicuna_bench_question.jsonl", "jsonl", _turns, record_id="question_id",
+               split_policy="test", license="Apache-2.0"),
+        Source("oasst_trees", "chat/oasst_en_100_trees.jsonl", "jsonl", _oasst_tree, record_id="message_tree_id",
+               license="Apache-2.0"),
+        Source("oasst_prompts", "chat/oasst_prompt_lottery_en_250.jsonl", "jsonl", _prompt_string,
+               split_policy="test", license="Apache-2.0"),
+        Source("selfinstruct", "chat/selfinstruct_seed_tasks.jsonl", "jsonl", _selfinstruct, record_id="id",
+               license="Apache-2.0"),
+    ),
+)
+
+MATH = Domain(
+    "math",
+    "GSM8K grade-school math word problems with worked solutions",
+    (
+        Source("gsm8k_train", "math/gsm8k_train.jsonl", "jsonl", _gsm8k, split_policy="train",
+               hub=HubSource("openai/gsm8k", "main", "train"), license="MIT"),
+        Source("gsm8k_test", "math/gsm8k_test.jsonl", "jsonl", _gsm8k, split_policy="test",
+               hub=HubSource("openai/gsm8k", "main", "test"), license="MIT"),
+    ),
+)
+
+_CORPUS_FILES = [
+    "gutenberg_1342_pride_and_prejudice.txt", "gutenberg_1661_adventures_of_sherlock_holmes.txt",
+    "gutenberg_74_tom_sawyer.txt", "gutenberg_84_frankenstein.txt", "gutenberg_nltk_austen-emma.txt",
+    "gutenberg_nltk_austen-persuasion.txt", "gutenberg_nltk_austen-sense.txt", "gutenberg_nltk_blake-poems.txt",
+    "gutenberg_nltk_bryant-stories.txt", "gutenberg_nltk_burgess-busterbrown.txt", "gutenberg_nltk_carroll-alice.txt",
+    "gutenberg_nltk_chesterton-ball.txt", "gutenberg_nltk_chesterton-brown.txt",
+    "gutenberg_nltk_chesterton-thursday.txt", "gutenberg_nltk_edgeworth-parents.txt",
+    "gutenberg_nltk_melville-moby_dick.txt", "gutenberg_nltk_milton-paradise.txt",
+    "gutenberg_nltk_shakespeare-caesar.txt", "gutenberg_nltk_shakespeare-hamlet.txt",
+    "gutenberg_nltk_shakespeare-macbeth.txt", "gutenberg_nltk_whitman-leaves.txt", "tinyshakespeare_input.txt",
+    "wikitext2_tokenized_valid.txt", "wikitext2_tokenized_test.txt",
+]
+
+CORPUS = Domain(
+    "corpus",
+    "Public-domain books and WikiText-2: general English text for pretraining the reference target",
+    tuple(
+        Source(f.removesuffix(".txt"), f"corpus/{f}", "text", _paragraph, license="public domain / CC-BY-SA-3.0")
+        for f in _CORPUS_FILES
+    ),
+    tags=("pretraining",),
+)
+
+DOMAINS: dict[str, Domain] = {d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS)}
+
+
+def get_domain(name: str) -> Domain:
+    """Look up a registered domain.
+
+    Raises:
+        UnknownDomainError: ``name`` is not registered; the message lists the known names.
+    """
+    try:
+        return DOMAINS[name]
+    except KeyError:
+        raise UnknownDomainError(
+            f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}. "
+            f"Fix eval.domains / data.domain (or add a Domain to data/registry.py)."
+        ) from None

@@ -96,10 +96,8 @@ def cached_pack_blocks(key_parts: Iterable[str], texts_fn, tokenizer, block_size
     The cache entry is written to a temporary folder and renamed into place, so an interrupted run never
     leaves a half-written entry that a later run would read as complete.
     """
-    from .tokenizer_check import tokenizer_fingerprint
-
     h = hashlib.sha256()
-    for part in [*key_parts, tokenizer_fingerprint(tokenizer), str(block_size)]:
+    for part in [*key_parts, tokenizer.backend_tokenizer.to_str(), str(block_size)]:
         h.update(str(part).encode() + b"\0")
     path = cache_root() / "blocks" / h.hexdigest()[:24]
     if path.is_dir():

@@ -1,0 +1,69 @@
+"""The pipeline: ``run(cfg) -> dict`` runs the configured stages in order inside one run directory."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from data.io import write_json_atomic
+from data.loading import DataOptions
+
+from .schema import RootConfig, validate
+
+log = logging.getLogger("specdraft")
+
+
+def data_options(cfg: RootConfig) -> DataOptions:
+    return DataOptions(root=cfg.data.root, source=cfg.data.source, validation_fraction=cfg.data.validation_fraction,
+                       test_fraction=cfg.data.test_fraction)
+
+
+class EventLog:
+    """Append-only JSONL event log of every stage (``events.jsonl`` in the run directory)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __call__(self, event: str, **fields) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
+
+
+def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
+    """Validate ``cfg`` and run its stages in ``run_dir``; returns each stage's summary keyed by stage name.
+
+    Raises:
+        ValueError: invalid config (before any model is loaded), bad data or checkpoints (clear messages).
+    """
+    rc = validate(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    events = EventLog(run_dir / "events.jsonl")
+    write_json_atomic(run_dir / "resolved_config.json", asdict(rc))
+    results: dict = {}
+    opts = data_options(rc)
+    for stage in rc.stages:
+        t0 = time.perf_counter()
+        events("stage_start", stage=stage)
+        log.info("stage %s", stage)
+        if stage == "reference_target":
+            from distill.reference import build_reference_target
+
+            rc.reference.trainer.resume = rc.reference.trainer.resume or rc.trainer.resume
+            results[stage] = build_reference_target(rc.reference, opts, run_dir / "reference_train", seed=rc.seed)
+        elif stage in ("distill", "baseline"):
+            from distill.pipeline import train_draft
+
+            results[stage] = train_draft(rc, opts, run_dir, kind="distilled" if stage == "distill" else "baseline",
+                                         events=events)
+        elif stage == "eval":
+            from eval.pipeline import evaluate_run
+
+            results[stage] = evaluate_run(rc, opts, run_dir, events=events)
+        events("stage_end", stage=stage, seconds=time.perf_counter() - t0)
+    return results

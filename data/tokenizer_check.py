@@ -128,7 +128,7 @@ def _merge_differences(ma: list, mb: list, na: str, nb: str) -> Optional[str]:
     first = next((i for i, (x, y) in enumerate(zip(ma, mb)) if x != y), min(len(ma), len(mb)))
 
     def at(merges: list, i: int) -> str:
-        return f"{' '.join(merges[i])!r}" if i < len(merges) else "(none)"
+        return repr(tuple(merges[i])) if i < len(merges) else "(none)"
 
     return (
         f"BPE merges differ: {na} has {len(ma)} merges, {nb} has {len(mb)}; first difference at merge index "
@@ -201,11 +201,12 @@ def check_tokenizers_compatible(
     if not problems:
         return
     lines = "\n".join(f"  - {p}" for p in problems)
+    source = "<target dir or hub id>" if na == "target" else repr(na)
     raise TokenizerMismatchError(
         f"the {nb} tokenizer is not compatible with the {na} tokenizer; speculative decoding needs both to map "
         f"every token to the same id:\n{lines}\n"
         f"Fix: the draft must use the target's tokenizer: save the target tokenizer into the draft directory "
-        f"(AutoTokenizer.from_pretrained({na!r}).save_pretrained(<draft dir>)); if that changes the vocabulary "
+        f"(AutoTokenizer.from_pretrained({source}).save_pretrained(<draft dir>)); if that changes the vocabulary "
         f"size, resize the draft's embeddings (draft.resize_token_embeddings(len(tokenizer))) and re-train or "
         f"re-distill the draft on data tokenized with the target's tokenizer."
     )

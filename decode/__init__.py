@@ -1,0 +1,40 @@
+"""Speculative decoder, autoregressive baseline, shared sampling pipeline, draft-length policies.
+
+Public API::
+
+    speculative_generate(target, draft, input_ids, attention_mask=None, *, max_new_tokens, num_draft_tokens=4, ...)
+    autoregressive_generate(target, input_ids, attention_mask=None, *, max_new_tokens, ...)
+    process_logits(logits, *, temperature=1.0, top_k=0, top_p=1.0) -> probs
+    AcceptanceStats, expected_speedup, GenerationOutput
+    FixedDraftLength, AdaptiveDraftLength, ConfidenceDraftLength, make_policy
+"""
+from ._common import GenerationOutput
+from .autoregressive import autoregressive_generate
+from .policies import (
+    AdaptiveDraftLength,
+    ConfidenceDraftLength,
+    DraftLengthPolicy,
+    FixedDraftLength,
+    make_policy,
+)
+from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
+from .speculative import speculative_generate, verify_block
+from .stats import AcceptanceStats, expected_speedup
+
+__all__ = [
+    "speculative_generate",
+    "autoregressive_generate",
+    "verify_block",
+    "GenerationOutput",
+    "AcceptanceStats",
+    "expected_speedup",
+    "process_logits",
+    "greedy_tokens",
+    "sample_tokens",
+    "validate_sampling_args",
+    "DraftLengthPolicy",
+    "FixedDraftLength",
+    "AdaptiveDraftLength",
+    "ConfidenceDraftLength",
+    "make_policy",
+]

@@ -1,0 +1,200 @@
+"""Internals shared by the speculative decoder and the autoregressive baseline (not public API)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .stats import AcceptanceStats
+
+
+@dataclass
+class GenerationOutput:
+    """Result of :func:`decode.speculative_generate` / :func:`decode.autoregressive_generate`.
+
+    Attributes:
+        sequences: ``(B, prompt_len + max_new_tokens)`` int64: the prompts exactly as given (left padding kept)
+            followed by the new tokens; a row that stopped at EOS is filled with ``pad_token_id`` after the EOS.
+        num_new_tokens: ``(B,)`` int64: new tokens per row (EOS included).
+        stats: pooled :class:`~decode.stats.AcceptanceStats` of the whole call.
+    """
+
+    sequences: torch.Tensor
+    num_new_tokens: torch.Tensor
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def output_vocab_size(model: torch.nn.Module) -> int:
+    """Number of logits the model produces (embedding rows may be padded beyond the tokenizer's vocabulary)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work so ``time.perf_counter`` measures it (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """Accumulating wall-clock timer around device work (synchronises CUDA on enter and exit)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = 0.0
+
+    def __enter__(self):
+        sync(self.device)
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        sync(self.device)
+        self.seconds += time.perf_counter() - self._t0
+        return False
+
+
+def normalize_eos(eos_token_id) -> list[int]:
+    if eos_token_id is None:
+        return []
+    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        return [eos_token_id]
+    if isinstance(eos_token_id, torch.Tensor):
+        return [int(x) for x in eos_token_id.flatten().tolist()]
+    try:
+        ids = [int(x) for x in eos_token_id]
+    except TypeError:
+        raise ValueError(f"eos_token_id must be None, an int or a list of ints (got {eos_token_id!r}).") from None
+    return ids
+
+
+def prepare_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, max_new_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``input_ids (B, P)`` / ``attention_mask (B, P)`` (left padding) and move them to ``device``."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0 (got {max_new_tokens!r}).")
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape (batch >= 1, prompt_len >= 1) (got {tuple(input_ids.shape)}).")
+    input_ids = input_ids.to(device=device, dtype=torch.long)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    else:
+        if not isinstance(attention_mask, torch.Tensor):
+            attention_mask = torch.as_tensor(attention_mask)
+        if attention_mask.dim() == 1:
+            attention_mask = attention_mask.unsqueeze(0)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} must equal input_ids shape {tuple(input_ids.shape)}."
+            )
+        attention_mask = attention_mask.to(device=device, dtype=torch.long)
+        if not bool(attention_mask[:, -1].all()):
+            raise ValueError(
+                "every prompt must end with a real token (attention_mask[:, -1] == 1): use left padding "
+                "(tokenizer.padding_side = 'left'); empty prompts are not supported."
+            )
+    return input_ids, attention_mask
+
+
+class KVState:
+    """One model's ``DynamicCache`` plus a ``(B, L)`` validity mask over its physical cache slots.
+
+    Rows advance by different amounts per verify step, so slots of rejected tokens stay in the cache as *holes*
+    (mask 0) until the physical length is cropped to the longest row. Position ids come from the mask: the position
+    of a new token is the number of valid tokens before it in its row, so holes and left padding are invisible to
+    the model (attention ignores masked keys exactly).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, L)
+        self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) = next position id
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole) to the cache; return logits
+        ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
+        tm = token_mask.to(torch.long)
+        position_ids = self.num_valid[:, None] + tm.cumsum(1) - tm  # (B, T): valid tokens before each slot
+        self.mask = torch.cat([self.mask, tm], dim=1)  # (B, L + T)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=self.mask,
+            position_ids=position_ids,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self.num_valid = self.num_valid + tm.sum(1)
+        return out.logits
+
+    def truncate(self, start: int, keep: torch.Tensor, max_keep: int) -> None:
+        """Keep, per row, only the first ``keep[b]`` slots of the region ``[start, L)``; later slots become holes
+        and the physical cache is cropped to ``start + max_keep`` (``max_keep == keep.max()``)."""
+        new_len = start + max_keep
+        remove = self.length - new_len
+        if remove > 0:
+            self.cache.crop(-remove)  # transformers >= 5: a negative value removes that many trailing slots
+            self.mask = self.mask[:, :new_len]
+        region = self.mask[:, start:]  # (B, max_keep)
+        slot = torch.arange(region.shape[1], device=region.device)
+        region = region * (slot[None, :] < keep[:, None])
+        self.mask = torch.cat([self.mask[:, :start], region], dim=1)
+        self.num_valid = self.mask.sum(1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (1-D index tensor)."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.num_valid = self.num_valid[rows]
+
+
+def first_stop(tokens: torch.Tensor, count: torch.Tensor, eos_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cut each row of ``tokens (B, T)`` (``count (B,)`` candidates) at its first EOS (kept).
+
+    Returns ``(num_emitted (B,), hit_eos (B,) bool)``.
+    """
+    if eos_ids is None:
+        return count, torch.zeros_like(count, dtype=torch.bool)
+    slot = torch.arange(tokens.shape[1], device=tokens.device)
+    is_eos = torch.isin(tokens, eos_ids) & (slot[None, :] < count[:, None])  # (B, T)
+    hit = is_eos.any(1)
+    first = is_eos.to(torch.long).argmax(1)  # first True (0 when none, masked by hit)
+    return torch.where(hit, first + 1, count), hit
+
+
+def write_tokens(
+    buf: torch.Tensor, rows: torch.Tensor, start: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor, pad: int
+) -> None:
+    """``buf[rows[b], start[b] + j] = tokens[b, j]`` for ``j < num[b]`` (pad for ``j >= num[b]``; those slots are
+    still unwritten, ``buf`` has room for them)."""
+    slot = torch.arange(tokens.shape[1], device=tokens.device)
+    cols = start[:, None] + slot[None, :]  # (B, T)
+    vals = torch.where(slot[None, :] < num[:, None], tokens, torch.full_like(tokens, pad))
+    buf[rows[:, None], cols] = vals
+
+
+def finalize(buf: torch.Tensor, width: int) -> torch.Tensor:
+    return buf[:, :width].contiguous()
+
+
+def as_int_list(x: Sequence) -> list[int]:
+    return [int(v) for v in x]

@@ -1,0 +1,169 @@
+"""Acceptance statistics of speculative decoding, defined once for the whole project (DESIGN.md, "Terms").
+
+Definitions (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"):
+
+- acceptance rate ``alpha`` = accepted draft tokens / drafted tokens, *pooled* over all verify steps.
+- mean accepted length ``tau`` = emitted tokens / verify steps, **including the bonus (or correction) token**, so
+  ``1 <= tau <= gamma + 1``. Pooled: sum of emitted / sum of verify steps, never a mean of per-prompt means.
+- expected speedup (Thm 3.8): ``(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))`` with cost ratio ``c``.
+
+In a batch every active row counts as its own verify step (a "row-step"), so batched and unbatched runs of the same
+prompts give the same statistics.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Iterable
+
+__all__ = ["AcceptanceStats", "expected_speedup"]
+
+
+def _add_lists(a: list, b: list) -> list:
+    """Element-wise sum of two count lists, the shorter one padded with zeros."""
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts and timings of one or more speculative (or autoregressive) decoding runs.
+
+    All fields are *sums* (or concatenations), so pooling is exact: ``a + b`` / :meth:`pool` add counts.
+
+    Attributes:
+        verify_steps: number of target forward passes, counted per active row (row-steps).
+        drafted_tokens: draft tokens proposed to the target (sum over row-steps of the draft length).
+        accepted_tokens: drafted tokens the target accepted (by the greedy match or the rejection-sampling rule;
+            tokens accepted after an in-block EOS are counted, as the verification accepted them).
+        emitted_tokens: tokens written to the output (accepted + bonus/correction, cut at EOS / max_new_tokens).
+        draft_time_s: seconds spent in the draft phase (draft forwards and draws), ``time.perf_counter``.
+        verify_time_s: seconds spent in target forward passes (verification, or decoding for the baseline).
+        per_position_drafted: ``[i]`` = how often a i-th (0-based) draft token was proposed with all previous
+            draft tokens of its block accepted.
+        per_position_accepted: ``[i]`` = how often the i-th draft token was accepted (all previous accepted).
+        accepted_length_histogram: ``[n]`` = number of row-steps that accepted exactly ``n`` draft tokens.
+        draft_lengths: the draft length used at every row-step, in order.
+    """
+
+    verify_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    per_position_drafted: list[int] = field(default_factory=list)
+    per_position_accepted: list[int] = field(default_factory=list)
+    accepted_length_histogram: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ derived metrics
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha = accepted_tokens / drafted_tokens (pooled; Leviathan et al. 2023, Sec. 3.1). NaN if nothing drafted."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau = emitted_tokens / verify_steps, bonus token included (1 <= tau <= gamma+1). NaN if no step."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """``[i]`` = P(i-th draft token accepted | all previous accepted) = accepted[i] / drafted[i] (NaN if 0)."""
+        acc = self.per_position_accepted
+        return [
+            (acc[i] if i < len(acc) else 0) / d if d else float("nan") for i, d in enumerate(self.per_position_drafted)
+        ]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """emitted_tokens / (draft_time_s + verify_time_s); NaN when no time was recorded."""
+        t = self.draft_time_s + self.verify_time_s
+        return self.emitted_tokens / t if t > 0 else float("nan")
+
+    # ------------------------------------------------------------------ pooling
+    def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        """Pool two stats by summing every count (lists padded with zeros; ``draft_lengths`` concatenated)."""
+        if not isinstance(other, AcceptanceStats):
+            return NotImplemented
+        return AcceptanceStats(
+            verify_steps=self.verify_steps + other.verify_steps,
+            drafted_tokens=self.drafted_tokens + other.drafted_tokens,
+            accepted_tokens=self.accepted_tokens + other.accepted_tokens,
+            emitted_tokens=self.emitted_tokens + other.emitted_tokens,
+            draft_time_s=self.draft_time_s + other.draft_time_s,
+            verify_time_s=self.verify_time_s + other.verify_time_s,
+            per_position_drafted=_add_lists(self.per_position_drafted, other.per_position_drafted),
+            per_position_accepted=_add_lists(self.per_position_accepted, other.per_position_accepted),
+            accepted_length_histogram=_add_lists(self.accepted_length_histogram, other.accepted_length_histogram),
+            draft_lengths=list(self.draft_lengths) + list(other.draft_lengths),
+        )
+
+    def __radd__(self, other):  # lets sum([...]) start from 0
+        if other == 0:
+            return self + AcceptanceStats()
+        return NotImplemented
+
+    @classmethod
+    def pool(cls, stats: Iterable["AcceptanceStats"]) -> "AcceptanceStats":
+        """Pool many stats by summing counts (never a mean of means); an empty iterable gives empty stats."""
+        out = cls()
+        for s in stats:
+            out = out + s
+        return out
+
+    # ------------------------------------------------------------------ recording
+    def record_step(self, draft_length: int, num_accepted: int, num_emitted: int) -> None:
+        """Add one row-step: ``draft_length`` proposed, ``num_accepted`` accepted, ``num_emitted`` written."""
+        self.verify_steps += 1
+        self.drafted_tokens += draft_length
+        self.accepted_tokens += num_accepted
+        self.emitted_tokens += num_emitted
+        self.draft_lengths.append(draft_length)
+        reached = min(num_accepted + 1, draft_length)  # positions proposed with all previous accepted
+        for lst, n in ((self.per_position_drafted, reached), (self.per_position_accepted, num_accepted)):
+            if len(lst) < n:
+                lst.extend([0] * (n - len(lst)))
+            for i in range(n):
+                lst[i] += 1
+        hist = self.accepted_length_histogram
+        if len(hist) <= num_accepted:
+            hist.extend([0] * (num_accepted + 1 - len(hist)))
+        hist[num_accepted] += 1
+
+    def to_dict(self) -> dict:
+        """JSON-serialisable dict of all fields plus the derived metrics (NaN written as ``None``)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d = {k: (list(v) if isinstance(v, list) else v) for k, v in d.items()}
+
+        def clean(x):
+            return None if isinstance(x, float) and math.isnan(x) else x
+
+        d["acceptance_rate"] = clean(self.acceptance_rate)
+        d["mean_accepted_length"] = clean(self.mean_accepted_length)
+        d["per_position_acceptance"] = [clean(x) for x in self.per_position_acceptance]
+        return d
+
+
+def expected_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float) -> float:
+    """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Theorem 3.8).
+
+    ``(1 - a^(g+1)) / ((1 - a) (g c + 1))`` with ``a`` = acceptance rate alpha in [0, 1], ``g`` = num_draft_tokens
+    (gamma) >= 0 and ``c`` = cost ratio (draft forward time / target forward time) >= 0. At ``a = 1`` the limit
+    ``(g + 1) / (g c + 1)`` is used.
+
+    Raises:
+        ValueError: ``a`` outside [0, 1], ``g < 0`` or ``c < 0``.
+    """
+    a, g, c = float(acceptance_rate), int(num_draft_tokens), float(cost_ratio)
+    if not (0.0 <= a <= 1.0):
+        raise ValueError(f"acceptance_rate must be in [0, 1] (got {acceptance_rate!r}).")
+    if g < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0 (got {num_draft_tokens!r}).")
+    if not (c >= 0.0):
+        raise ValueError(f"cost_ratio must be >= 0 (got {cost_ratio!r}).")
+    denom_cost = g * c + 1.0
+    if a == 1.0:
+        return (g + 1) / denom_cost
+    return (1.0 - a ** (g + 1)) / ((1.0 - a) * denom_cost)

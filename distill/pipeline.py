@@ -17,7 +17,9 @@ from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks
 
 from .losses import get_loss
-from .models import build_llama, count_parameters, load_causal_lm
+from data.checkpoints import load_causal_lm
+
+from .models import build_llama, count_parameters
 from .trainer import cross_entropy_step, evaluate_loss, make_distill_step, train
 
 log = logging.getLogger(__name__)
@@ -55,8 +57,7 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
              count_parameters(target), train_blocks.size(0), rc.data.block_size)
     if kind == "distilled":
         shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
-        extra = {"beta": rc.distill.beta} if rc.distill.loss == "generalized_jsd" else \
-            {"skew": rc.distill.skew} if rc.distill.loss == "skew_kl" else {}
+        extra = rc.distill.loss_kwargs()
         step = make_distill_step(get_loss(rc.distill.loss), rc.distill.temperature,
                                  shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None,
                                  **extra)

@@ -30,30 +30,32 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
 def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     """Evaluate every draft saved under ``<run_dir>/drafts/`` on ``eval.domains``; writes the report files."""
     from data.tokenizer_check import check_tokenizers_compatible
-    from distill.models import load_causal_lm, read_specdraft_meta
+    from data.checkpoints import load_causal_lm, read_specdraft_meta
 
     drafts_dir = run_dir / "drafts"
-    names = sorted(p.name for p in drafts_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-        if drafts_dir.is_dir() else []
-    if not names:
-        raise ValueError(f"no drafts under {drafts_dir}; run the distill and/or baseline stage first "
-                         f"(stages=[distill,baseline,eval]).")
+    if rc.eval.drafts:
+        paths = {n: Path(p).expanduser() for n, p in rc.eval.drafts.items()}
+    else:
+        paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
+            if drafts_dir.is_dir() else {}
+    if not paths:
+        raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
+                         f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     prompts = load_prompts(rc.eval.domains, opts, rc.eval.max_prompts)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     drafts, meta = {}, {}
-    for n in sorted(names, key=lambda n: (n != "distilled", n)):
-        model, tok = load_causal_lm(drafts_dir / n, role=f"draft {n!r}")
+    for n in sorted(paths, key=lambda n: (n != "distilled", n)):
+        model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
-        drafts[n], meta[n] = model, read_specdraft_meta(drafts_dir / n)
+        drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
     results = evaluate_drafts(
         target, tokenizer, drafts, prompts, num_draft_tokens=rc.decode.num_draft_tokens,
         max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
         check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
-        decode_kwargs={"do_sample": rc.decode.do_sample, "temperature": rc.decode.temperature,
-                       "top_k": rc.decode.top_k, "top_p": rc.decode.top_p} if rc.decode.do_sample else {},
+        decode_kwargs=rc.decode.sampling_kwargs(),
         seed=rc.seed)
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(drafts_dir / n) for n in drafts}}
+               "drafts": {n: str(paths[n]) for n in drafts}}
     sections = [training_section(meta)] if all(m.get("train") for m in meta.values()) else []
     doc = write_report(run_dir, results, context, sections)
     if events:

@@ -11,6 +11,8 @@ from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 log = logging.getLogger("specdraft")
+for noisy in ("accelerate", "datasets", "httpx", "deepspeed"):
+    logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

@@ -11,16 +11,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from data.io import write_json_atomic
-from data.loading import DataOptions
 
 from .schema import RootConfig, validate
 
 log = logging.getLogger("specdraft")
-
-
-def data_options(cfg: RootConfig) -> DataOptions:
-    return DataOptions(root=cfg.data.root, source=cfg.data.source, validation_fraction=cfg.data.validation_fraction,
-                       test_fraction=cfg.data.test_fraction)
 
 
 class EventLog:
@@ -46,7 +40,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     events = EventLog(run_dir / "events.jsonl")
     write_json_atomic(run_dir / "resolved_config.json", asdict(rc))
     results: dict = {}
-    opts = data_options(rc)
+    opts = rc.data.options()
     for stage in rc.stages:
         t0 = time.perf_counter()
         events("stage_start", stage=stage)

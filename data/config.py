@@ -1,0 +1,63 @@
+"""Typed config sections owned by the data layer, and the one validation helper every entry point uses."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+
+@dataclass
+class PathsConfig:
+    project_root: str = "."
+    output_root: str = "outputs"
+    reference_target: str = "distill/reference_target"
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "distill/reference_target"  # HF directory or hub id of the model whose outputs must not change
+
+
+@dataclass
+class DataConfig:
+    root: str | None = None  # data root; null: $SPECDRAFT_DATA_ROOT, else ../shared/data beside the repo
+    source: str = "root"  # root | hub | auto
+    domain: str = "medical"  # training domain of the draft
+    validation_fraction: float = 0.05
+    test_fraction: float = 0.1
+    block_size: int = 128  # tokens per training block
+    max_train_blocks: int | None = None  # cap on training blocks (null: all)
+
+    def __post_init__(self):
+        if self.source not in ("root", "hub", "auto"):
+            raise ValueError(f"data.source must be root, hub or auto, got {self.source!r}")
+        if self.block_size < 2:
+            raise ValueError(f"data.block_size must be >= 2 tokens, got {self.block_size}")
+        if not (0 <= self.validation_fraction < 1 and 0 <= self.test_fraction < 1
+                and self.validation_fraction + self.test_fraction < 1):
+            raise ValueError("data.validation_fraction and data.test_fraction must be in [0, 1) with a sum < 1")
+        if self.max_train_blocks is not None and self.max_train_blocks < 1:
+            raise ValueError(f"data.max_train_blocks must be >= 1 or null, got {self.max_train_blocks}")
+
+    def options(self):
+        from .loading import DataOptions
+
+        return DataOptions(root=self.root, source=self.source, validation_fraction=self.validation_fraction,
+                           test_fraction=self.test_fraction)
+
+
+def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: Iterable[str] | None = None):
+    """Merge ``cfg`` (only ``keys`` of it, when given) onto dataclass ``schema`` and return the typed object.
+
+    Raises:
+        ValueError: an unknown key, a wrong type or a value out of range, with the offending key named.
+    """
+    try:
+        if keys is not None:
+            cfg = OmegaConf.masked_copy(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), list(keys))
+        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        return OmegaConf.to_object(merged)
+    except Exception as e:  # OmegaConf wraps the __post_init__ errors; surface one clear line
+        msg = str(e).split("\n")[0]
+        raise ValueError(f"invalid config: {msg}") from None

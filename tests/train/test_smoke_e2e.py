@@ -1,0 +1,80 @@
+"""`python -m train +experiment=smoke` end to end, as a user runs it (subprocess, real data root, committed
+reference target), and the checkpoint contract: the draft loads with AutoModelForCausalLM and works as
+transformers' assistant_model."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "train", *overrides], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("smoke")
+    proc = run_train("+experiment=smoke", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return run_dir
+
+
+def test_smoke_writes_every_artifact(smoke_run):
+    for rel in ("report.md", "metrics.json", "per_prompt.csv", "events.jsonl", "resolved_config.json",
+                "drafts/distilled/model.safetensors", "drafts/distilled/tokenizer.json",
+                "drafts/baseline/model.safetensors"):
+        assert (smoke_run / rel).is_file(), rel
+    assert not list(smoke_run.rglob(".*tmp-*")), "a temporary file was left behind"
+
+
+def test_smoke_metrics_are_consistent_and_lossless(smoke_run):
+    doc = json.loads((smoke_run / "metrics.json").read_text())
+    assert set(doc["drafts"]) == {"distilled", "baseline"}
+    assert doc["lossless_all"] is True
+    rows = list(csv.DictReader(open(smoke_run / "per_prompt.csv")))
+    for name, by_domain in doc["drafts"].items():
+        assert set(by_domain) == {"medical", "code"}
+        for domain, e in by_domain.items():
+            mine = [r for r in rows if r["draft"] == name and r["domain"] == domain]
+            assert len(mine) == e["num_prompts"] == 2
+            emitted = sum(int(r["emitted_tokens"]) for r in mine)
+            steps = sum(int(r["verify_steps"]) for r in mine)
+            accepted = sum(int(r["accepted_tokens"]) for r in mine)
+            drafted = sum(int(r["drafted_tokens"]) for r in mine)
+            # pooled, never a mean of per-prompt means
+            assert e["mean_accepted_length"] == pytest.approx(emitted / steps)
+            assert e["acceptance_rate"] == pytest.approx(accepted / drafted)
+            assert 1.0 <= e["mean_accepted_length"] <= doc["num_draft_tokens"] + 1
+            assert e["lossless"] is True
+    report = (smoke_run / "report.md").read_text()
+    assert "## medical" in report and "mean accepted length" in report
+
+
+def test_draft_checkpoint_works_as_transformers_assistant(smoke_run):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from decode import autoregressive_generate
+
+    cfg = json.loads((smoke_run / "resolved_config.json").read_text())
+    target = AutoModelForCausalLM.from_pretrained(cfg["target"]["name_or_path"]).eval()
+    draft = AutoModelForCausalLM.from_pretrained(smoke_run / "drafts" / "distilled").eval()
+    tok = AutoTokenizer.from_pretrained(smoke_run / "drafts" / "distilled")
+    ids = tok("Question: What are the symptoms of diabetes ?\nAnswer:", return_tensors="pt")
+    with torch.no_grad():
+        assisted = target.generate(**ids, assistant_model=draft, do_sample=False, max_new_tokens=16,
+                                   pad_token_id=tok.pad_token_id)
+    ours = autoregressive_generate(target, ids["input_ids"], max_new_tokens=16, eos_token_id=tok.eos_token_id,
+                                   pad_token_id=tok.pad_token_id)
+    n = assisted.size(1)
+    assert torch.equal(assisted, ours.sequences[:, :n])

@@ -60,4 +60,7 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
         return OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf wraps the __post_init__ errors; surface one clear line
         msg = str(e).split("\n")[0]
+        key = getattr(e, "full_key", None)  # OmegaConf errors (unknown key, wrong type) carry the dotted key
+        if key and key not in msg:
+            msg = f"{key}: {msg}"
         raise ValueError(f"invalid config: {msg}") from None

@@ -53,7 +53,9 @@ def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
         DataFormatError: an empty file, a row with more fields than the header, or a CSV syntax error.
     """
     with open(path, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
+        # strict: broken quoting (a stray or unterminated quote) is an error, not silently merged into one field
+        reader = csv.DictReader(f, strict=True)
+        start = 1
         try:
             if not reader.fieldnames:
                 raise DataFormatError(f"{path}: empty CSV file (no header row).")
@@ -67,7 +69,8 @@ def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
                 yield start, row
                 start = reader.line_num + 1
         except csv.Error as e:
-            raise DataFormatError(f"{path}:{reader.line_num}: CSV error: {e}") from None
+            # csv's line_num lags on a failing row; report the line where the failing row starts
+            raise DataFormatError(f"{path}:{start}: CSV error: {e}") from None
 
 
 def read_text(path: Path) -> Iterator[tuple[int, str]]:

@@ -38,7 +38,7 @@ class RootConfig:
     def __post_init__(self):
         bad = [s for s in self.stages if s not in KNOWN_STAGES]
         if bad:
-            raise ValueError(f"unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")
+            raise ValueError(f"stages: unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")
         if not self.stages:
             raise ValueError("stages is empty; list at least one of " + ", ".join(KNOWN_STAGES))
         from data.registry import get_domain

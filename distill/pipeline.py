@@ -17,7 +17,7 @@ from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks
 
 from .losses import get_loss
-from data.checkpoints import load_causal_lm
+from data.checkpoints import load_causal_lm, read_specdraft_meta
 
 from .models import build_llama, count_parameters
 from .trainer import cross_entropy_step, evaluate_loss, make_distill_step, train
@@ -49,6 +49,10 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
 
     from .vocab import shared_vocab_size
 
+    out = run_dir / "drafts" / kind
+    if rc.trainer.resume and (out / "specdraft.json").exists():
+        log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", kind, out)
+        return {**read_specdraft_meta(out), "path": str(out), "reused": True}
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
@@ -70,7 +74,6 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
     val_blocks = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
     val_loss = evaluate_loss(draft, val_blocks)
     target_val_loss = evaluate_loss(target, val_blocks)
-    out = run_dir / "drafts" / kind
     meta = {
         "kind": kind, "target": str(rc.target.name_or_path), "domain": rc.data.domain,
         "loss": rc.distill.loss if kind == "distilled" else "cross_entropy",

@@ -138,7 +138,8 @@ def load_domain(domain: Domain | str, opts: DataOptions = DataOptions()) -> data
     out = {}
     for s, r in rows.items():
         r.sort(key=lambda row: hash_unit(row["id"]))
-        out[s] = datasets.Dataset.from_list(r, features=features)
+        # from columns, not from_list: from_list([]) fails (no columns), and a split can be empty (test-only domains)
+        out[s] = datasets.Dataset.from_dict({k: [row[k] for row in r] for k in features}, features=features)
     return datasets.DatasetDict(out)
 
 

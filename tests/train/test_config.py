@@ -1,0 +1,156 @@
+"""The Hydra config tree composes with every experiment and group option, and ``validate`` rejects bad values.
+
+Composition goes through ``hydra.initialize_config_dir`` + ``hydra.compose`` (no subprocess) with the same
+``specdraft_root`` resolver the entry point registers; two subprocess tests pin the CLI's early failures.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from data.paths import PROJECT_ROOT
+from train.schema import KNOWN_STAGES, RootConfig, validate
+
+CONF = PROJECT_ROOT / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+GROUP_OPTIONS = sorted(
+    f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml") if p.parent.name != "experiment"
+)
+
+OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
+
+
+def compose_cfg(overrides: list[str] | None = None):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides or []))
+
+
+def _targets(node, path="") -> list[tuple[str, str]]:
+    """Every ``_target_`` in a composed (resolved) config, with its dotted location."""
+    out = []
+    if isinstance(node, dict):
+        if "_target_" in node:
+            out.append((path, node["_target_"]))
+        for k, v in node.items():
+            out += _targets(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _targets(v, f"{path}[{i}]")
+    return out
+
+
+def _check(cfg) -> RootConfig:
+    rc = validate(cfg)
+    assert isinstance(rc, RootConfig)
+    assert rc.stages and set(rc.stages) <= set(KNOWN_STAGES)
+    # every component named by _target_ resolves to something importable
+    from hydra.utils import get_object
+
+    for where, target in _targets(OmegaConf.to_container(cfg, resolve=True)):
+        assert get_object(target) is not None, f"{where}: _target_ {target!r} is not importable"
+    return rc
+
+
+def test_tree_has_experiments_and_groups():
+    assert {"smoke", "distill_med", "reference_target"} <= set(EXPERIMENTS)
+    groups = {o.split("=")[0] for o in GROUP_OPTIONS}
+    assert {"target", "draft", "data", "distill", "decode", "eval", "trainer", "logger", "paths"} <= groups
+
+
+def test_default_config_composes_and_validates():
+    cfg = compose_cfg()
+    rc = _check(cfg)
+    assert rc.paths.project_root == str(PROJECT_ROOT)  # the specdraft_root resolver
+    assert rc.decode.num_draft_tokens >= 1 and rc.stages == ["distill", "baseline", "eval"]
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_and_validates(name):
+    cfg = compose_cfg([f"+experiment={name}"])
+    rc = _check(cfg)
+    assert rc.experiment_name == name  # run directories are keyed by it
+
+
+@pytest.mark.parametrize("override", GROUP_OPTIONS)
+def test_every_group_option_composes_and_validates(override):
+    _check(compose_cfg([override]))
+
+
+def test_every_group_option_with_every_experiment():
+    for name in EXPERIMENTS:
+        _check(compose_cfg([f"+experiment={name}", *GROUP_OPTIONS]))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("decode.num_draft_tokens=0", "decode.num_draft_tokens"),
+        ("decode.temperature=-1", "decode.temperature"),
+        ("decode.top_p=0", "decode.top_p"),
+        ("decode.top_p=1.5", "decode.top_p"),
+        ("decode.top_k=-1", "decode.top_k"),
+        ("distill.loss=bogus", "distill.loss"),
+        ("distill.temperature=0", "distill.temperature"),
+        ("eval.domains=[nope]", "eval.domains"),
+        ("eval.domains=[]", "eval.domains"),
+        ("data.domain=nope", "data.domain"),
+        ("data.source=ftp", "data.source"),
+        ("data.test_fraction=1.0", "data.test_fraction"),
+        ("stages=[bogus]", "stages"),
+        ("trainer.max_steps=0", "trainer.max_steps"),
+        ("trainer.lr=0", "trainer.lr"),
+        ("+trainer.bogus=1", "trainer.bogus"),
+        ("+bogus_top_level=1", "bogus_top_level"),
+        ("decode.num_draft_tokens=abc", "decode.num_draft_tokens"),
+    ],
+)
+def test_validate_rejects_bad_values_naming_the_key(override, key):
+    cfg = compose_cfg([override])  # composing succeeds: the checks live in the typed schema
+    with pytest.raises(ValueError) as ei:
+        validate(cfg)
+    msg = str(ei.value)
+    assert key in msg, msg
+    assert "\n" not in msg  # one clear line
+
+
+def test_validate_accepts_edge_values():
+    for overrides in (["decode.top_p=1.0", "decode.temperature=0"], ["decode.do_sample=true", "decode.top_p=0.01"],
+                      ["decode.num_draft_tokens=1", "trainer.max_steps=1", "stages=[eval]"]):
+        _check(compose_cfg(overrides))
+    with pytest.raises(ValueError, match="decode.temperature"):
+        validate(compose_cfg(["decode.do_sample=true", "decode.temperature=0"]))
+
+
+def _run_train(args: list[str], tmp_path: Path, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env["SPECDRAFT_OUTPUT_ROOT"] = str(tmp_path / "outputs")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "train", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+def test_cli_unknown_experiment_fails_naming_it(tmp_path):
+    proc, _ = _run_train(["+experiment=does_not_exist"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "does_not_exist" in out and "experiment" in out
+    for name in EXPERIMENTS:  # Hydra lists the available options
+        assert name in out
+
+
+def test_cli_invalid_value_fails_fast_before_any_model(tmp_path):
+    proc, seconds = _run_train(["decode.num_draft_tokens=0", "stages=[eval]"], tmp_path, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "num_draft_tokens" in out
+    assert seconds < 30
+    run = tmp_path / "run"
+    assert not (run / "resolved_config.json").exists() and not (run / "events.jsonl").exists()

@@ -1,0 +1,41 @@
+"""The decoder benchmark runs end to end on two tiny saved models (random-id prompts, no tokenizer)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from decode_testutils import make_pair
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("bench_decode_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
+    target, draft = make_pair(seed=1, noise=0.3)
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    bench = _load_script()
+    out_json = tmp_path / "bench.json"
+    result = bench.main([
+        "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
+        "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "12",
+        "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json),
+    ])
+    table = capsys.readouterr().out
+    for needle in ("tokens/s ours speculative", "ours / transformers", "cost ratio c", "expected speedup",
+                   "measured / expected", "mean accepted length tau"):
+        assert needle in table
+    assert result["greedy_output_mismatches"] == 0  # ours, transformers assisted and target-only agree
+    assert 0.0 <= result["acceptance_rate"] <= 1.0
+    assert 1.0 <= result["mean_accepted_length"] <= 4.0
+    assert result["cost_ratio"] > 0 and result["expected_speedup"] > 0
+    assert all(v > 0 for v in result["tokens_per_s"].values())
+    saved = json.loads(out_json.read_text())
+    assert saved["num_draft_tokens"] == 3 and saved["stats"]["emitted_tokens"] == 2 * 12

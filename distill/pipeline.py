@@ -1,8 +1,14 @@
 """The ``distill`` and ``baseline`` stages: train a draft on one domain and save it as a Hugging Face directory.
 
-``distilled``: the draft matches the target's soft labels with ``distill.loss`` at ``distill.temperature``.
-``baseline``: the same architecture, data and step budget with plain next-token cross-entropy, so the report
-shows what distillation buys.
+``distilled``: the draft matches the target's soft labels with ``distill.loss`` at ``distill.temperature``, on the
+training data of ``distill.data_source`` (dataset text, target generations, or on-policy draft generations) with
+the teacher signal of ``distill.teacher_signal`` (online forward or cached top-k logits).
+``baseline``: the same architecture, dataset blocks and step / wall-clock budget with plain next-token
+cross-entropy, so the report shows what distillation buys.
+
+Both drafts are scored every ``distill.eval_every`` steps by the mean accepted length of greedy speculative
+decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weights are the saved draft and its
+``specdraft.json`` records the selected step and score.
 """
 from __future__ import annotations
 
@@ -16,9 +22,9 @@ from data.io import save_hf_atomic
 from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks
 
-from .losses import get_loss
 from data.checkpoints import load_causal_lm, read_specdraft_meta
 
+from .losses import get_loss
 from .models import build_llama, count_parameters
 from .trainer import cross_entropy_step, evaluate_loss, make_distill_step, train
 
@@ -39,50 +45,112 @@ def domain_blocks(domain: str, split: str, tokenizer, block_size: int, opts: Dat
     return blocks[:max_blocks] if max_blocks else blocks
 
 
+def domain_prompts(domain: str, split: str, opts: DataOptions, limit: int) -> list[str]:
+    """The first ``limit`` non-empty prompts of a domain split (hash order, as :func:`data.loading.load_domain`)."""
+    rows = load_domain(domain, opts)[split]
+    out = [r["prompt"] for r in rows if r["prompt"].strip()][:limit]
+    if not out:
+        raise ValueError(f"domain {domain!r} split {split!r} has no prompts (needed by distill.data_source=teacher "
+                         f"and by distill.eval_every > 0; set distill.eval_every=0 to train without them)")
+    return out
+
+
+def check_draft_config(rc) -> None:
+    """Cross-section checks that no single section can make (before any model loads)."""
+    if rc.distill.data_source == "on_policy" and rc.distill.generation.max_new_tokens >= rc.data.block_size:
+        raise ValueError(f"distill.generation.max_new_tokens ({rc.distill.generation.max_new_tokens}) must be < "
+                         f"data.block_size ({rc.data.block_size}) with distill.data_source=on_policy: each block's "
+                         f"first block_size - max_new_tokens tokens are the prompt the draft continues")
+
+
 def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
     """Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
 
     Returns a summary: parameters of target and draft, training loss and time, validation cross-entropy of the
-    draft on the training domain, and the checkpoint path.
+    draft on the training domain, the selected step and its mean accepted length (when ``distill.eval_every``),
+    the teacher cache / teacher data passes, and the checkpoint path.
+
+    Raises:
+        ValueError: inconsistent config (see :func:`check_draft_config`), a domain without text or prompts.
     """
     from data.tokenizer_check import check_tokenizers_compatible
+    from eval.evaluate import encode_prompt
 
+    from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
+    from .teacher import build_teacher_cache, make_cached_distill_step
     from .vocab import shared_vocab_size
 
+    dc = rc.distill
     out = run_dir / "drafts" / kind
     if rc.trainer.resume and (out / "specdraft.json").exists():
         log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", kind, out)
         return {**read_specdraft_meta(out), "path": str(out), "reused": True}
+    check_draft_config(rc)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
+    shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
+    cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
     train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
-    log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, count_parameters(draft),
-             count_parameters(target), train_blocks.size(0), rc.data.block_size)
+    cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
+    passes: dict = {}
+    hook = None
     if kind == "distilled":
-        shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
-        extra = rc.distill.loss_kwargs()
-        step = make_distill_step(get_loss(rc.distill.loss), rc.distill.temperature,
-                                 shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None,
-                                 **extra)
-        teacher = target
+        if dc.data_source == "teacher":
+            texts = domain_prompts(rc.data.domain, "train", opts, dc.generation.max_prompts)
+            prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
+            seqs, passes["teacher_data"] = generate_teacher_sequences(
+                target, prompts, dc.generation, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+            train_blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
+        if dc.teacher_signal == "cached":
+            teacher, passes["teacher_cache"] = build_teacher_cache(
+                target, train_blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
+                vocab_size=shared)
+            step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
+        else:
+            step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
+        if dc.data_source == "on_policy":
+            hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=shared)
     else:
         step, teacher = cross_entropy_step, None
+    evaluate = None
+    if dc.eval_every:
+        texts = domain_prompts(rc.data.domain, "validation", opts, dc.eval_prompts)
+        evaluate = make_acceptance_eval(
+            target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
+            num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+    log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, count_parameters(draft),
+             count_parameters(target), train_blocks.size(0), rc.data.block_size)
     stats = train(draft, train_blocks, run_dir / "train" / kind, rc.trainer, step, teacher=teacher, seed=rc.seed,
-                  desc=f"{kind} draft",
-                  on_step=(lambda s, r: events("train_step", stage=kind, **r)) if events else None)
+                  desc=f"{kind} draft", batch_hook=hook, evaluate=evaluate, eval_every=dc.eval_every,
+                  on_step=(lambda s, r: events("train_step", stage=kind, **r)) if events else None,
+                  on_eval=(lambda s, r: events("train_eval", stage=kind, **r)) if events else None)
     val_blocks = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
     val_loss = evaluate_loss(draft, val_blocks)
     target_val_loss = evaluate_loss(target, val_blocks)
+    best = stats.get("best")
     meta = {
         "kind": kind, "target": str(rc.target.name_or_path), "domain": rc.data.domain,
-        "loss": rc.distill.loss if kind == "distilled" else "cross_entropy",
-        "temperature": rc.distill.temperature if kind == "distilled" else None,
+        "loss": dc.loss if kind == "distilled" else "cross_entropy",
+        "temperature": dc.temperature if kind == "distilled" else None,
+        "data_source": dc.data_source if kind == "distilled" else "dataset",
+        "teacher_signal": dc.teacher_signal if kind == "distilled" else None,
+        "on_policy_fraction": dc.on_policy_fraction if kind == "distilled" and dc.data_source == "on_policy" else None,
+        "selected_step": best["step"] if best else stats["steps"],
+        "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
+        "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
+                      "eval_max_new_tokens": dc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
+                      "split": "validation", "best": best} if best else None,
         "draft_parameters": count_parameters(draft), "target_parameters": count_parameters(target),
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(rc.trainer),
-        "data_fingerprint_sha256": files_fingerprint(rc.data.domain, opts),
+        "data_fingerprint_sha256": files_fingerprint(rc.data.domain, opts), **passes,
     }
+    if hook is not None:
+        meta["on_policy_generated_batches"] = hook.generated_batches
     save_hf_atomic(draft, tokenizer, out, extra=meta)
-    log.info("%s draft saved to %s (validation CE %.3f, target %.3f)", kind, out, val_loss, target_val_loss)
+    log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", kind, out, meta["selected_step"],
+             val_loss, target_val_loss)
     return {**meta, "path": str(out)}

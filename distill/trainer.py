@@ -1,12 +1,21 @@
 """One training loop for every stage: reference-target pretraining, the cross-entropy baseline and distillation.
 
 The loop runs on ``accelerate`` (one process here; several under ``accelerate launch``). Loss normalisation is
-explicit: each micro-batch returns a *summed* loss over its tokens, and the optimizer step divides by the global
-token count of the whole step, so the update does not depend on how a batch is split into micro-batches
-(DESIGN.md, style point 7).
+explicit: each micro-batch returns a *summed* loss over its counted tokens, and the optimizer step divides by the
+global token count of the whole step, so the update does not depend on how a batch is split into micro-batches
+(DESIGN.md, style point 7; tested for 8x1 / 4x2 / 2x4 splits).
 
-Checkpoints (``accelerate.save_state``: model, optimizer, scheduler, RNG) and the data position (the step) are
-written atomically to ``<out_dir>/checkpoint-last``; with ``resume=True`` training continues from there.
+Data: the optimizer step ``s`` uses the blocks :func:`_batch_indices` picks for ``s`` (a pure function of the step
+and seed). A ``batch_hook`` may replace a micro-batch (on-policy distillation swaps in the draft's own
+generations); it receives the step and micro-batch index so its randomness is a pure function of them too.
+
+Checkpoints (``accelerate.save_state``: model, optimizer, scheduler, RNG) plus ``trainer_state.json`` (step,
+elapsed seconds, tokens seen, the best evaluation so far) and the best weights are written atomically to
+``<out_dir>/checkpoint-last``; with ``resume=True`` training continues from there and ends with the same weights
+as an uninterrupted run (tested with a real ``kill -9``).
+
+Closing the loop: with ``evaluate`` and ``eval_every > 0`` the student is evaluated every ``eval_every`` steps and
+at the last step; the weights with the highest ``select_key`` (mean accepted length) are restored at the end.
 """
 from __future__ import annotations
 
@@ -17,7 +26,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +53,7 @@ class TrainerConfig:
     save_every: int = 100  # steps between resumable checkpoints (0: only at the end)
     resume: bool = False
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off); LR schedule still max_steps
 
     def __post_init__(self):
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
@@ -55,6 +65,10 @@ class TrainerConfig:
             raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.save_every < 0 or self.log_every < 1:
             raise ValueError("trainer.warmup_steps and trainer.save_every must be >= 0, trainer.log_every >= 1")
+        if not self.max_time_s >= 0:
+            raise ValueError(f"trainer.max_time_s must be >= 0 seconds (0 disables the budget), got {self.max_time_s}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"trainer.mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -75,30 +89,73 @@ def causal_lm_loss_sum(student_logits: torch.Tensor, input_ids: torch.Tensor, ma
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
 
 
-# A step loss: (student, teacher or None, input_ids (B,T), mask (B,T)) -> (summed loss, token count)
-StepLoss = Callable[[torch.nn.Module, "torch.nn.Module | None", torch.Tensor, torch.Tensor], "tuple[torch.Tensor, int]"]
+@dataclass
+class MicroBatch:
+    """One micro-batch of token sequences.
+
+    Attributes:
+        input_ids: LongTensor (B, T).
+        attention_mask: LongTensor (B, T), 1 = real token (what the models attend to).
+        loss_mask: BoolTensor (B, T): ``True`` where the prediction made *at* position t counts (its next-token
+            distribution for distillation; the label ``input_ids[t+1]`` for cross-entropy, which also needs
+            ``attention_mask[t+1]``).
+        block_index: LongTensor (B,) rows of the training blocks this came from (looks up a cached teacher);
+            ``None`` for generated sequences.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    block_index: torch.Tensor | None = None
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, block_index: torch.Tensor | None = None) -> "MicroBatch":
+        """Every position of packed blocks (B, T) is real and counts."""
+        return cls(blocks, torch.ones_like(blocks), torch.ones(blocks.shape, dtype=torch.bool, device=blocks.device),
+                   block_index)
+
+    def counted(self) -> torch.Tensor:
+        """BoolTensor (B, T): positions whose prediction counts (loss mask on real tokens)."""
+        return self.loss_mask.bool() & self.attention_mask.bool()
 
 
-def cross_entropy_step(student, teacher, input_ids, mask):
-    out = student(input_ids=input_ids, attention_mask=mask)
-    return causal_lm_loss_sum(out.logits, input_ids, mask), int(mask[:, 1:].sum())
+# A step loss: (student, teacher or None, micro-batch) -> (summed loss over counted tokens, token count).
+StepLoss = Callable[[torch.nn.Module, Any, MicroBatch], "tuple[torch.Tensor, int]"]
+# A batch hook: (micro-batch, optimizer step, micro-batch index within the step over all processes, unwrapped
+# student) -> the micro-batch to train on. Must be a deterministic function of its arguments (and the seed it
+# closed over) so resumed runs replay it exactly.
+BatchHook = Callable[[MicroBatch, int, int, torch.nn.Module], MicroBatch]
+# An evaluation: unwrapped student (eval mode, no grad) -> metrics, e.g. {"mean_accepted_length": 2.1, ...}.
+EvalFn = Callable[[torch.nn.Module], dict]
+
+
+def cross_entropy_step(student, teacher, batch: MicroBatch):
+    """Summed next-token cross-entropy over positions t with ``counted()[t]`` and a real label at t+1."""
+    out = student(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    logits = out.logits[:, :-1].float()  # (B, T-1, V)
+    keep = batch.counted()[:, :-1] & batch.attention_mask[:, 1:].bool()  # (B, T-1)
+    labels = batch.input_ids[:, 1:].masked_fill(~keep, -100)  # (B, T-1)
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
+    return loss, int(keep.sum())
 
 
 def make_distill_step(loss_fn, temperature: float, shared_vocab: int | None = None, **loss_kwargs) -> StepLoss:
-    """A step loss for distillation: teacher forward under no_grad (eval mode), divergence ``loss_fn`` summed.
+    """A step loss for distillation: teacher forward under no_grad (eval mode), divergence ``loss_fn`` summed over
+    the counted positions.
 
     ``loss_fn`` is a :mod:`distill.losses` function called with ``reduction="sum"``; logits are cut to the
     ``shared_vocab`` ids when the two models' embedding matrices are padded to different sizes.
     """
 
-    def step(student, teacher, input_ids, mask):
+    def step(student, teacher, batch: MicroBatch):
+        ids, attn, keep = batch.input_ids, batch.attention_mask, batch.counted()
         with torch.no_grad():
-            t_logits = teacher(input_ids=input_ids, attention_mask=mask).logits  # (B, T, V_t)
-        s_logits = student(input_ids=input_ids, attention_mask=mask).logits  # (B, T, V_s)
+            t_logits = teacher(input_ids=ids, attention_mask=attn).logits  # (B, T, V_t)
+        s_logits = student(input_ids=ids, attention_mask=attn).logits  # (B, T, V_s)
         if shared_vocab is not None:
             s_logits, t_logits = s_logits[..., :shared_vocab], t_logits[..., :shared_vocab]
-        loss = loss_fn(s_logits, t_logits, mask.bool(), temperature=temperature, reduction="sum", **loss_kwargs)
-        return loss, int(mask.sum())
+        loss = loss_fn(s_logits, t_logits, keep, temperature=temperature, reduction="sum", **loss_kwargs)
+        return loss, int(keep.sum())
 
     return step
 
@@ -117,6 +174,19 @@ def _batch_indices(num_blocks: int, step: int, global_batch: int, seed: int) -> 
     return torch.tensor(idx)
 
 
+def _state_dict_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of every tensor of the state dict (tied weights become separate copies, safetensors-safe)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
+def _trim_log(path: Path, step: int) -> None:
+    """Drop records after ``step`` (written by a run killed after its last checkpoint; they are replayed)."""
+    if not path.exists():
+        return
+    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
+    path.write_text("".join(l + "\n" for l in keep))
+
+
 def train(
     student: torch.nn.Module,
     blocks: torch.Tensor,
@@ -124,36 +194,53 @@ def train(
     cfg: TrainerConfig,
     step_loss: StepLoss = cross_entropy_step,
     *,
-    teacher: torch.nn.Module | None = None,
+    teacher: Any = None,
     seed: int = 0,
     desc: str = "train",
     on_step: Callable[[int, dict], None] | None = None,
+    batch_hook: BatchHook | None = None,
+    evaluate: EvalFn | None = None,
+    eval_every: int = 0,
+    select_key: str = "mean_accepted_length",
+    on_eval: Callable[[int, dict], None] | None = None,
 ) -> dict:
-    """Train ``student`` on token ``blocks`` (N, T) for ``cfg.max_steps`` optimizer steps.
+    """Train ``student`` on token ``blocks`` (N, T) for ``cfg.max_steps`` optimizer steps (or until
+    ``cfg.max_time_s`` seconds of training-loop wall clock have passed, checked at step boundaries).
 
     Args:
         student: the model to train (all its parameters, and only them, go into the optimizer).
         blocks: LongTensor (N, T) of packed token blocks.
         out_dir: stage folder; holds ``checkpoint-last`` (resumable state) and ``train_log.jsonl``.
         step_loss: returns (summed loss, token count) for one micro-batch, see :data:`StepLoss`.
-        teacher: frozen model passed to ``step_loss`` (kept in eval mode, never in the optimizer).
-        on_step: called after each optimizer step with (step, log record); may add keys to the record.
+        teacher: passed to ``step_loss``; an ``nn.Module`` teacher is kept in eval mode, frozen and never in the
+            optimizer; anything else (e.g. a :class:`distill.teacher.TeacherCache`) is passed through.
+        on_step: called after each logged optimizer step with (step, log record); may add keys to the record.
+        batch_hook: may replace each micro-batch, see :data:`BatchHook`.
+        evaluate: scores the student (see :data:`EvalFn`); run every ``eval_every`` steps and at the last step.
+            The best weights by ``select_key`` (higher is better; ties keep the earlier step) are restored into
+            ``student`` before returning. Runs on every process (it must be deterministic, e.g. greedy decoding).
+        on_eval: called with (step, eval record) after each evaluation.
 
     Returns:
-        dict with ``final_loss`` (mean loss per token of the last logged window), ``steps``, ``train_time_s``,
-        ``tokens_seen``.
+        dict with ``final_loss`` (mean loss per token of the last logged window), ``steps`` (optimizer steps
+        done), ``train_time_s`` (training-loop wall clock, summed over resumed parts), ``tokens_seen``,
+        ``stopped_early`` (``"max_time_s"`` or None), ``best`` ({``step``, ``metrics``} or None), ...
 
     Raises:
         FloatingPointError: the loss became NaN/inf; the message names the step, the last good checkpoint stays.
+        ValueError: ``eval_every < 0``, or ``evaluate`` did not return ``select_key``.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
+    from safetensors.torch import load_file
 
+    if eval_every < 0:
+        raise ValueError(f"eval_every must be >= 0 (0 disables evaluation), got {eval_every}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     accelerator = Accelerator(gradient_accumulation_steps=1, mixed_precision=cfg.mixed_precision)
     set_seed(seed)
-    if teacher is not None:
+    if isinstance(teacher, torch.nn.Module):
         teacher.eval().requires_grad_(False)
         teacher.to(accelerator.device)
     student.train()
@@ -162,36 +249,81 @@ def train(
         optimizer, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
     )
     student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    raw_student = accelerator.unwrap_model(student)
 
     ckpt = out_dir / "checkpoint-last"
-    start_step = 0
+    state: dict = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "final_loss": None, "best": None,
+                   "last_eval_step": None, "stopped_early": None}
+    best_weights: dict[str, torch.Tensor] | None = None
     if cfg.resume and (ckpt / "trainer_state.json").exists():
         accelerator.load_state(str(ckpt))
-        start_step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-        log.info("resumed %s from step %d", desc, start_step)
+        state.update(json.loads((ckpt / "trainer_state.json").read_text()))
+        if state["best"] is not None and (ckpt / "best_model.safetensors").exists():
+            best_weights = load_file(str(ckpt / "best_model.safetensors"))
+        log.info("resumed %s from step %d", desc, state["step"])
+    start_step = state["step"]
 
     world, rank = accelerator.num_processes, accelerator.process_index
     global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world  # sequences per optimizer step
     log_path = out_dir / "train_log.jsonl"
-    if start_step == 0 and accelerator.is_main_process:
-        log_path.unlink(missing_ok=True)
-    window_loss, window_tokens, tokens_seen = 0.0, 0, start_step * global_batch * blocks.size(1)
-    t0 = time.perf_counter()
-    record: dict = {}
-    bar = tqdm(range(start_step, cfg.max_steps), desc=desc, initial=start_step, total=cfg.max_steps,
-               disable=not accelerator.is_main_process, dynamic_ncols=True)
-    for step in bar:
+    if accelerator.is_main_process:
+        if start_step == 0:
+            log_path.unlink(missing_ok=True)
+        else:
+            _trim_log(log_path, start_step)
+
+    def write_log(rec: dict) -> None:
+        if accelerator.is_main_process:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    def run_eval(done: int, last_loss: float | None) -> None:
+        nonlocal best_weights
+        raw_student.eval()
+        t_eval = time.perf_counter()
+        with torch.no_grad():
+            metrics = dict(evaluate(raw_student))
+        raw_student.train()
+        if select_key not in metrics:
+            raise ValueError(f"{desc}: the evaluation returned {sorted(metrics)}, without {select_key!r}")
+        best = state["best"]
+        if best is None or metrics[select_key] > best["metrics"][select_key]:
+            state["best"] = {"step": done, "metrics": metrics}
+            best_weights = _state_dict_copy(raw_student)
+        state["last_eval_step"] = done
+        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": time.perf_counter() - t_eval,
+               "best_step": state["best"]["step"]}
+        write_log(rec)
+        if on_eval is not None:
+            on_eval(done, rec)
+
+    window_loss, window_tokens = 0.0, 0
+    t0 = time.perf_counter() - float(state["elapsed_s"])  # the budget counts every resumed part
+    last_loss: float | None = None
+    bar = tqdm(total=cfg.max_steps, desc=desc, initial=start_step, disable=not accelerator.is_main_process,
+               dynamic_ncols=True)
+    step = start_step
+    while step < cfg.max_steps:
+        if cfg.max_time_s and time.perf_counter() - t0 >= cfg.max_time_s:
+            state["stopped_early"] = "max_time_s"
+            log.info("%s: wall-clock budget trainer.max_time_s=%.0f s reached after %d steps", desc, cfg.max_time_s,
+                     step)
+            break
         idx = _batch_indices(blocks.size(0), step, global_batch, seed)  # (global_batch,)
         # This process's share, then split into micro-batches: (world*accum*mb) -> accum x (mb,)
         mine = idx.view(world, -1)[rank].view(cfg.grad_accum_steps, cfg.micro_batch_size)
-        micro = [blocks[m].to(accelerator.device) for m in mine]
-        masks = [torch.ones_like(x) for x in micro]
+        micro = []
+        for j, m in enumerate(mine):
+            batch = MicroBatch.from_blocks(blocks[m].to(accelerator.device), m)
+            if batch_hook is not None:
+                batch = batch_hook(batch, step, rank * cfg.grad_accum_steps + j, raw_student)
+            micro.append(batch)
         # Global token count of this optimizer step (all processes, all micro-batches).
         local_tokens = torch.tensor(0.0, device=accelerator.device)
         losses = []
-        for x, m in zip(micro, masks):
+        for batch in micro:
             with accelerator.autocast():
-                loss_sum, n_tok = step_loss(student, teacher, x, m)
+                loss_sum, n_tok = step_loss(student, teacher, batch)
             losses.append(loss_sum)
             local_tokens += n_tok
         global_tokens = accelerator.reduce(local_tokens.clone(), reduction="sum").clamp_min(1.0)
@@ -210,39 +342,57 @@ def train(
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        global_loss_sum = accelerator.reduce(step_loss_sum.clone(), reduction="sum")
-        window_loss += global_loss_sum.item()
-        window_tokens += int(global_tokens.item())
-        tokens_seen += int(global_tokens.item())
-        done = step + 1
+        global_loss_sum = accelerator.reduce(step_loss_sum.clone(), reduction="sum").item()
+        n_global = int(global_tokens.item())
+        last_loss = global_loss_sum / max(1, n_global)
+        window_loss += global_loss_sum
+        window_tokens += n_global
+        state["tokens_seen"] += n_global
+        step = done = step + 1
+        state["step"] = done
+        state["elapsed_s"] = time.perf_counter() - t0
+        bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.max_steps:
-            record = {"step": done, "loss": window_loss / max(1, window_tokens), "lr": scheduler.get_last_lr()[0],
-                      "tokens_seen": tokens_seen, "elapsed_s": time.perf_counter() - t0}
+            state["final_loss"] = window_loss / max(1, window_tokens)
+            record = {"kind": "train", "step": done, "loss": state["final_loss"],
+                      "lr": scheduler.get_last_lr()[0], "tokens_seen": state["tokens_seen"],
+                      "elapsed_s": state["elapsed_s"]}
             window_loss, window_tokens = 0.0, 0
             if on_step is not None:
                 on_step(done, record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-            if accelerator.is_main_process:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+            write_log(record)
+        if evaluate is not None and eval_every and done % eval_every == 0:
+            run_eval(done, last_loss)
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
-            save_checkpoint(accelerator, ckpt, done)
+            save_checkpoint(accelerator, ckpt, state, best_weights)
+    bar.close()
+    if evaluate is not None and eval_every and state["last_eval_step"] != step and step > 0:
+        run_eval(step, last_loss)  # the last weights always compete
+    state["elapsed_s"] = time.perf_counter() - t0
     accelerator.wait_for_everyone()
-    save_checkpoint(accelerator, ckpt, cfg.max_steps)
-    student = accelerator.unwrap_model(student)
-    student.eval()
-    return {"final_loss": record.get("loss"), "steps": cfg.max_steps, "train_time_s": time.perf_counter() - t0,
-            "tokens_seen": tokens_seen, "global_batch_sequences": global_batch, "resumed_from_step": start_step,
-            "config": asdict(cfg)}
+    save_checkpoint(accelerator, ckpt, state, best_weights)
+    if best_weights is not None:
+        raw_student.load_state_dict(best_weights)
+    raw_student.eval()
+    return {"final_loss": state["final_loss"], "steps": step, "max_steps": cfg.max_steps,
+            "train_time_s": state["elapsed_s"], "tokens_seen": state["tokens_seen"],
+            "global_batch_sequences": global_batch, "resumed_from_step": start_step,
+            "stopped_early": state["stopped_early"], "best": state["best"], "config": asdict(cfg)}
 
 
-def save_checkpoint(accelerator, ckpt: Path, step: int) -> None:
-    """Resumable state at ``step``, written atomically (a killed save leaves the previous checkpoint intact)."""
+def save_checkpoint(accelerator, ckpt: Path, state: dict, best_weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Resumable state (``state["step"]`` etc.), written atomically: a killed save leaves the previous checkpoint
+    intact. ``best_weights`` (the selected weights so far) go to ``best_model.safetensors`` beside it."""
+    from safetensors.torch import save_file
+
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with atomic_dir(ckpt) as tmp:
             accelerator.save_state(str(tmp), safe_serialization=True)
-            write_json_atomic(tmp / "trainer_state.json", {"step": step})
+            if best_weights is not None:
+                save_file(best_weights, str(tmp / "best_model.safetensors"))
+            write_json_atomic(tmp / "trainer_state.json", state)
     accelerator.wait_for_everyone()
 
 

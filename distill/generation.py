@@ -1,0 +1,212 @@
+"""Generated training data and acceptance-based evaluation for distillation.
+
+* ``distill.data_source=teacher`` (sequence-level KD, Kim & Rush 2016): :func:`generate_teacher_sequences` lets the
+  target continue the domain's training prompts once, with ``distill.generation`` sampling settings, and stores
+  the token sequences in a resumable, checksummed :class:`distill.shards.ShardStore` (one shard per
+  ``generation.batch_size`` prompts, each with its own seeded generator, so a resumed pass produces the same
+  tokens). :func:`pack_sequences` packs them (prompt + continuation + EOS) into training blocks; the teacher's
+  soft labels then cover every position, as with the dataset.
+* ``distill.data_source=on_policy`` (GKD, Agarwal et al. ICLR 2024, Alg. 1): :class:`OnPolicyHook` replaces a
+  micro-batch, with probability ``lambda = distill.on_policy_fraction``, by the *draft's* own continuations: the
+  first ``T - max_new_tokens`` tokens of each dataset block are the prompt, the draft samples ``max_new_tokens``
+  tokens (no early stop, so the shape stays ``(B, T)``), and only positions from the last prompt token on count
+  in the loss (they predict the generated tokens). The target scores them online.
+* Closing the loop: :func:`make_acceptance_eval` measures the pooled mean accepted length of greedy speculative
+  decoding with the current draft on fixed prompts (``decode.speculative_generate``).
+
+All generation goes through :func:`decode.autoregressive_generate` (KV cache, shared sampling pipeline).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from .config import GenerationConfig
+from .shards import ShardStore
+from .trainer import EvalFn, MicroBatch
+
+log = logging.getLogger(__name__)
+
+
+def derived_seed(*parts) -> int:
+    """A 60-bit seed that is a pure function of ``parts`` (e.g. run seed, step, micro-batch index)."""
+    return int(hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:15], 16)
+
+
+def pack_sequences(seqs: list[list[int]], block_size: int) -> torch.Tensor:
+    """Concatenate token sequences in order and cut the stream into LongTensor (N, block_size); the tail shorter
+    than a block is dropped (as :func:`data.tokenization.pack_blocks`).
+
+    Raises:
+        ValueError: fewer than ``block_size`` tokens in total.
+    """
+    stream = torch.tensor([t for s in seqs for t in s], dtype=torch.long)  # (L,)
+    n = stream.numel() // block_size
+    if n == 0:
+        raise ValueError(f"generated sequences hold {stream.numel()} tokens, fewer than one block of {block_size}; "
+                         f"raise distill.generation.max_prompts or max_new_tokens")
+    return stream[: n * block_size].view(n, block_size)  # (N, block_size)
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to ``(B, P)`` ids and attention mask (1 = real token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask
+
+
+def _prompts_fingerprint(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()
+
+
+def generate_teacher_sequences(
+    target: torch.nn.Module, prompts: list[list[int]], gen: GenerationConfig, root: str | os.PathLike, *,
+    seed: int, eos_token_id: int | None, pad_token_id: int | None, vocab_size: int | None = None,
+    target_fingerprint: str | None = None,
+) -> tuple[list[list[int]], dict]:
+    """The target's continuations of ``prompts`` (token id lists), generated once and stored under
+    ``root/sequences-<key>/`` (reused on rerun; a killed pass resumes at the first unfinished shard).
+
+    Each returned sequence is ``prompt + generated tokens``, ending with ``eos_token_id`` (appended when the
+    generation stopped at ``max_new_tokens``). Prompts are processed sorted by length (less left padding), and the
+    result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft.
+
+    Returns:
+        (sequences, info) with ``path``, shard counts, ``num_sequences``, ``generated_tokens`` and ``time_s``.
+    """
+    from decode import autoregressive_generate
+
+    from .teacher import model_fingerprint
+
+    if not prompts:
+        raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")
+    t0 = time.perf_counter()
+    order = sorted(prompts, key=len)
+    meta = {"kind": "teacher_sequences", "teacher_sha256": target_fingerprint or model_fingerprint(target),
+            "prompts_sha256": _prompts_fingerprint(order), "generation": asdict(gen), "seed": seed,
+            "eos_token_id": eos_token_id, "vocab_size": vocab_size}
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
+    bs = gen.batch_size
+    store = ShardStore(Path(root) / f"sequences-{key}", meta, -(-len(order) // bs))
+    device = next(target.parameters()).device
+    pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
+
+    def compute(i: int) -> dict[str, torch.Tensor]:
+        part = order[i * bs : (i + 1) * bs]
+        ids, mask = left_pad(part, pad)  # (b, P) each
+        g = torch.Generator(device=device).manual_seed(derived_seed(seed, "teacher_sequences", i))
+        out = autoregressive_generate(target.eval(), ids.to(device), mask.to(device), max_new_tokens=gen.max_new_tokens,
+                                      eos_token_id=eos_token_id, pad_token_id=pad, generator=g, vocab_size=vocab_size,
+                                      **gen.sampling_kwargs())
+        width = ids.size(1)
+        seqs = []
+        for b, p in enumerate(part):
+            new = out.sequences[b, width : width + int(out.num_new_tokens[b])].tolist()
+            s = list(p) + new
+            if eos_token_id is not None and (not new or new[-1] != eos_token_id):
+                s.append(eos_token_id)
+            seqs.append(s)
+        return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
+                "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)}
+
+    counts = store.ensure(compute, desc="teacher sequences")
+    seqs: list[list[int]] = []
+    for i in range(store.num_shards):
+        shard = store.load(i)
+        seqs.extend(t.tolist() for t in torch.split(shard["tokens"].long(), shard["lengths"].tolist()))
+    info = {"path": str(store.root), **counts, "num_sequences": len(seqs),
+            "generated_tokens": sum(len(s) for s in seqs) - sum(len(p) for p in order),
+            "time_s": time.perf_counter() - t0}
+    log.info("teacher sequences %s: %d shards reused, %d generated, %.1f s", store.root, counts["reused"],
+             counts["computed"], info["time_s"])
+    return seqs, info
+
+
+class OnPolicyHook:
+    """A trainer ``batch_hook`` for GKD-style on-policy distillation (see the module docstring).
+
+    Args:
+        fraction: lambda, the probability that a micro-batch is replaced by the draft's generations.
+        gen: sampling settings (``max_new_tokens`` < block length).
+        seed: run seed; the coin flip and the sampling generator of micro-batch ``j`` at step ``s`` are seeded from
+            ``(seed, s, j)``, so a resumed run replays them exactly.
+        vocab_size: sample only ids ``< vocab_size`` (the ids shared with the target).
+
+    The returned micro-batch has ``block_index=None`` and a ``loss_mask`` that is ``True`` from position
+    ``T - max_new_tokens - 1`` on. Counts of replaced micro-batches are in ``self.generated_batches``.
+    """
+
+    def __init__(self, fraction: float, gen: GenerationConfig, seed: int, vocab_size: int | None = None):
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"on-policy fraction must be in [0, 1], got {fraction}")
+        self.fraction, self.gen, self.seed, self.vocab_size = fraction, gen, seed, vocab_size
+        self.generated_batches = 0
+
+    def __call__(self, batch: MicroBatch, step: int, micro: int, student: torch.nn.Module) -> MicroBatch:
+        from decode import autoregressive_generate
+
+        coin = torch.Generator().manual_seed(derived_seed(self.seed, "on_policy_coin", step, micro))
+        if torch.rand((), generator=coin).item() >= self.fraction:
+            return batch
+        T, n = batch.input_ids.size(1), self.gen.max_new_tokens
+        if n >= T:
+            raise ValueError(f"distill.generation.max_new_tokens ({n}) must be < the block length ({T}) for "
+                             f"on-policy data: each block's first T - max_new_tokens tokens are the prompt")
+        device = batch.input_ids.device
+        g = torch.Generator(device=device).manual_seed(derived_seed(self.seed, "on_policy_sample", step, micro))
+        was_training = student.training
+        student.eval()
+        out = autoregressive_generate(student, batch.input_ids[:, : T - n], max_new_tokens=n, eos_token_id=None,
+                                      generator=g, vocab_size=self.vocab_size, **self.gen.sampling_kwargs())
+        student.train(was_training)
+        ids = out.sequences.clone()  # (B, T); a normal tensor (the output of inference mode cannot be saved for grad)
+        loss_mask = torch.zeros(ids.shape, dtype=torch.bool, device=device)
+        loss_mask[:, T - n - 1 :] = True  # positions whose next token was generated by the draft (and the last one)
+        self.generated_batches += 1
+        return MicroBatch(ids, torch.ones_like(ids), loss_mask, None)
+
+
+def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *, num_draft_tokens: int,
+                         max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int | None = None,
+                         vocab_size: int | None = None) -> EvalFn:
+    """An :data:`distill.trainer.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
+
+    The returned function maps a draft to ``{"mean_accepted_length", "acceptance_rate", "verify_steps",
+    "emitted_tokens", "eval_decode_s"}``, pooled over prompts (sum of emitted tokens / sum of verify steps).
+    The target is moved to the draft's device on first use.
+
+    Raises:
+        ValueError: no prompts.
+    """
+    from decode import AcceptanceStats, speculative_generate
+
+    if not prompts:
+        raise ValueError("acceptance evaluation needs at least one prompt (distill.eval_prompts)")
+
+    def evaluate(draft: torch.nn.Module) -> dict:
+        device = next(draft.parameters()).device
+        target.to(device).eval()
+        t0 = time.perf_counter()
+        stats = AcceptanceStats.pool(
+            speculative_generate(target, draft, ids.to(device), max_new_tokens=max_new_tokens,
+                                 num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id,
+                                 pad_token_id=pad_token_id, vocab_size=vocab_size).stats
+            for ids in prompts)
+        return {"mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
+                "verify_steps": stats.verify_steps, "emitted_tokens": stats.emitted_tokens,
+                "eval_decode_s": time.perf_counter() - t0}
+
+    return evaluate

@@ -25,7 +25,7 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     result = bench.main([
         "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
-        "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "12",
+        "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "8",
         "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json),
     ])
     table = capsys.readouterr().out
@@ -38,4 +38,4 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     assert result["cost_ratio"] > 0 and result["expected_speedup"] > 0
     assert all(v > 0 for v in result["tokens_per_s"].values())
     saved = json.loads(out_json.read_text())
-    assert saved["num_draft_tokens"] == 3 and saved["stats"]["emitted_tokens"] == 2 * 12
+    assert saved["num_draft_tokens"] == 3 and saved["stats"]["emitted_tokens"] == 2 * 8

@@ -12,7 +12,7 @@ from decode import autoregressive_generate, speculative_generate
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=14, **SETTINGS)
+@settings(max_examples=12, **SETTINGS)
 @given(
     seed=st.integers(0, 10_000),
     noise=st.sampled_from([0.0, 0.2, 0.5, 2.0]),
@@ -41,12 +41,12 @@ def test_greedy_b1_matches_target(seed, noise, independent, num_draft_tokens, ma
     assert all(k <= num_draft_tokens for k in s.draft_lengths)
 
 
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=3, **SETTINGS)
 @given(
     seed=st.integers(0, 10_000),
     noise=st.sampled_from([0.0, 0.3, 1.0]),
     num_draft_tokens=st.integers(1, 6),
-    max_new_tokens=st.integers(5, 14),
+    max_new_tokens=st.integers(5, 11),
     lengths=st.lists(st.integers(1, 9), min_size=4, max_size=4),
 )
 def test_greedy_batch_left_padded_matches_rows_alone(seed, noise, num_draft_tokens, max_new_tokens, lengths):
@@ -122,9 +122,10 @@ def test_eos_batch_rows_stop_independently():
                                   eos_token_id=eos, pad_token_id=0)
         assert torch.equal(sp.sequences, ref)
         assert sp.num_new_tokens[0].item() <= 5
-        ar = autoregressive_generate(target, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
-        assert torch.equal(ar.sequences, ref)
-        assert torch.equal(ar.num_new_tokens, sp.num_new_tokens)
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=n, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(ar.sequences, ref)
+    assert torch.equal(ar.num_new_tokens, sp.num_new_tokens)
+    assert (ar.num_new_tokens < n).sum() >= 1
 
 
 @pytest.mark.parametrize("vocab_target,vocab_draft", [(64, 72), (72, 64)])

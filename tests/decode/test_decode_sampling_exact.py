@@ -20,7 +20,7 @@ from decode import autoregressive_generate, process_logits, speculative_generate
 scipy_stats = pytest.importorskip("scipy.stats")
 
 V = 12
-N = 6000
+N = 4000
 ALPHA = 1e-4
 PROMPT = torch.tensor([[3, 7, 1]])
 

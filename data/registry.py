@@ -270,7 +270,121 @@ CORPUS = Domain(
     tags=("pretraining",),
 )
 
-DOMAINS: dict[str, Domain] = {d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS)}
+# ----------------------------------------------------------------------------------------------- summarization
+def _scitldr(r, get):
+    abstract = " ".join(_clean(s) for s in get("source"))
+    targets = get("target")
+    return chat(f"Write a one-sentence TL;DR of this paper abstract.\n{abstract}", targets[0] if targets else None)
+
+
+SUMMARIZATION = Domain(
+    "summarization",
+    "SciTLDR-A (dev): a paper abstract's sentences -> its one-sentence TL;DR",
+    (Source("scitldr_a_dev", "summarization/scitldr_A_dev.jsonl", "jsonl", _scitldr, record_id="paper_id",
+            license="Apache-2.0"),),
+)
+
+
+# ----------------------------------------------------------------------------------------------- translation
+# NTREX-128 is one sentence per line in parallel files: line i of src.eng.txt translates to line i of ref.<lang>.txt.
+# A source's file is the reference file; this reader pairs each of its lines with the same line of the English file.
+_NTREX_SRC = "ntrex128_newstest2019-src.eng.txt"
+_NTREX_LANGS = (("deu", "German"), ("fra", "French"), ("spa", "Spanish"))
+
+
+def _read_ntrex_pair(path):
+    """Yield ``(line_number, {"src", "ref", "lang"})`` pairing ``path`` (ref.<lang>) with the English source file.
+
+    Raises:
+        DataFormatError: the English file is missing or the two files differ in line count.
+    """
+    from pathlib import Path
+
+    path = Path(path)
+    src_path = path.with_name(_NTREX_SRC)
+    if not src_path.exists():
+        raise DataFormatError(f"{path}: its English source {src_path} is missing; NTREX needs both files.")
+
+    def lines(p):
+        with open(p, encoding="utf-8-sig") as f:
+            return f.read().replace("\r\n", "\n").rstrip("\n").split("\n")
+
+    src, ref = lines(src_path), lines(path)
+    if len(src) != len(ref):
+        raise DataFormatError(f"{path}: {len(ref)} lines but {src_path} has {len(src)}; the files must be parallel.")
+    lang = path.name.split("-ref.")[-1].split(".")[0]
+    for i, (a, b) in enumerate(zip(src, ref), 1):
+        yield i, {"src": a, "ref": b, "lang": lang}
+
+
+def _register_reader(name, fn):
+    from .readers import READERS
+
+    READERS.setdefault(name, fn)
+
+
+_register_reader("ntrex_pair", _read_ntrex_pair)
+
+
+def _ntrex(r, get):
+    if not get("src").strip():
+        return None
+    lang = dict(_NTREX_LANGS)[get("lang")]
+    return chat(f"Translate English to {lang}: {_clean(get('src'))}", get("ref"))
+
+
+TRANSLATION = Domain(
+    "translation",
+    "NTREX-128 newstest2019: English news sentences -> German, French, Spanish (line i of src with line i of ref)",
+    tuple(
+        Source(f"ntrex_{code}", f"translation/ntrex128_newstest2019-ref.{code}.txt", "ntrex_pair", _ntrex,
+               license="CC-BY-SA-4.0")
+        for code, _ in _NTREX_LANGS
+    ),
+)
+
+
+# ----------------------------------------------------------------------------------------------- Spec-Bench
+# Spec-Bench (Xia et al. 2024): 480 prompts in 6 task categories; each category is its own test-only domain.
+# The multi-turn conversation category is MT-Bench's 8 categories. The prompt is the first user turn, formatted
+# like the chat domain.
+SPECBENCH_CATEGORIES: dict[str, tuple[str, ...]] = {
+    "specbench_mt_bench": ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"),
+    "specbench_translation": ("translation",),
+    "specbench_summarization": ("summarization",),
+    "specbench_qa": ("qa",),
+    "specbench_math_reasoning": ("math_reasoning",),
+    "specbench_rag": ("rag",),
+}
+
+
+def _specbench(categories):
+    def fmt(r, get):
+        if get("category") not in categories:
+            return None
+        ref = r.get("reference") or []
+        return chat(get("turns")[0], ref[0] if ref else None)
+
+    return fmt
+
+
+SPECBENCH = tuple(
+    Domain(
+        name,
+        f"Spec-Bench {', '.join(cats)} (first turn; test only; items from "
+        + {"specbench_mt_bench": "MT-Bench", "specbench_translation": "WMT14 de-en",
+           "specbench_summarization": "CNN/DailyMail", "specbench_qa": "Natural Questions",
+           "specbench_math_reasoning": "GSM8K", "specbench_rag": "DPR / Natural Questions"}[name] + ")",
+        (Source("spec_bench", "specbench/spec_bench_question.jsonl", "jsonl", _specbench(cats),
+                record_id="question_id", split_policy="test", license="Apache-2.0"),),
+        tags=("specbench",),
+    )
+    for name, cats in SPECBENCH_CATEGORIES.items()
+)
+
+DOMAINS: dict[str, Domain] = {
+    d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS, SUMMARIZATION, TRANSLATION, *SPECBENCH)
+}
 
 
 def get_domain(name: str) -> Domain:

@@ -1,0 +1,107 @@
+"""distill.generation: target-generated training data is stored once and reused (resumable, deterministic), the
+on-policy hook replaces micro-batches with the draft's own continuations at rate lambda, and the acceptance
+evaluation measures the pooled mean accepted length."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distill.config import GenerationConfig
+from distill.generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
+from distill.losses import forward_kl
+from distill.trainer import MicroBatch, TrainerConfig, make_distill_step, train
+from conftest import tiny_llama
+
+V, T, EOS = 64, 16, 2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _prompts(n=7):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, V, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def test_pack_sequences():
+    blocks = pack_sequences([[1, 2, 3], [4, 5], [6, 7, 8, 9]], 4)
+    assert blocks.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    with pytest.raises(ValueError, match="fewer than one block"):
+        pack_sequences([[1, 2]], 4)
+
+
+def test_teacher_sequences_are_generated_once_and_reused(tmp_path):
+    target = tiny_llama(vocab_size=V, hidden_size=32, seed=1, eos_token_id=EOS)
+    gen = GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=20, batch_size=3)
+    prompts = _prompts()
+    seqs, info = generate_teacher_sequences(target, prompts, gen, tmp_path, seed=0, eos_token_id=EOS,
+                                            pad_token_id=0)
+    assert info["computed"] == 3 and info["num_sequences"] == 7
+    for s, p in zip(seqs, sorted(prompts, key=len)):
+        assert s[: len(p)] == p and s[-1] == EOS and len(p) < len(s) <= len(p) + gen.max_new_tokens + 1
+    again, info2 = generate_teacher_sequences(target, prompts, gen, tmp_path, seed=0, eos_token_id=EOS,
+                                              pad_token_id=0)
+    assert again == seqs and info2["computed"] == 0 and info2["reused"] == 3
+    # A killed pass (shard 1 lost) regenerates exactly the same tokens: each shard has its own seeded generator.
+    store = next(tmp_path.glob("sequences-*"))
+    (store / "shard-00001.safetensors").unlink()
+    third, info3 = generate_teacher_sequences(target, prompts, gen, tmp_path, seed=0, eos_token_id=EOS,
+                                              pad_token_id=0)
+    assert third == seqs and info3["computed"] == 1
+    # Other sampling settings are other data.
+    _, info4 = generate_teacher_sequences(target, prompts, GenerationConfig(max_new_tokens=6, temperature=0.0,
+                                                                            batch_size=3),
+                                          tmp_path, seed=0, eos_token_id=EOS, pad_token_id=0)
+    assert info4["path"] != info["path"]
+
+
+def test_on_policy_hook_rate_prefix_mask_and_determinism():
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3).train()
+    blocks = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1))
+    batch = MicroBatch.from_blocks(blocks, torch.arange(4))
+    gen = GenerationConfig(max_new_tokens=5)
+    assert OnPolicyHook(0.0, gen, seed=0)(batch, 0, 0, student) is batch
+    hook = OnPolicyHook(1.0, gen, seed=0, vocab_size=50)
+    out = hook(batch, 3, 1, student)
+    assert student.training, "the student is back in train mode"
+    assert out.block_index is None and out.input_ids.shape == (4, T)
+    assert torch.equal(out.input_ids[:, : T - 5], blocks[:, : T - 5])
+    assert (out.input_ids[:, T - 5 :] < 50).all()
+    assert out.loss_mask[:, : T - 6].sum() == 0 and out.loss_mask[:, T - 6 :].all()
+    assert not out.input_ids.is_inference()
+    assert torch.equal(hook(batch, 3, 1, student).input_ids, out.input_ids)  # pure in (seed, step, micro)
+    half = OnPolicyHook(0.5, gen, seed=0)
+    replaced = sum(half(batch, s, 0, student) is not batch for s in range(40))
+    assert 10 <= replaced <= 30
+    with pytest.raises(ValueError, match="must be < the block length"):
+        OnPolicyHook(1.0, GenerationConfig(max_new_tokens=T), seed=0)(batch, 0, 0, student)
+
+
+def test_on_policy_training_runs_and_counts_only_generated_positions(tmp_path):
+    teacher, student = tiny_llama(vocab_size=V, hidden_size=32, seed=1), tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    blocks = torch.randint(0, V, (16, T), generator=torch.Generator().manual_seed(1))
+    hook = OnPolicyHook(1.0, GenerationConfig(max_new_tokens=4), seed=0)
+    stats = train(student, blocks, tmp_path, TrainerConfig(max_steps=2, micro_batch_size=4, warmup_steps=1,
+                                                           save_every=0, log_every=1),
+                  make_distill_step(forward_kl, 1.0), teacher=teacher, batch_hook=hook)
+    assert hook.generated_batches == 2
+    assert stats["tokens_seen"] == 2 * 4 * 5  # steps x rows x counted positions (T-5 .. T-1)
+
+
+def test_acceptance_eval_identical_draft_accepts_everything():
+    target = tiny_llama(vocab_size=V, hidden_size=32, seed=1)
+    prompts = [torch.tensor([p]) for p in _prompts(3)]
+    evaluate = make_acceptance_eval(target, prompts, num_draft_tokens=4, max_new_tokens=10)
+    m = evaluate(tiny_llama(vocab_size=V, hidden_size=32, seed=1))
+    assert m["acceptance_rate"] == 1.0 and m["mean_accepted_length"] == pytest.approx(5.0)
+    other = evaluate(tiny_llama(vocab_size=V, hidden_size=32, seed=5))
+    assert 1.0 <= other["mean_accepted_length"] < 5.0
+    assert other["mean_accepted_length"] == pytest.approx(other["emitted_tokens"] / other["verify_steps"])
+    with pytest.raises(ValueError, match="at least one prompt"):
+        make_acceptance_eval(target, [], num_draft_tokens=4, max_new_tokens=4)

@@ -1,0 +1,121 @@
+"""distill.trainer: the update does not depend on the micro-batch split (global token count), the wall-clock
+budget stops at a step boundary with the max_steps cosine schedule, acceptance-based checkpoint selection keeps
+the best-scoring weights and logs loss and score, and bad config is rejected."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distill.losses import forward_kl
+from distill.trainer import MicroBatch, TrainerConfig, cosine_with_warmup, cross_entropy_step, make_distill_step, train
+from conftest import tiny_llama
+
+V, T = 64, 16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _blocks(n=32, seed=0):
+    return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _cfg(**kw):
+    base = dict(max_steps=3, micro_batch_size=8, grad_accum_steps=1, warmup_steps=1, save_every=0, log_every=1,
+                lr=1e-2)
+    return TrainerConfig(**{**base, **kw})
+
+
+def _ragged_mask_hook(batch: MicroBatch, step, micro, student) -> MicroBatch:
+    """Rows count different numbers of positions, so micro-batches carry unequal token counts."""
+    keep = torch.arange(T)[None, :] < (4 + 3 * (batch.block_index % 4))[:, None]  # (B, T)
+    return MicroBatch(batch.input_ids, batch.attention_mask, keep, batch.block_index)
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "forward_kl"])
+def test_update_does_not_depend_on_micro_batch_split(tmp_path, kind):
+    teacher = tiny_llama(vocab_size=V, hidden_size=32, seed=1)
+    step = cross_entropy_step if kind == "cross_entropy" else make_distill_step(forward_kl, 1.0)
+    blocks, weights = _blocks(), []
+    for mb, accum in ((8, 1), (4, 2), (2, 4)):
+        student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+        train(student, blocks, tmp_path / f"{mb}x{accum}", _cfg(micro_batch_size=mb, grad_accum_steps=accum), step,
+              teacher=teacher, batch_hook=_ragged_mask_hook)
+        weights.append(student.state_dict())
+    # Float tolerance: 0.2% of one step's size (lr). AdamW divides each coordinate by sqrt(v), so coordinates
+    # whose gradient is ~0 turn float summation-order noise into update noise of up to ~1e-3 lr (measured 7e-6).
+    for other in weights[1:]:
+        for name, w in weights[0].items():
+            diff = (other[name] - w).abs().max().item()
+            assert diff <= 2e-3 * 1e-2, f"{name}: max |diff| {diff:.2e}"
+
+
+def test_wall_clock_budget_stops_at_a_step_boundary_with_the_max_steps_schedule(tmp_path):
+    import time
+
+    cfg = _cfg(max_steps=50, max_time_s=0.3, warmup_steps=2, lr=1e-2)
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    stats = train(student, _blocks(), tmp_path, cfg, on_step=lambda s, r: time.sleep(0.1))
+    assert stats["stopped_early"] == "max_time_s"
+    assert 3 <= stats["steps"] < 10 and stats["train_time_s"] >= 0.3
+    records = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    last = records[-1]
+    assert last["step"] == stats["steps"]
+    # The LR is the cosine over max_steps=50, not squeezed into the steps that fit the budget.
+    assert last["lr"] == pytest.approx(1e-2 * cosine_with_warmup(last["step"], 2, 50, cfg.min_lr_ratio))
+    state = json.loads((tmp_path / "checkpoint-last" / "trainer_state.json").read_text())
+    assert state["step"] == stats["steps"] and state["stopped_early"] == "max_time_s"
+
+
+def test_best_checkpoint_by_acceptance_is_kept_and_logged(tmp_path):
+    scores = iter([1.5, 2.5, 2.0])  # steps 2, 4, 6: step 4 is the best although the loss keeps falling
+    seen = {}
+
+    def evaluate(model):
+        assert not model.training and not torch.is_grad_enabled()
+        seen[len(seen)] = {k: v.clone() for k, v in model.state_dict().items()}
+        return {"mean_accepted_length": next(scores), "acceptance_rate": 0.5}
+
+    evals = []
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    stats = train(student, _blocks(), tmp_path, _cfg(max_steps=6), evaluate=evaluate, eval_every=2,
+                  on_eval=lambda s, r: evals.append(r))
+    assert stats["best"]["step"] == 4 and stats["best"]["metrics"]["mean_accepted_length"] == 2.5
+    for name, w in student.state_dict().items():
+        assert torch.equal(w, seen[1][name]), name  # the step-4 weights, not the last ones
+    assert [e["step"] for e in evals] == [2, 4, 6] and [e["best_step"] for e in evals] == [2, 4, 4]
+    log = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    ev = [r for r in log if r["kind"] == "eval"]
+    assert [r["mean_accepted_length"] for r in ev] == [1.5, 2.5, 2.0]
+    assert all(isinstance(r["loss"], float) for r in ev)
+    assert (tmp_path / "checkpoint-last" / "best_model.safetensors").is_file()
+
+
+def test_last_step_is_always_evaluated(tmp_path):
+    steps = []
+
+    def evaluate(model):
+        steps.append(1)
+        return {"mean_accepted_length": float(len(steps))}
+
+    stats = train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path, _cfg(max_steps=5),
+                  evaluate=evaluate, eval_every=2)
+    assert len(steps) == 3 and stats["best"]["step"] == 5  # steps 2, 4 and the last one, 5
+    with pytest.raises(ValueError, match="without 'mean_accepted_length'"):
+        train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path / "b", _cfg(max_steps=2),
+              evaluate=lambda m: {"loss": 1.0}, eval_every=1)
+
+
+@pytest.mark.parametrize("kw,match", [({"max_time_s": -1}, "max_time_s"), ({"max_steps": 0}, "max_steps"),
+                                      ({"mixed_precision": "fp8"}, "mixed_precision")])
+def test_bad_trainer_config_is_rejected(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrainerConfig(**kw)

@@ -46,3 +46,13 @@ def tiny_llama(
 @pytest.fixture
 def make_tiny_llama():
     return tiny_llama
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: without a GPU they are skipped with that reason (never reported as passed)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run scripts/device_check.sh on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

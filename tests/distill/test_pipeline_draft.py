@@ -1,0 +1,124 @@
+"""distill.pipeline.train_draft end to end on real data (code domain, data root) with a tiny saved target:
+teacher-generated data + cached top-k teacher, on-policy + online teacher, the CE baseline; acceptance-based
+selection is recorded in specdraft.json; inconsistent config is rejected before any model loads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.io import save_hf_atomic
+from distill.models import LlamaArch, build_llama
+from distill.pipeline import train_draft
+from train.schema import validate
+
+TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def block_cache(tmp_path_factory):
+    """One packed-block cache for this module (the tiny tokenizer's blocks are tokenized once)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory) -> Path:
+    """A 2-layer Llama with a 300-token BPE tokenizer trained on code records, saved as a HF directory."""
+    from data.loading import DataOptions, load_domain
+    from data.tokenization import train_bpe_tokenizer
+
+    rows = load_domain("code", DataOptions())["train"].select(range(300))
+    tok = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in rows), vocab_size=300)
+    model = build_llama(LlamaArch(**{**TINY, "num_layers": 2}), tok, seed=7)
+    out = tmp_path_factory.mktemp("target") / "target"
+    save_hf_atomic(model, tok, out)
+    return out
+
+
+def _rc(target: Path, **distill):
+    return validate({
+        "target": {"name_or_path": str(target)},
+        "draft": {"arch": TINY},
+        "data": {"domain": "code", "block_size": 32, "max_train_blocks": 48},
+        "trainer": {"max_steps": 4, "micro_batch_size": 4, "warmup_steps": 1, "log_every": 1, "save_every": 2},
+        "decode": {"num_draft_tokens": 3},
+        "eval": {"max_prompt_tokens": 32},
+        "distill": {"eval_every": 2, "eval_prompts": 2, "eval_max_new_tokens": 6, **distill},
+    })
+
+
+def _events(run_dir: Path):
+    def log(event, **fields):
+        with open(run_dir / "events.jsonl", "a") as f:
+            f.write(json.dumps({"event": event, **fields}, default=str) + "\n")
+    return log
+
+
+def _check_saved(run_dir: Path, kind: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    meta = json.loads((run_dir / "drafts" / kind / "specdraft.json").read_text())
+    assert meta["selected_step"] in (2, 4)
+    assert 1.0 <= meta["selected_mean_accepted_length"] <= 4.0
+    assert meta["selection"]["best"]["step"] == meta["selected_step"]
+    AutoModelForCausalLM.from_pretrained(run_dir / "drafts" / kind)
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    evals = [e for e in events if e["event"] == "train_eval" and e["stage"] == kind]
+    assert [e["step"] for e in evals] == [2, 4] and all("loss" in e and "mean_accepted_length" in e for e in evals)
+    return meta
+
+
+def test_teacher_data_with_cached_teacher(tiny_target, tmp_path):
+    rc = _rc(tiny_target, data_source="teacher", teacher_signal="cached", cache_top_k=8, cache_shard_blocks=16,
+             generation={"max_new_tokens": 24, "max_prompts": 40, "batch_size": 20, "max_prompt_tokens": 24})
+    train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
+    meta = _check_saved(tmp_path, "distilled")
+    assert meta["data_source"] == "teacher" and meta["teacher_signal"] == "cached"
+    assert meta["teacher_data"]["num_sequences"] == 40 and meta["teacher_data"]["computed"] == 2
+    assert meta["teacher_cache"]["top_k"] == 8 and meta["teacher_cache"]["computed"] >= 1
+    assert Path(meta["teacher_cache"]["path"]).parent == tmp_path / "teacher_cache"
+
+
+def test_on_policy_online_and_baseline(tiny_target, tmp_path):
+    rc = _rc(tiny_target, data_source="on_policy", on_policy_fraction=0.5, generation={"max_new_tokens": 8})
+    train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
+    meta = _check_saved(tmp_path, "distilled")
+    assert meta["data_source"] == "on_policy" and meta["on_policy_generated_batches"] >= 1
+    train_draft(rc, rc.data.options(), tmp_path, "baseline", events=_events(tmp_path))
+    base = _check_saved(tmp_path, "baseline")
+    assert base["loss"] == "cross_entropy" and base["data_source"] == "dataset"
+
+
+def test_inconsistent_config_is_rejected_before_loading(tmp_path):
+    rc = _rc(tmp_path / "does-not-exist", data_source="on_policy", generation={"max_new_tokens": 32})
+    with pytest.raises(ValueError, match="must be < data.block_size"):
+        train_draft(rc, rc.data.options(), tmp_path, "distilled")
+
+
+@pytest.mark.parametrize("distill,match", [
+    ({"teacher_signal": "cached", "loss": "reverse_kl"}, "reverse KL is infinite"),
+    ({"teacher_signal": "cached", "loss": "generalized_jsd", "beta": 1.0}, "reverse KL is infinite"),
+    ({"teacher_signal": "cached", "data_source": "on_policy"}, "teacher_signal=online"),
+    ({"data_source": "web"}, "distill.data_source"),
+    ({"teacher_signal": "lazy"}, "distill.teacher_signal"),
+    ({"on_policy_fraction": 1.5}, "on_policy_fraction"),
+    ({"eval_every": -1}, "eval_every"),
+    ({"generation": {"top_p": 0.0}}, "top_p"),
+    ({"generation": {"temperature": -1.0}}, "temperature"),
+])
+def test_bad_distill_config_is_rejected(tmp_path, distill, match):
+    with pytest.raises(ValueError, match=match):
+        _rc(tmp_path, **distill)

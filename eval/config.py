@@ -1,4 +1,4 @@
-"""The ``eval`` config section and the typed root of ``python -m eval``."""
+"""The ``eval`` and ``logger`` config sections and the typed root of ``python -m eval``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,35 +9,92 @@ from decode.config import DecodeConfig
 
 
 @dataclass
+class ExtraDomainConfig:
+    """A user's own JSONL/CSV file evaluated as one more domain (all its records are evaluation prompts)."""
+
+    name: str = "???"  # domain name in the report; must not clash with a registered domain
+    path: str = "???"  # .jsonl or .csv file
+    text_field: str = "???"  # field holding the prompt (or, with prompt_field, the reference completion)
+    prompt_field: str | None = None  # optional separate prompt field (formatted like the chat domain)
+
+
+@dataclass
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
+    extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
     drafts: dict[str, str] | None = None  # name -> HF dir; null: the run directory's drafts/
     max_prompts: int = 16  # prompts per domain
     max_new_tokens: int = 64  # tokens generated per prompt
     max_prompt_tokens: int = 192  # longer prompts are truncated from the left (with a warning)
     check_lossless: bool = True  # compare speculative greedy output with target-only greedy output
     cost_ratio_trials: int = 20  # forwards timed per model to measure the cost ratio c
+    num_draft_tokens: list[int] | None = None  # sweep of gamma values; null: just decode.num_draft_tokens
+    bootstrap_samples: int = 1000  # resamples of the prompts for the 95% confidence intervals (0: none)
+    confidence: float = 0.95  # level of the bootstrap percentile intervals, in (0, 1)
+    alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
+    plots: bool = True  # write plots/*.png (matplotlib, Agg)
+    num_threads: int | None = None  # torch CPU threads while timing (null: leave torch's setting)
 
     def __post_init__(self):
         if self.max_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 2:
             raise ValueError("eval.max_prompts and eval.max_new_tokens must be >= 1, eval.max_prompt_tokens >= 2")
         if self.cost_ratio_trials < 1:
             raise ValueError(f"eval.cost_ratio_trials must be >= 1, got {self.cost_ratio_trials}")
-        if not self.domains:
-            raise ValueError("eval.domains must list at least one domain")
-        from data.registry import get_domain
+        if not self.domains and not self.extra_domains:
+            raise ValueError("eval.domains must list at least one domain (or give eval.extra_domains)")
+        if self.num_draft_tokens is not None:
+            if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
+                raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "
+                                 f"got {self.num_draft_tokens}")
+        if self.bootstrap_samples < 0:
+            raise ValueError(f"eval.bootstrap_samples must be >= 0 (0 disables the intervals), "
+                             f"got {self.bootstrap_samples}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"eval.confidence must be in (0, 1), got {self.confidence}")
+        if self.alert_mean_accepted_length < 0:
+            raise ValueError(f"eval.alert_mean_accepted_length must be >= 0 tokens, got "
+                             f"{self.alert_mean_accepted_length}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"eval.num_threads must be null or >= 1, got {self.num_threads}")
+        from data.registry import DOMAINS
 
+        extra = [e.name for e in self.extra_domains]
+        for e in self.extra_domains:
+            if e.name in DOMAINS:
+                raise ValueError(f"eval.extra_domains: name {e.name!r} is a registered domain; pick another name")
+        if len(set(extra)) != len(extra):
+            raise ValueError(f"eval.extra_domains: duplicate names {extra}")
         for d in self.domains:
-            get_domain(d)
+            if d not in extra:
+                from data.registry import get_domain
+
+                get_domain(d)  # UnknownDomainError (a ValueError) listing the known names
+
+    def all_domains(self) -> list[str]:
+        """``domains`` then any extra domain not already listed, in order, without duplicates."""
+        out = list(dict.fromkeys(self.domains))
+        return out + [e.name for e in self.extra_domains if e.name not in out]
+
+    def sweep(self, default: int) -> list[int]:
+        """The gamma values to measure: the sweep sorted without duplicates, or ``[default]``."""
+        return sorted(set(self.num_draft_tokens)) if self.num_draft_tokens else [default]
 
 
 @dataclass
 class LoggerConfig:
     name: str = "none"  # none | wandb
+    project: str = "specdraft"  # wandb project
+    entity: str | None = None  # wandb entity (team or user); null: the default
+    mode: str = "offline"  # wandb mode: offline (default, never uploads) | online | disabled
+    dir: str | None = None  # where wandb writes its run folder; null: the run directory
+    tags: list[str] = field(default_factory=list)
+    log_per_prompt: bool = True  # also log per_prompt.csv as a wandb.Table
 
     def __post_init__(self):
         if self.name not in ("none", "wandb"):
             raise ValueError(f"logger.name must be none or wandb, got {self.name!r}")
+        if self.mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline, online or disabled, got {self.mode!r}")
 
 
 @dataclass

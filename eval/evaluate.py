@@ -1,8 +1,9 @@
 """Per-domain acceptance evaluation: one implementation for the pipeline's eval stage and ``python -m eval``.
 
-For every domain and draft, each prompt is decoded three ways in alternation on the same inputs: target-only
-greedy (the baseline and the lossless reference), then speculative decoding with each draft. Acceptance counts
-are pooled over prompts (sums, never a mean of per-prompt means).
+Each prompt is decoded in alternation on the same inputs: target-only (the baseline and the lossless reference),
+then speculative decoding with each draft at each swept ``num_draft_tokens``. This module only decodes and times;
+it returns one row per (draft, domain, prompt, num_draft_tokens) with the counts that rebuild every pooled number
+(see :mod:`eval.metrics`).
 """
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ import statistics
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm.auto import tqdm
 
-from decode import AcceptanceStats, autoregressive_generate, speculative_generate
-from decode.stats import expected_speedup
+from decode import autoregressive_generate, speculative_generate
 
 log = logging.getLogger(__name__)
 
@@ -72,36 +72,53 @@ def measure_cost_ratio(target, draft, input_ids: torch.Tensor, trials: int = 20)
     return {"cost_ratio": d / t, "target_forward_s": t, "draft_forward_s": d}
 
 
+def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:
+    """One short decode per model so the first timed prompt does not pay for lazy initialisation."""
+    autoregressive_generate(target, ids, max_new_tokens=4, eos_token_id=eos, pad_token_id=pad)
+    for d in drafts.values():
+        speculative_generate(target, d, ids, max_new_tokens=4, num_draft_tokens=num_draft_tokens, eos_token_id=eos,
+                             pad_token_id=pad)
+
+
 def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain: dict[str, list[Prompt]], *,
-                    num_draft_tokens: int, max_new_tokens: int, max_prompt_tokens: int, check_lossless: bool = True,
-                    cost_ratio_trials: int = 20, decode_kwargs: dict | None = None, seed: int = 0) -> dict:
-    """Evaluate every draft on every domain against ``target``.
+                    num_draft_tokens: int | list[int], max_new_tokens: int, max_prompt_tokens: int,
+                    check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
+                    seed: int = 0, events: Callable[..., None] | None = None) -> dict:
+    """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``.
+
+    The same prompt is decoded in alternation (target-only, then each gamma x draft), so slow drift of the machine
+    affects all settings alike. Sampling uses one generator seeded with ``seed + prompt index`` per decode.
 
     Args:
         target: HF causal LM (eval mode). tokenizer: the target's tokenizer (drafts must share it).
         drafts: name -> HF causal LM.
         prompts_by_domain: domain -> prompts.
+        num_draft_tokens: gamma, or a list of gammas to sweep.
         decode_kwargs: sampling settings (``do_sample``, ``temperature``, ``top_k``, ``top_p``); greedy by default.
+        events: optional ``events(name, **fields)`` callback (the run's event log).
 
     Returns:
-        ``{"domains": {domain: {draft: entry}}, "cost_ratio": {draft: ...}, "per_prompt": [rows]}`` where an
-        entry holds ``acceptance_rate``, ``mean_accepted_length``, ``target_tokens_per_s``,
-        ``speculative_tokens_per_s``, ``measured_speedup``, ``expected_speedup``, ``num_prompts``,
-        ``lossless`` and the pooled ``stats``.
+        ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "num_draft_tokens": [gammas], "max_new_tokens",
+        "sampling", "truncated_prompts"}``; rows have the columns of :data:`eval.metrics.PER_PROMPT_COLUMNS`.
     """
     decode_kwargs = dict(decode_kwargs or {})
+    gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     sampling = bool(decode_kwargs.get("do_sample"))
+    compare = check_lossless and not sampling
     first = next(p for ps in prompts_by_domain.values() for p in ps)
     probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
+    _warm_up(target, drafts, probe, gammas[0], eos, pad)
     cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
-    results: dict = {"domains": {}, "cost_ratio": cost, "per_prompt": [], "num_draft_tokens": num_draft_tokens,
-                     "max_new_tokens": max_new_tokens, "sampling": decode_kwargs}
+    if events:
+        events("eval_cost_ratio", **{n: c["cost_ratio"] for n, c in cost.items()})
+    rows: list[dict] = []
     truncated_total = 0
+    runs_per_prompt = 1 + len(gammas) * len(drafts)
     for domain, prompts in prompts_by_domain.items():
-        acc = {name: {"stats": [], "time_s": 0.0, "tokens": 0, "lossless": True} for name in drafts}
-        base_time, base_tokens = 0.0, 0
-        for i, p in enumerate(tqdm(prompts, desc=f"eval {domain}", dynamic_ncols=True)):
+        t_domain = time.perf_counter()
+        bar = tqdm(total=len(prompts) * runs_per_prompt, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
+        for i, p in enumerate(prompts):
             ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
             truncated_total += truncated
             g = torch.Generator().manual_seed(seed + i)
@@ -110,51 +127,36 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                                           pad_token_id=pad, generator=g, **decode_kwargs)
             t_ref = time.perf_counter() - t0
             n_ref = int(ref.num_new_tokens[0])
-            base_time += t_ref
-            base_tokens += n_ref
-            for name, draft in drafts.items():
-                g = torch.Generator().manual_seed(seed + i)
-                t0 = time.perf_counter()
-                out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
-                                           num_draft_tokens=num_draft_tokens, eos_token_id=eos, pad_token_id=pad,
-                                           generator=g, **decode_kwargs)
-                t_spec = time.perf_counter() - t0
-                n_spec = int(out.num_new_tokens[0])
-                same = bool(torch.equal(out.sequences, ref.sequences)) if check_lossless and not sampling else None
-                a = acc[name]
-                a["stats"].append(out.stats)
-                a["time_s"] += t_spec
-                a["tokens"] += n_spec
-                if same is False:
-                    a["lossless"] = False
-                s = out.stats
-                results["per_prompt"].append({
-                    "draft": name, "domain": domain, "prompt_id": p.id, "prompt_tokens": ids.size(1),
-                    "truncated": truncated, "new_tokens": n_spec, "verify_steps": s.verify_steps,
-                    "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                    "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
-                    "verify_time_s": s.verify_time_s, "speculative_time_s": t_spec, "target_new_tokens": n_ref,
-                    "target_time_s": t_ref, "greedy_equal": same,
-                })
-        target_tps = base_tokens / base_time if base_time > 0 else float("nan")
-        results["domains"][domain] = {}
-        for name, a in acc.items():
-            pooled = AcceptanceStats.pool(a["stats"])
-            spec_tps = a["tokens"] / a["time_s"] if a["time_s"] > 0 else float("nan")
-            c = cost[name]["cost_ratio"]
-            results["domains"][domain][name] = {
-                "acceptance_rate": pooled.acceptance_rate,
-                "mean_accepted_length": pooled.mean_accepted_length,
-                "target_tokens_per_s": target_tps,
-                "speculative_tokens_per_s": spec_tps,
-                "measured_speedup": spec_tps / target_tps,
-                "expected_speedup": expected_speedup(pooled.acceptance_rate, num_draft_tokens, c),
-                "cost_ratio": c,
-                "num_prompts": len(prompts),
-                "lossless": a["lossless"] if check_lossless and not sampling else None,
-                "stats": pooled.to_dict(),
-            }
+            bar.update(1)
+            for gamma in gammas:
+                for name, draft in drafts.items():
+                    g = torch.Generator().manual_seed(seed + i)
+                    t0 = time.perf_counter()
+                    out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
+                                               num_draft_tokens=gamma, eos_token_id=eos, pad_token_id=pad,
+                                               generator=g, **decode_kwargs)
+                    t_spec = time.perf_counter() - t0
+                    s = out.stats
+                    rows.append({
+                        "draft": name, "domain": domain, "prompt_id": p.id, "num_draft_tokens": gamma,
+                        "prompt_tokens": ids.size(1), "truncated": truncated,
+                        "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
+                        "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+                        "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
+                        "verify_time_s": s.verify_time_s, "speculative_time_s": t_spec, "target_new_tokens": n_ref,
+                        "target_time_s": t_ref,
+                        "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
+                        "per_position_drafted": list(s.per_position_drafted),
+                        "per_position_accepted": list(s.per_position_accepted),
+                        "accepted_length_histogram": list(s.accepted_length_histogram),
+                    })
+                    bar.update(1)
+        bar.close()
+        if events:
+            events("eval_domain_done", domain=domain, prompts=len(prompts),
+                   seconds=time.perf_counter() - t_domain)
     if truncated_total:
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
-    return results
+    return {"rows": rows, "cost_ratio": cost, "num_draft_tokens": gammas, "max_new_tokens": max_new_tokens,
+            "sampling": decode_kwargs, "truncated_prompts": truncated_total}

@@ -1,10 +1,18 @@
-"""The pipeline's ``eval`` stage: evaluate the run's drafts against the target and write the report."""
+"""The pipeline's ``eval`` stage (also ``python -m eval``): evaluate drafts against the target, write the report.
+
+``evaluate_run(rc, opts, run_dir, events=events)`` is the one implementation both entry points call. It loads the
+target and the drafts (``eval.drafts`` or ``<run_dir>/drafts/*``), the prompts of ``eval.domains`` (+
+``eval.extra_domains``), decodes (:mod:`eval.evaluate`), aggregates (:mod:`eval.metrics`), writes ``report.md``,
+``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`) and, with ``logger=wandb``, a wandb run.
+"""
 from __future__ import annotations
 
+import contextlib
 import logging
+from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from data.loading import DataOptions, eval_prompts
+from data.loading import DataOptions, eval_prompts, user_domain
 
 from .evaluate import Prompt, evaluate_drafts
 from .report import write_report
@@ -12,9 +20,29 @@ from .report import write_report
 log = logging.getLogger(__name__)
 
 
-def load_prompts(domains: list[str], opts: DataOptions, max_prompts: int) -> dict[str, list[Prompt]]:
-    """domain -> its first ``max_prompts`` evaluation prompts (test split, hash order)."""
-    return {d: [Prompt(d, ex.id, ex.prompt) for ex in eval_prompts(d, opts, max_prompts)] for d in domains}
+def _domain_objects(rc) -> dict:
+    """domain name -> registry name or a user Domain (eval.extra_domains)."""
+    extra = {e.name: user_domain(e.name, e.path, e.text_field, e.prompt_field) for e in rc.eval.extra_domains}
+    return {d: extra.get(d, d) for d in rc.eval.all_domains()}
+
+
+def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int) -> dict[str, list[Prompt]]:
+    """domain -> its first ``max_prompts`` evaluation prompts (test split, hash order). ``domains``: names, or
+    name -> registry name / :class:`data.registry.Domain`."""
+    items = domains.items() if isinstance(domains, dict) else ((d, d) for d in domains)
+    return {name: [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts)]
+            for name, dom in items}
+
+
+def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
+    """name -> [(source, license)] for the report's attribution table."""
+    from data.registry import get_domain
+
+    out = {}
+    for name, dom in domains.items():
+        d = get_domain(dom) if isinstance(dom, str) else dom
+        out[name] = [(s.name, s.license or "user file") for s in d.sources]
+    return out
 
 
 def training_section(drafts_meta: dict[str, dict]) -> str:
@@ -27,11 +55,34 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
-    """Evaluate every draft saved under ``<run_dir>/drafts/`` on ``eval.domains``; writes the report files."""
-    from data.tokenizer_check import check_tokenizers_compatible
-    from data.checkpoints import load_causal_lm, read_specdraft_meta
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    import torch
 
+    if n is None:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+    """Evaluate every draft (``eval.drafts``, else ``<run_dir>/drafts/*``) on the configured domains; write the
+    report files into ``run_dir``. ``events(name, **fields)``: the run's event log (optional).
+
+    Raises:
+        ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
+            missing data (``DataSourceError``), each with a message saying what to fix.
+    """
+    from data.checkpoints import load_causal_lm, read_specdraft_meta
+    from data.tokenizer_check import check_tokenizers_compatible
+
+    run_dir = Path(run_dir)
+    ev = events or (lambda *a, **k: None)
     drafts_dir = run_dir / "drafts"
     if rc.eval.drafts:
         paths = {n: Path(p).expanduser() for n, p in rc.eval.drafts.items()}
@@ -41,24 +92,42 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     if not paths:
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
-    prompts = load_prompts(rc.eval.domains, opts, rc.eval.max_prompts)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     drafts, meta = {}, {}
     for n in sorted(paths, key=lambda n: (n != "distilled", n)):
         model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
         drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
-    results = evaluate_drafts(
-        target, tokenizer, drafts, prompts, num_draft_tokens=rc.decode.num_draft_tokens,
-        max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
-        check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
-        decode_kwargs=rc.decode.sampling_kwargs(),
-        seed=rc.seed)
+    domains = _domain_objects(rc)
+    prompts = load_prompts(domains, opts, rc.eval.max_prompts)
+    gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
+    ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
+       prompts={d: len(p) for d, p in prompts.items()})
+    with _torch_threads(rc.eval.num_threads):
+        results = evaluate_drafts(
+            target, tokenizer, drafts, prompts, num_draft_tokens=gammas, max_new_tokens=rc.eval.max_new_tokens,
+            max_prompt_tokens=rc.eval.max_prompt_tokens, check_lossless=rc.eval.check_lossless,
+            cost_ratio_trials=rc.eval.cost_ratio_trials, decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed,
+            events=ev)
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(paths[n]) for n in drafts}}
-    sections = [training_section(meta)] if all(m.get("train") for m in meta.values()) else []
-    doc = write_report(run_dir, results, context, sections)
-    if events:
-        events("eval_done", lossless_all=doc["lossless_all"])
-    return {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
-            "lossless_all": doc["lossless_all"]}
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts}
+    sections = [training_section(meta)] if meta and all(m.get("train") for m in meta.values()) else []
+    doc = write_report(run_dir, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
+                       bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
+                       check_lossless=rc.eval.check_lossless,
+                       alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
+                       sources=domain_sources(domains))
+    for domain, r in doc["recommendation"].items():
+        ev("eval_recommendation", domain=domain, **r)
+    out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
+           "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
+           "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()}}
+    if rc.logger.name == "wandb":
+        from .tracking import log_to_wandb
+
+        cfg = asdict(rc) if is_dataclass(rc) else {}
+        out["wandb_dir"] = log_to_wandb(rc.logger, run_dir, doc, config=cfg, name=rc.experiment_name,
+                                        per_prompt_rows=results["rows"], events_path=run_dir / "events.jsonl")
+        ev("eval_wandb", dir=out["wandb_dir"], mode=rc.logger.mode)
+    ev("eval_done", lossless_all=doc["lossless_all"])
+    return out

@@ -1,4 +1,8 @@
-"""Report files: ``metrics.json`` (machine-readable), ``report.md`` (tables + verdicts), ``per_prompt.csv``."""
+"""Report files: ``metrics.json`` (machine-readable), ``report.md`` (verdicts, tables, plots), ``per_prompt.csv``.
+
+``metrics.json`` is built by :func:`eval.metrics.aggregate` from exactly the rows written to ``per_prompt.csv``.
+Every file is written atomically (temp name in the same folder, then rename).
+"""
 from __future__ import annotations
 
 import csv
@@ -9,6 +13,9 @@ from typing import Any
 
 from data.io import write_json_atomic, write_text_atomic
 
+from .metrics import PER_PROMPT_COLUMNS, aggregate, json_clean, row_to_csv
+
+SCHEMA_VERSION = 2
 METRIC_FIELDS = ("acceptance_rate", "mean_accepted_length", "target_tokens_per_s", "speculative_tokens_per_s",
                  "measured_speedup", "expected_speedup", "cost_ratio", "num_prompts", "lossless")
 
@@ -23,75 +30,224 @@ def _fmt(v: Any, digits: int = 3) -> str:
     return str(v)
 
 
-def metrics_document(results: dict, context: dict) -> dict:
-    """The ``metrics.json`` document: ``{"context": ..., "drafts": {draft: {domain: entry}}, "cost_ratio": ...}``.
+def _ci(v: Any, ci: list | None, digits: int = 2, suffix: str = "") -> str:
+    s = f"{_fmt(v, digits)}{suffix}"
+    if ci:
+        s += f" [{_fmt(ci[0], digits)}, {_fmt(ci[1], digits)}]"
+    return s
 
-    Entries are keyed by draft name then domain (the report's field names; see README "Report fields").
+
+def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: int | None = None,
+                     bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
+                     check_lossless: bool = True, alert_mean_accepted_length: float = 2.0) -> dict:
+    """The ``metrics.json`` document (schema in README, "Report fields").
+
+    ``drafts.<draft>.<domain>`` holds the metrics at the primary gamma (``decode.num_draft_tokens``, or the swept
+    value closest to it) plus ``sweep.<gamma>``; ``recommendation.<domain>`` is the best (draft, gamma) by measured
+    speedup; ``verdicts.<domain>`` the report's one-line verdict.
     """
-    drafts: dict = {}
-    for domain, by_draft in results["domains"].items():
-        for name, entry in by_draft.items():
-            drafts.setdefault(name, {})[domain] = entry
-    all_lossless = [e["lossless"] for d in drafts.values() for e in d.values() if e["lossless"] is not None]
-    return {
+    gammas = list(results["num_draft_tokens"])
+    primary = primary_num_draft_tokens if primary_num_draft_tokens is not None else gammas[0]
+    primary = min(gammas, key=lambda x: (abs(x - primary), x))
+    cost = {n: c["cost_ratio"] for n, c in results["cost_ratio"].items()}
+    agg = aggregate(results["rows"], cost, primary_num_draft_tokens=primary, bootstrap_samples=bootstrap_samples,
+                    confidence=confidence, seed=seed, check_lossless=check_lossless)
+    all_lossless = [e["lossless"] for by_domain in agg["drafts"].values() for entry in by_domain.values()
+                    for e in entry["sweep"].values() if e["lossless"] is not None]
+    sampling = results.get("sampling") or {}
+    doc = {
+        "schema_version": SCHEMA_VERSION,
         "context": context,
-        "num_draft_tokens": results["num_draft_tokens"],
+        "num_draft_tokens": primary,
+        "num_draft_tokens_swept": gammas,
         "max_new_tokens": results["max_new_tokens"],
-        "sampling": results["sampling"],
+        "sampling": sampling,
+        "decoding": "sampling" if sampling.get("do_sample") else "greedy",
+        "bootstrap_samples": bootstrap_samples,
+        "confidence": confidence,
+        "alert_mean_accepted_length": alert_mean_accepted_length,
+        "truncated_prompts": results.get("truncated_prompts", 0),
         "cost_ratio": results["cost_ratio"],
         "lossless_all": all(all_lossless) if all_lossless else None,
-        "drafts": drafts,
+        "drafts": agg["drafts"],
+        "recommendation": agg["recommendation"],
     }
+    doc["verdicts"] = {d: verdict(doc, d) for d in domains_of(doc)}
+    return json_clean(doc)
 
 
-def render_markdown(doc: dict, extra_sections: list[str] | None = None) -> str:
+def domains_of(doc: dict) -> list[str]:
+    seen: dict[str, None] = {}
+    for by_domain in doc["drafts"].values():
+        for d in by_domain:
+            seen.setdefault(d, None)
+    return list(seen)
+
+
+def verdict(doc: dict, domain: str) -> str:
+    """One line: which draft and gamma to use on ``domain``, the measured and expected speedup, and any alert."""
+    r = doc["recommendation"].get(domain)
+    if r is None:
+        return f"{domain}: no measurement."
+    alert = doc["alert_mean_accepted_length"]
+    e = doc["drafts"][r["draft"]][domain]["sweep"][str(r["num_draft_tokens"])]
+    tau = e["mean_accepted_length"]
+    s = e["measured_speedup"]
+    parts = [f"use `{r['draft']}` with num_draft_tokens={r['num_draft_tokens']}: measured speedup "
+             f"{_ci(s, e.get('measured_speedup_ci'), 2, 'x')} (Leviathan expects {_fmt(e['expected_speedup'], 2)}x), "
+             f"tau {_ci(tau, e.get('mean_accepted_length_ci'), 2)}"]
+    others = [n for n in doc["drafts"] if n != r["draft"] and domain in doc["drafts"][n]]
+    for n in others:
+        o = doc["drafts"][n][domain]["sweep"].get(str(r["num_draft_tokens"]))
+        if o is not None:
+            parts.append(f"`{n}` at the same gamma: tau {_fmt(o['mean_accepted_length'], 2)}, "
+                         f"{_fmt(o['measured_speedup'], 2)}x")
+    line = "; ".join(parts) + "."
+    taus = {n: _num(doc["drafts"][n][domain]["mean_accepted_length"]) for n in doc["drafts"]
+            if domain in doc["drafts"][n]}
+    low = [n for n, t in taus.items() if not t >= alert]
+    if taus and len(low) == len(taus):
+        line += (f" **ALERT**: mean accepted length below {alert:g} (eval.alert_mean_accepted_length) for every "
+                 f"draft (best {_fmt(max(taus.values()), 2)}): adapt a draft to this domain.")
+    elif low:
+        line += " Below the alert threshold (tau < " + f"{alert:g}): " + ", ".join(
+            f"`{n}` ({_fmt(taus[n], 2)})" for n in low) + "."
+    ci = e.get("measured_speedup_ci")
+    if isinstance(s, (int, float)) and s is not None and (ci[1] < 1.0 if ci else s < 1.0):
+        line += " Speculative decoding is slower than target-only here."
+    lossless = [x["lossless"] for n in doc["drafts"] if domain in doc["drafts"][n]
+                for x in doc["drafts"][n][domain]["sweep"].values()]
+    if False in lossless:
+        line += " **LOSSLESS CHECK FAILED** (speculative greedy output differs from target-only)."
+    return line
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and x is not None else float("nan")
+
+
+def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: dict[str, str] | None = None,
+                    sources: dict[str, list[tuple[str, str]]] | None = None) -> str:
     ctx = doc["context"]
+    drafts = list(doc["drafts"])
+    domains = domains_of(doc)
+    swept = doc["num_draft_tokens_swept"]
+    level = int(round(100 * doc["confidence"]))
     lines = [f"# specdraft acceptance report: {ctx.get('experiment_name', '')}", ""]
-    lines += [f"- target: `{ctx.get('target')}`", f"- drafts: " + ", ".join(f"`{k}`" for k in doc["drafts"]),
-              f"- num_draft_tokens (gamma): {doc['num_draft_tokens']}, max_new_tokens: {doc['max_new_tokens']}, "
-              f"decoding: {'sampling ' + str(doc['sampling']) if doc['sampling'].get('do_sample') else 'greedy'}",
-              f"- speculative greedy output equals target-only greedy output on every prompt: "
-              f"{_fmt(doc['lossless_all'])}", ""]
+    lines += [f"- target: `{ctx.get('target')}`",
+              "- drafts: " + ", ".join(f"`{k}` (`{ctx.get('drafts', {}).get(k, '')}`)" for k in drafts),
+              f"- decoding: {doc['decoding']}" + (f" {doc['sampling']}" if doc["decoding"] == "sampling" else "")
+              + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
+              + (f"swept over {swept}, tables at gamma = {doc['num_draft_tokens']}" if len(swept) > 1
+                 else str(doc["num_draft_tokens"])),
+              f"- intervals: {level}% percentile bootstrap over prompts ({doc['bootstrap_samples']} resamples, "
+              f"pooled ratio recomputed per resample, seed {ctx.get('seed')})",
+              f"- lossless (speculative greedy output equals target-only greedy output on every prompt): "
+              f"{_fmt(doc['lossless_all'])}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")]
+    if doc.get("truncated_prompts"):
+        lines.append(f"- {doc['truncated_prompts']} prompt(s) were truncated from the left to eval.max_prompt_tokens")
     for name, c in doc["cost_ratio"].items():
-        lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward {c['draft_forward_s']*1e3:.2f} ms, "
-                     f"target forward {c['target_forward_s']*1e3:.2f} ms)")
-    lines.append("")
-    domains = list(next(iter(doc["drafts"].values())).keys()) if doc["drafts"] else []
-    header = ("| draft | acceptance rate | mean accepted length | target-only tok/s | speculative tok/s | "
-              "measured speedup | expected speedup (Leviathan) | prompts | lossless |")
-    for domain in domains:
-        lines += [f"## {domain}", "", header, "|" + "---|" * 9]
-        best = max(doc["drafts"], key=lambda n: doc["drafts"][n][domain]["mean_accepted_length"])
-        for name, by_domain in doc["drafts"].items():
-            e = by_domain[domain]
-            lines.append(f"| {name} | {_fmt(e['acceptance_rate'])} | {_fmt(e['mean_accepted_length'])} | "
-                         f"{_fmt(e['target_tokens_per_s'], 1)} | {_fmt(e['speculative_tokens_per_s'], 1)} | "
-                         f"{_fmt(e['measured_speedup'], 2)}x | {_fmt(e['expected_speedup'], 2)}x | {e['num_prompts']} | "
+        lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward "
+                     f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
+    lines += ["", "## Verdicts", ""]
+    lines += [f"- **{d}**: {doc['verdicts'][d]}" for d in domains]
+    lines += ["", f"## Summary (gamma = {doc['num_draft_tokens']}; [{level}% CI])", "",
+              "| domain | draft | acceptance rate | mean accepted length | measured speedup | expected speedup | "
+              "target tok/s | speculative tok/s | best gamma | lossless |", "|" + "---|" * 10]
+    for d in domains:
+        for n in drafts:
+            e = doc["drafts"][n].get(d)
+            if e is None:
+                continue
+            lines.append(f"| {d} | {n} | {_ci(e['acceptance_rate'], e['acceptance_rate_ci'])} | "
+                         f"{_ci(e['mean_accepted_length'], e['mean_accepted_length_ci'])} | "
+                         f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} | "
+                         f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e['target_tokens_per_s'], 1)} | "
+                         f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
                          f"{_fmt(e['lossless'])} |")
-        e = doc["drafts"][best][domain]
-        lines += ["", f"Verdict: `{best}` has the highest mean accepted length on {domain} "
-                      f"({e['mean_accepted_length']:.2f} tokens per verify step, measured speedup "
-                      f"{e['measured_speedup']:.2f}x).", ""]
+    if plots:
+        lines += ["", "## Plots", ""]
+        titles = {"acceptance_by_domain": "Acceptance by domain",
+                  "accepted_length_histograms": "Accepted-length histograms",
+                  "speedup_vs_num_draft_tokens": "Speedup vs num_draft_tokens (measured and Leviathan)",
+                  "per_position_acceptance": "Per-position acceptance"}
+        for k, rel in plots.items():
+            lines += [f"### {titles.get(k, k)}", "", f"![{titles.get(k, k)}]({rel})", ""]
+    lines += ["## Per domain", ""]
+    for d in domains:
+        lines += [f"### {d}", "", "| draft | gamma | alpha | token alpha | tau (expected) | draft time s | "
+                  "verify time s | target latency P50/P95/P99 s | speculative latency P50/P95/P99 s | prompts |",
+                  "|" + "---|" * 10]
+        for n in drafts:
+            e = doc["drafts"][n].get(d)
+            if e is None:
+                continue
+            tl, sl = e["target_latency_s"], e["speculative_latency_s"]
+            lines.append(
+                f"| {n} | {e['num_draft_tokens']} | {_fmt(e['acceptance_rate'])} | "
+                f"{_fmt(e['token_acceptance_rate'])} | {_fmt(e['mean_accepted_length'], 2)} "
+                f"({_fmt(e['expected_mean_accepted_length'], 2)}) | {_fmt(e['draft_time_s'], 3)} | "
+                f"{_fmt(e['verify_time_s'], 3)} | {_fmt(tl['p50'])}/{_fmt(tl['p95'])}/{_fmt(tl['p99'])} | "
+                f"{_fmt(sl['p50'])}/{_fmt(sl['p95'])}/{_fmt(sl['p99'])} | {e['num_prompts']} |")
+        lines += ["", "Per-position acceptance (P(token i accepted | earlier accepted)): " + "; ".join(
+            f"`{n}` " + ", ".join(_fmt(x, 2) for x in doc["drafts"][n][d]["per_position_acceptance"])
+            for n in drafts if d in doc["drafts"][n]), ""]
+        if len(swept) > 1:
+            lines += ["| gamma | " + " | ".join(f"{n}: tau / measured / expected speedup" for n in drafts) + " |",
+                      "|" + "---|" * (1 + len(drafts))]
+            for g in swept:
+                cells = []
+                for n in drafts:
+                    e = doc["drafts"][n].get(d, {}).get("sweep", {}).get(str(g))
+                    cells.append("n/a" if e is None else
+                                 f"{_fmt(e['mean_accepted_length'], 2)} / "
+                                 f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} / "
+                                 f"{_fmt(e['expected_speedup'], 2)}x")
+                lines.append(f"| {g} | " + " | ".join(cells) + " |")
+            r = doc["recommendation"].get(d)
+            if r:
+                lines += ["", f"Recommended for {d}: `{r['draft']}` with num_draft_tokens={r['num_draft_tokens']}."]
+            lines.append("")
+    if sources:
+        lines += ["## Data sources", "", "| domain | sources (license) |", "|---|---|"]
+        for d in domains:
+            if d in sources:
+                lines.append(f"| {d} | " + ", ".join(f"{s} ({lic})" for s, lic in sources[d]) + " |")
+        lines.append("")
     for s in extra_sections or []:
         lines += [s, ""]
-    lines += ["Field meanings: see README.md, section \"Report fields\".", ""]
+    lines += ["Field meanings: see README.md, section \"Report fields\". Every number here is recomputable from "
+              "per_prompt.csv (eval.metrics.aggregate).", ""]
     return "\n".join(lines)
 
 
 def write_per_prompt_csv(path: Path, rows: list[dict]) -> None:
     buf = io.StringIO()
-    if rows:
-        w = csv.DictWriter(buf, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    w = csv.DictWriter(buf, fieldnames=list(PER_PROMPT_COLUMNS))
+    w.writeheader()
+    w.writerows(row_to_csv(r) for r in rows)
     write_text_atomic(path, buf.getvalue())
 
 
-def write_report(out_dir: str | Path, results: dict, context: dict, extra_sections: list[str] | None = None) -> dict:
-    """Write ``metrics.json``, ``report.md`` and ``per_prompt.csv`` into ``out_dir`` (each atomically)."""
+def write_report(out_dir: str | Path, results: dict, context: dict, extra_sections: list[str] | None = None, *,
+                 primary_num_draft_tokens: int | None = None, bootstrap_samples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
+                 alert_mean_accepted_length: float = 2.0, plots: bool = True,
+                 sources: dict[str, list[tuple[str, str]]] | None = None) -> dict:
+    """Write ``per_prompt.csv``, ``metrics.json``, ``plots/*.png`` and ``report.md`` into ``out_dir`` (each
+    atomically); returns the metrics document (with ``plots``: name -> path relative to ``out_dir``)."""
     out_dir = Path(out_dir)
-    doc = metrics_document(results, context)
+    doc = metrics_document(results, context, primary_num_draft_tokens=primary_num_draft_tokens,
+                           bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed,
+                           check_lossless=check_lossless, alert_mean_accepted_length=alert_mean_accepted_length)
+    rel: dict[str, str] = {}
+    if plots:
+        from .plots import write_plots
+
+        rel = {k: str(p.relative_to(out_dir)) for k, p in
+               write_plots(doc, out_dir, alert=alert_mean_accepted_length).items()}
+    doc["plots"] = rel
+    write_per_prompt_csv(out_dir / "per_prompt.csv", results["rows"])
     write_json_atomic(out_dir / "metrics.json", doc)
-    write_per_prompt_csv(out_dir / "per_prompt.csv", results["per_prompt"])
-    write_text_atomic(out_dir / "report.md", render_markdown(doc, extra_sections))
+    write_text_atomic(out_dir / "report.md", render_markdown(doc, extra_sections, rel, sources))
     return doc

@@ -1,0 +1,245 @@
+"""Pooled metrics, bootstrap confidence intervals and the draft-length recommendation, computed from per-prompt rows.
+
+Everything in ``metrics.json`` is a pure function of the rows written to ``per_prompt.csv`` (plus the measured cost
+ratio), so the two files cannot disagree: :func:`aggregate` is what the report calls, and what a reader can call on
+the CSV (:func:`read_per_prompt_csv`) to recompute every number.
+
+Pooling follows DESIGN.md: ratios are ratios of sums over prompts (never means of per-prompt means). Bootstrap:
+resample the prompts of a (draft, domain, gamma) cell with replacement ``bootstrap_samples`` times (fixed seed),
+recompute the pooled ratio on each resample, report the percentile interval.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import math
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from decode.stats import expected_speedup
+
+# per_prompt.csv columns, in order. List-valued columns are space-separated integers.
+PER_PROMPT_COLUMNS = (
+    "draft", "domain", "prompt_id", "num_draft_tokens", "prompt_tokens", "truncated", "new_tokens", "verify_steps",
+    "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
+    "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
+    "accepted_length_histogram",
+)
+LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram")
+INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
+               "emitted_tokens", "target_new_tokens")
+FLOAT_COLUMNS = ("draft_time_s", "verify_time_s", "speculative_time_s", "target_time_s")
+BOOL_COLUMNS = ("truncated", "greedy_equal")
+
+
+def _nan_to_none(x):
+    return None if isinstance(x, float) and not math.isfinite(x) else x
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else float("nan")
+
+
+def _add(a: list[int], b: Iterable[int]) -> list[int]:
+    b = list(b)
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def percentiles(values: Iterable[float], qs=(50, 95, 99)) -> dict[str, float | None]:
+    """``{"p50": ..., "p95": ..., "p99": ...}`` of ``values`` (linear interpolation); None when empty."""
+    v = np.asarray(list(values), dtype=float)
+    return {f"p{q}": (float(np.percentile(v, q)) if v.size else None) for q in qs}
+
+
+def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, *, samples: int, confidence: float, seed: int,
+                       num2: np.ndarray | None = None, den2: np.ndarray | None = None) -> list[float] | None:
+    """Percentile bootstrap interval of a pooled ratio over prompts.
+
+    Each resample draws ``n`` prompt indices with replacement and recomputes ``sum(num[idx]) / sum(den[idx])``
+    (or, with ``num2``/``den2``, the ratio of two pooled ratios ``(sum num / sum den) / (sum num2 / sum den2)``,
+    which is how a speedup of tokens/s over tokens/s is pooled). Returns ``[low, high]`` or None when
+    ``samples == 0`` or there are no prompts. Resamples whose ratio is undefined (zero denominator) are dropped.
+    """
+    n = len(num)
+    if samples <= 0 or n == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(samples, n))  # (samples, n) prompt indices
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stat = num[idx].sum(1) / den[idx].sum(1)  # (samples,)
+        if num2 is not None:
+            stat = stat / (num2[idx].sum(1) / den2[idx].sum(1))
+    stat = stat[np.isfinite(stat)]
+    if not stat.size:
+        return None
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(stat, [a, 1 - a])
+    return [float(lo), float(hi)]
+
+
+def _cell_seed(seed: int, *key: Any) -> int:
+    """A fixed, per-cell seed so each interval is reproducible on its own (independent of cell order)."""
+    h = hashlib.sha256(("/".join(map(str, (seed, *key)))).encode()).digest()
+    return int.from_bytes(h[:4], "big")
+
+
+def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, bootstrap_samples: int = 1000,
+                 confidence: float = 0.95, seed: int = 0, check_lossless: bool = True) -> dict:
+    """All metrics of one (draft, domain, num_draft_tokens) cell from its per-prompt rows (see README,
+    "Report fields")."""
+    g = int(num_draft_tokens)
+    col = lambda k: np.asarray([r[k] for r in rows], dtype=float)  # noqa: E731  (n,) per-prompt column
+    steps, emitted, drafted, accepted = col("verify_steps"), col("emitted_tokens"), col("drafted_tokens"), \
+        col("accepted_tokens")
+    new, spec_t, tnew, tgt_t = col("new_tokens"), col("speculative_time_s"), col("target_new_tokens"), \
+        col("target_time_s")
+    ppd, ppa, hist = [], [], []
+    for r in rows:
+        ppd, ppa, hist = _add(ppd, r["per_position_drafted"]), _add(ppa, r["per_position_accepted"]), \
+            _add(hist, r["accepted_length_histogram"])
+    alpha = _ratio(accepted.sum(), drafted.sum())
+    # the per-token acceptance probability of Leviathan et al.'s i.i.d. model: accepted / positions reached.
+    token_alpha = _ratio(sum(ppa), sum(ppd))
+    tau = _ratio(emitted.sum(), steps.sum())
+    target_tps = _ratio(tnew.sum(), tgt_t.sum())
+    spec_tps = _ratio(new.sum(), spec_t.sum())
+    speedup = _ratio(spec_tps, target_tps) if math.isfinite(target_tps) else float("nan")
+    c = float(cost_ratio)
+    if math.isfinite(token_alpha):
+        exp_speedup = expected_speedup(token_alpha, g, c)
+        exp_tau = expected_speedup(token_alpha, g, 0.0)  # (1 - a^(g+1)) / (1 - a): tokens per step, i.i.d. model
+    else:
+        exp_speedup = exp_tau = float("nan")
+    equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
+    boot = dict(samples=bootstrap_samples, confidence=confidence)
+    key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
+    entry = {
+        "num_draft_tokens": g,
+        "acceptance_rate": alpha,
+        "acceptance_rate_ci": bootstrap_ratio_ci(accepted, drafted, seed=_cell_seed(seed, "alpha", *key), **boot),
+        "token_acceptance_rate": token_alpha,
+        "mean_accepted_length": tau,
+        "mean_accepted_length_ci": bootstrap_ratio_ci(emitted, steps, seed=_cell_seed(seed, "tau", *key), **boot),
+        "expected_mean_accepted_length": exp_tau,
+        "per_position_acceptance": [_ratio(a, d) for a, d in zip(ppa + [0] * (len(ppd) - len(ppa)), ppd)],
+        "accepted_length_histogram": hist,
+        "draft_time_s": float(col("draft_time_s").sum()),
+        "verify_time_s": float(col("verify_time_s").sum()),
+        "target_tokens_per_s": target_tps,
+        "speculative_tokens_per_s": spec_tps,
+        "target_latency_s": percentiles(tgt_t),
+        "speculative_latency_s": percentiles(spec_t),
+        "measured_speedup": speedup,
+        "measured_speedup_ci": bootstrap_ratio_ci(new, spec_t, num2=tnew, den2=tgt_t,
+                                                  seed=_cell_seed(seed, "speedup", *key), **boot),
+        "expected_speedup": exp_speedup,
+        "cost_ratio": c,
+        "num_prompts": len(rows),
+        "lossless": (all(equal) if equal else None) if check_lossless else None,
+        "stats": {
+            "verify_steps": int(steps.sum()), "drafted_tokens": int(drafted.sum()),
+            "accepted_tokens": int(accepted.sum()), "emitted_tokens": int(emitted.sum()),
+            "new_tokens": int(new.sum()), "speculative_time_s": float(spec_t.sum()),
+            "target_new_tokens": int(tnew.sum()), "target_time_s": float(tgt_t.sum()),
+            "draft_time_s": float(col("draft_time_s").sum()), "verify_time_s": float(col("verify_time_s").sum()),
+            "per_position_drafted": ppd, "per_position_accepted": ppa, "accepted_length_histogram": hist,
+        },
+    }
+    return entry
+
+
+def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_draft_tokens: int,
+              bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
+              check_lossless: bool = True) -> dict:
+    """Per-prompt rows -> ``{"drafts": {draft: {domain: entry}}, "recommendation": {domain: ...}}``.
+
+    ``entry`` holds the metrics at the primary gamma (``primary_num_draft_tokens`` if it was measured, else the
+    measured value closest to it), ``sweep`` = ``{gamma: entry}`` for every measured gamma, ``best_num_draft_tokens``
+    (highest measured speedup) and ``leviathan_curve`` (expected speedup for gamma = 1..max, from the token
+    acceptance rate pooled over the sweep). ``recommendation[domain]`` = the (draft, gamma) with the highest measured
+    speedup. ``cost_ratio`` maps draft -> c.
+    """
+    cells: dict[tuple[str, str, int], list[dict]] = {}
+    for r in rows:
+        cells.setdefault((r["draft"], r["domain"], int(r["num_draft_tokens"])), []).append(r)
+    drafts: dict[str, dict[str, dict]] = {}
+    for (draft, domain, g), cell in cells.items():
+        e = cell_metrics(cell, cost_ratio[draft], num_draft_tokens=g, bootstrap_samples=bootstrap_samples,
+                         confidence=confidence, seed=seed, check_lossless=check_lossless)
+        drafts.setdefault(draft, {}).setdefault(domain, {})[g] = e
+    out: dict[str, dict[str, dict]] = {}
+    recommendation: dict[str, dict] = {}
+    for draft, by_domain in drafts.items():
+        for domain, sweep in by_domain.items():
+            gammas = sorted(sweep)
+            primary = min(gammas, key=lambda x: (abs(x - primary_num_draft_tokens), x))
+            best = max(gammas, key=lambda x: (_finite(sweep[x]["measured_speedup"]), -x))
+            ppa = sum(sum(sweep[x]["stats"]["per_position_accepted"]) for x in gammas)
+            ppd = sum(sum(sweep[x]["stats"]["per_position_drafted"]) for x in gammas)
+            alpha = _ratio(ppa, ppd)
+            c = cost_ratio[draft]
+            top = max(max(gammas), 8)
+            curve = [expected_speedup(alpha, x, c) if math.isfinite(alpha) else float("nan")
+                     for x in range(1, top + 1)]
+            entry = dict(sweep[primary])
+            entry.update(best_num_draft_tokens=best, token_acceptance_rate_pooled_over_sweep=alpha,
+                         leviathan_curve={"num_draft_tokens": list(range(1, top + 1)), "expected_speedup": curve},
+                         sweep={str(x): sweep[x] for x in gammas})
+            out.setdefault(draft, {})[domain] = entry
+            cand = {"draft": draft, "num_draft_tokens": best, "measured_speedup": sweep[best]["measured_speedup"],
+                    "measured_speedup_ci": sweep[best]["measured_speedup_ci"],
+                    "mean_accepted_length": sweep[best]["mean_accepted_length"],
+                    "mean_accepted_length_ci": sweep[best]["mean_accepted_length_ci"],
+                    "expected_speedup": sweep[best]["expected_speedup"]}
+            cur = recommendation.get(domain)
+            if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
+                recommendation[domain] = cand
+    return {"drafts": out, "recommendation": recommendation}
+
+
+def _finite(x) -> float:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else -math.inf
+
+
+def json_clean(obj):
+    """Replace NaN/inf with None (strict JSON) recursively."""
+    if isinstance(obj, dict):
+        return {k: json_clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_clean(v) for v in obj]
+    return _nan_to_none(obj)
+
+
+# ------------------------------------------------------------------------------------------------- CSV round trip
+def row_to_csv(row: dict) -> dict:
+    out = {}
+    for k in PER_PROMPT_COLUMNS:
+        v = row[k]
+        if k in LIST_COLUMNS:
+            v = " ".join(str(int(x)) for x in v)
+        elif v is None:
+            v = ""
+        out[k] = v
+    return out
+
+
+def row_from_csv(rec: dict[str, str]) -> dict:
+    out: dict[str, Any] = dict(rec)
+    for k in INT_COLUMNS:
+        out[k] = int(rec[k])
+    for k in FLOAT_COLUMNS:
+        out[k] = float(rec[k])
+    for k in BOOL_COLUMNS:
+        out[k] = None if rec[k] == "" else rec[k] == "True"
+    for k in LIST_COLUMNS:
+        out[k] = [int(x) for x in rec[k].split()]
+    return out
+
+
+def read_per_prompt_csv(path: str | Path) -> list[dict]:
+    """Rows of a ``per_prompt.csv`` with their types restored (feed them to :func:`aggregate`)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return [row_from_csv(r) for r in csv.DictReader(f)]

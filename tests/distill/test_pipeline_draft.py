@@ -122,3 +122,18 @@ def test_inconsistent_config_is_rejected_before_loading(tmp_path):
 def test_bad_distill_config_is_rejected(tmp_path, distill, match):
     with pytest.raises(ValueError, match=match):
         _rc(tmp_path, **distill)
+
+
+def test_bench_teacher_cache_script_runs_on_a_tiny_saved_target(tiny_target, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_teacher_cache
+
+    out = tmp_path / "bench.json"
+    assert bench_teacher_cache.main(["--target", str(tiny_target), "--steps", "3", "--warmup", "1", "--repeats", "1",
+                                     "--micro-batch-size", "2", "--block-size", "16", "--top-k", "4",
+                                     "--random-tokens", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["timed_steps_per_variant"] == 3 and res["online_step_s"] > 0 and res["cached_step_s"] > 0
+    assert res["speedup"] == pytest.approx(res["online_step_s"] / res["cached_step_s"])

@@ -1,0 +1,58 @@
+"""scripts/compare_runs.py: a multirun sweep folder becomes one loss x domain comparison (Markdown + JSON)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import compare_runs  # noqa: E402
+
+
+def _job(sweep: Path, name: str, loss: str, tau: dict, base: dict, step: int = 100) -> None:
+    job = sweep / name
+    (job / "drafts" / "distilled").mkdir(parents=True)
+    drafts = {"distilled": {d: {"mean_accepted_length": v, "acceptance_rate": (v - 1) / 4} for d, v in tau.items()},
+              "baseline": {d: {"mean_accepted_length": v, "acceptance_rate": (v - 1) / 4} for d, v in base.items()}}
+    (job / "metrics.json").write_text(json.dumps({"num_draft_tokens": 4, "drafts": drafts}))
+    (job / "resolved_config.json").write_text(json.dumps({"distill": {"loss": loss, "data_source": "dataset",
+                                                                      "teacher_signal": "online"}}))
+    (job / "drafts" / "distilled" / "specdraft.json").write_text(json.dumps({"selected_step": step}))
+
+
+def test_sweep_comparison(tmp_path):
+    base = {"medical": 2.0, "code": 1.5}
+    _job(tmp_path, "0_distill.loss=forward_kl", "forward_kl", {"medical": 2.6, "code": 1.8}, base, step=250)
+    _job(tmp_path, "1_distill.loss=total_variation", "total_variation", {"medical": 2.8, "code": 1.6}, base)
+    (tmp_path / "2_distill.loss=skew_kl").mkdir()  # a job that died before writing metrics: ignored
+    _job(tmp_path, "3_distill.loss=reverse_kl", "reverse_kl", {"medical": 2.2}, {"medical": 2.0})
+    assert compare_runs.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "comparison.json").read_text())
+    assert doc["domains"] == ["medical", "code"] and doc["num_draft_tokens"] == 4
+    assert [r["loss"] for r in doc["runs"]] == ["forward_kl", "total_variation", "reverse_kl"]
+    fkl = doc["runs"][0]
+    assert fkl["vs_baseline"]["medical"] == pytest.approx(1.3) and fkl["selected_step"] == 250
+    assert doc["runs"][2]["mean_accepted_length"]["code"] is None
+    assert doc["baseline"]["mean_accepted_length"] == {"medical": 2.0, "code": 1.5}
+    assert doc["baseline"]["spread"]["medical"] == 0.0
+    md = (tmp_path / "comparison.md").read_text()
+    assert "| forward_kl | 2.600 (1.30x) | 1.800 (1.20x) | 250 |" in md
+    assert "| baseline (cross-entropy) | 2.000 | 1.500 | - |" in md
+
+
+def test_duplicate_losses_are_labelled_by_job_and_empty_sweep_fails(tmp_path):
+    _job(tmp_path, "0_a", "forward_kl", {"medical": 2.5}, {"medical": 2.0})
+    _job(tmp_path, "1_b", "forward_kl", {"medical": 2.7}, {"medical": 2.1})
+    runs, _ = compare_runs.collect_runs(tmp_path)
+    doc = compare_runs.compare(runs)
+    assert [r["label"] for r in doc["runs"]] == ["forward_kl (0_a)", "forward_kl (1_b)"]
+    assert doc["baseline"]["spread"]["medical"] == pytest.approx(0.1)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(empty)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no finished run" in proc.stderr

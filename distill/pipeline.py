@@ -93,6 +93,8 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
     train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
+    if torch.cuda.is_available() and kind == "distilled" and (dc.data_source == "teacher" or dc.teacher_signal == "cached"):
+        target.to("cuda")  # the one-off teacher passes run where training will (accelerate picks the GPU too)
     passes: dict = {}
     hook = None
     if kind == "distilled":

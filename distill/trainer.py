@@ -258,6 +258,7 @@ def train(
     if cfg.resume and (ckpt / "trainer_state.json").exists():
         accelerator.load_state(str(ckpt))
         state.update(json.loads((ckpt / "trainer_state.json").read_text()))
+        state["stopped_early"] = None  # a new budget (or none) applies to the continuation
         if state["best"] is not None and (ckpt / "best_model.safetensors").exists():
             best_weights = load_file(str(ckpt / "best_model.safetensors"))
         log.info("resumed %s from step %d", desc, state["step"])

@@ -92,13 +92,13 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     if not paths:
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
+    domains = _domain_objects(rc)  # user files are checked before any model loads
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     drafts, meta = {}, {}
     for n in sorted(paths, key=lambda n: (n != "distilled", n)):
         model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
         drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
-    domains = _domain_objects(rc)
     prompts = load_prompts(domains, opts, rc.eval.max_prompts)
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,

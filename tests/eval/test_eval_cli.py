@@ -1,9 +1,18 @@
-"""`python -m eval` on tiny checkpoints built here: a mismatched draft tokenizer stops before any decoding with
-an error that says what differs; a matching draft produces the report files."""
+"""`python -m eval` on tiny checkpoints built here.
+
+One real CLI run (two drafts, a gamma sweep, a Spec-Bench domain, a user JSONL domain, ``logger=wandb`` offline)
+feeds several tests: the report files exist and agree with each other (pooled numbers recomputed from
+``per_prompt.csv`` equal ``metrics.json``), the sweep recommends a gamma per domain, the plots are readable PNGs,
+events.jsonl and the offline wandb run directory hold the metrics. Bad input is a clear error: a mismatched draft
+tokenizer stops before any decoding and says what differs; a bad target path exits non-zero through the CLI;
+config errors are rejected before any model loads (in-process, through the same ``run``).
+"""
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +24,7 @@ from conftest import tiny_llama
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
         "User: hello there\nAssistant: hi, how can I help?", "The patient reports chest pain and cough."] * 20
+SWEEP = [1, 2, 3]
 
 
 def _save(tmp: Path, name: str, texts, vocab_size: int, seed: int) -> Path:
@@ -33,42 +43,185 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
 
 
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    import eval.__main__  # noqa: F401  (registers the specdraft_root resolver)
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
     target = _save(tmp, "target", TEXT, 300, 0)
     same = _save(tmp, "draft_same", TEXT, 300, 1)
     other = _save(tmp, "draft_other", [t.upper() for t in TEXT], 300, 2)
-    return target, same, other
+    twin = tmp / "draft_twin"  # the target itself as a draft: every drafted token is accepted
+    shutil.copytree(target, twin)
+    return target, same, other, twin
 
 
 def test_tokenizer_mismatch_is_a_clear_error(models, tmp_path):
-    target, _, other = models
-    proc = _eval(f"target.name_or_path={target}", f"eval.drafts={{bad: {other}}}", "eval.domains=[chat]",
-                 "eval.max_prompts=1", "eval.max_new_tokens=4", f"hydra.run.dir={tmp_path}")
-    assert proc.returncode != 0
-    assert "tokenizer" in proc.stderr.lower() and "vocabulary" in proc.stderr.lower(), proc.stderr[-2000:]
+    from eval.__main__ import run
+
+    target, _, other, _ = models
+    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{bad: {other}}}", "eval.domains=[chat]",
+                    "eval.max_prompts=1", "eval.max_new_tokens=4"])
+    with pytest.raises(ValueError) as ei:
+        run(cfg, tmp_path)
+    msg = str(ei.value).lower()
+    assert "tokenizer" in msg and "vocabulary" in msg, msg
     assert not (tmp_path / "metrics.json").exists()
+    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["stage_start", "stage_failed"]
 
 
-def test_eval_cli_writes_report(models, tmp_path):
-    target, same, _ = models
-    proc = _eval(f"target.name_or_path={target}", f"eval.drafts={{mine: {same}}}", "eval.domains=[chat,math]",
-                 "eval.max_prompts=2", "eval.max_new_tokens=6", "eval.cost_ratio_trials=2",
-                 f"hydra.run.dir={tmp_path}")
+@pytest.fixture(scope="module")
+def cli_run(models, tmp_path_factory):
+    """One `python -m eval` run with two drafts, a sweep, a Spec-Bench domain and a user domain, wandb offline."""
+    target, same, _, twin = models
+    run_dir = tmp_path_factory.mktemp("cli_run")
+    user = run_dir.parent / "user_prompts.jsonl"
+    user.write_text("".join(json.dumps({"q": f"User: tell me about item {i}\nAssistant:"}) + "\n" for i in range(3)))
+    proc = _eval(f"target.name_or_path={target}", f"eval.drafts={{mine: {same}, twin: {twin}}}",
+                 "eval.domains=[chat,specbench_qa]", f"eval.extra_domains=[{{name: mine_file, path: {user}, "
+                 f"text_field: q}}]", f"eval.num_draft_tokens={SWEEP}", "eval.max_prompts=2",
+                 "eval.max_new_tokens=8", "eval.cost_ratio_trials=2", "eval.bootstrap_samples=200",
+                 "eval.num_threads=1", "logger=wandb", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "metrics.json").read_text())
-    assert set(doc["drafts"]["mine"]) == {"chat", "math"}
+    return run_dir, proc
+
+
+def test_eval_cli_writes_report(cli_run):
+    run_dir, proc = cli_run
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    domains = ["chat", "specbench_qa", "mine_file"]
+    assert list(doc["drafts"]) == ["mine", "twin"]
+    for draft in doc["drafts"].values():
+        assert list(draft) == domains
+        for e in draft.values():
+            assert sorted(map(int, e["sweep"])) == SWEEP and e["num_prompts"] == 2
+            for f in ("acceptance_rate", "mean_accepted_length", "measured_speedup", "expected_speedup",
+                      "target_tokens_per_s", "speculative_tokens_per_s", "draft_time_s", "verify_time_s"):
+                assert isinstance(e[f], float), f
+            lo, hi = e["mean_accepted_length_ci"]
+            assert lo <= e["mean_accepted_length"] <= hi
+            assert set(e["speculative_latency_s"]) == {"p50", "p95", "p99"}
+            assert len(e["per_position_acceptance"]) <= e["num_draft_tokens"]
     assert doc["lossless_all"] is True
+    twin = doc["drafts"]["twin"]["chat"]
+    assert twin["acceptance_rate"] == 1.0 and twin["token_acceptance_rate"] == 1.0
+    assert doc["num_draft_tokens"] == 3 and doc["num_draft_tokens_swept"] == SWEEP  # closest to decode's 4
+    report = (run_dir / "report.md").read_text()
+    for d in domains:
+        assert f"- **{d}**: use `" in report  # one verdict line per domain
+    assert "plots/acceptance_by_domain.png" in report and "mine_file" in report
+    assert "use " in proc.stdout
+
+
+def test_per_prompt_csv_recomputes_metrics_json(cli_run):
+    """Numbers agree across files: pooled tau from per_prompt.csv equals metrics.json, for every cell."""
+    import csv
+
+    from eval.metrics import aggregate, json_clean, read_per_prompt_csv
+
+    run_dir, _ = cli_run
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    with open(run_dir / "per_prompt.csv", newline="") as f:
+        raw = list(csv.DictReader(f))
+    assert len(raw) == 2 * 3 * len(SWEEP) * 2  # drafts x domains x gammas x prompts (2 each)
+    cells: dict = {}
+    for r in raw:
+        c = cells.setdefault((r["draft"], r["domain"], r["num_draft_tokens"]), [0, 0])
+        c[0] += int(r["emitted_tokens"])
+        c[1] += int(r["verify_steps"])
+    for (draft, domain, g), (emitted, steps) in cells.items():
+        assert doc["drafts"][draft][domain]["sweep"][g]["mean_accepted_length"] == pytest.approx(emitted / steps,
+                                                                                                 abs=1e-12)
+    # and the whole document's numbers, bootstrap intervals included, are a function of the CSV
+    rows = read_per_prompt_csv(run_dir / "per_prompt.csv")
+    again = json_clean(aggregate(rows, {n: c["cost_ratio"] for n, c in doc["cost_ratio"].items()},
+                                 primary_num_draft_tokens=doc["num_draft_tokens"], bootstrap_samples=200,
+                                 seed=doc["context"]["seed"]))
+    assert again["drafts"] == doc["drafts"]
+    assert again["recommendation"] == doc["recommendation"]
+
+
+def test_sweep_recommends_num_draft_tokens_per_domain(cli_run):
+    run_dir, _ = cli_run
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    assert set(doc["recommendation"]) == {"chat", "specbench_qa", "mine_file"}
+    for domain, r in doc["recommendation"].items():
+        assert r["num_draft_tokens"] in SWEEP and r["draft"] in doc["drafts"]
+        measured = {(n, int(g)): e["measured_speedup"] for n in doc["drafts"]
+                    for g, e in doc["drafts"][n][domain]["sweep"].items()}
+        assert r["measured_speedup"] == max(measured.values())
+        assert measured[(r["draft"], r["num_draft_tokens"])] == r["measured_speedup"]
+        for n in doc["drafts"]:
+            e = doc["drafts"][n][domain]
+            assert e["best_num_draft_tokens"] == max(SWEEP, key=lambda g: e["sweep"][str(g)]["measured_speedup"])
+            curve = e["leviathan_curve"]
+            assert curve["num_draft_tokens"][0] == 1 and len(curve["expected_speedup"]) >= max(SWEEP)
+        assert f"num_draft_tokens={r['num_draft_tokens']}" in doc["verdicts"][domain]
+
+
+def test_plots_events_and_wandb_offline_run(cli_run):
+    import matplotlib.image as mpimg
+
+    run_dir, _ = cli_run
+    doc = json.loads((run_dir / "metrics.json").read_text())
+    assert set(doc["plots"]) == {"acceptance_by_domain", "accepted_length_histograms",
+                                 "speedup_vs_num_draft_tokens", "per_position_acceptance"}
+    for rel in doc["plots"].values():
+        img = mpimg.imread(run_dir / rel)
+        assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 300
+    assert not list((run_dir / "plots").glob(".*tmp*"))  # atomic writes leave no temp files
+
+    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
+    names = [e["event"] for e in events]
+    assert names[0] == "stage_start" and names[-1] == "stage_end"
+    assert sorted(e["domain"] for e in events if e["event"] == "eval_domain_done") == sorted(
+        ["chat", "specbench_qa", "mine_file"])
+    assert "eval_wandb" in names
+
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((run_dir / "wandb").iterdir())
+    wandb_file = next(runs[0].glob("run-*.wandb"))
+    blob = wandb_file.read_bytes()
+    # the summary (same metrics as metrics.json) is in the offline run's log
+    assert b"eval/twin/chat/mean_accepted_length" in blob and b"eval/recommendation/chat/num_draft_tokens" in blob
+    saved = json.loads((runs[0] / "files" / "metrics.json").read_text())
+    assert saved["drafts"]["twin"]["chat"]["mean_accepted_length"] == doc["drafts"]["twin"]["chat"][
+        "mean_accepted_length"]
+    media = list((runs[0] / "files" / "media").rglob("*.png"))
+    assert len(media) >= 4
+
+
+def test_bad_target_exits_nonzero(models, tmp_path):
+    _, same, _, _ = models
+    proc = _eval(f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]", "target.name_or_path=/does/not/exist",
+                 f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "/does/not/exist" in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override, needle", [
     ("decode.num_draft_tokens=0", "num_draft_tokens"),
     ("eval.domains=[nope]", "nope"),
-    ("target.name_or_path=/does/not/exist", "/does/not/exist"),
+    ("eval.num_draft_tokens=[2,0]", "eval.num_draft_tokens"),
+    ("eval.bootstrap_samples=-1", "bootstrap_samples"),
+    ("eval.extra_domains=[{name: chat, path: x.jsonl, text_field: q}]", "registered domain"),
+    ("eval.extra_domains=[{name: mine, path: /no/such/file.jsonl, text_field: q}]", "/no/such/file.jsonl"),
+    ("logger.name=bogus", "logger.name"),
 ])
-def test_bad_eval_input_exits_nonzero(models, tmp_path, override, needle):
-    _, same, _ = models
-    proc = _eval(f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]", override, f"hydra.run.dir={tmp_path}")
-    assert proc.returncode != 0
-    assert needle in proc.stderr, proc.stderr[-2000:]
+def test_bad_eval_input_is_rejected_before_decoding(models, tmp_path, override, needle):
+    from eval.__main__ import run
+
+    _, same, _, _ = models
+    cfg = _compose([f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]", override])
+    with pytest.raises(ValueError) as ei:
+        run(cfg, tmp_path)
+    assert needle in str(ei.value)
+    assert not (tmp_path / "metrics.json").exists()

@@ -1,0 +1,150 @@
+"""eval.metrics / eval.report on hand-made per-prompt rows (no models): pooling, bootstrap intervals,
+percentiles, the Leviathan numbers, the sweep recommendation, the CSV round trip, verdicts and plots."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from decode.stats import expected_speedup
+from eval.metrics import (PER_PROMPT_COLUMNS, aggregate, bootstrap_ratio_ci, cell_metrics, json_clean, percentiles,
+                          read_per_prompt_csv)
+from eval.report import metrics_document, render_markdown, write_per_prompt_csv, write_report
+
+
+def row(draft="d", domain="x", g=2, steps=4, accepted=4, emitted=8, new=8, spec_t=1.0, tnew=8, tgt_t=2.0, pid="p",
+        hist=None, ppd=None, ppa=None, equal=True):
+    return {"draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
+            "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": steps * g,
+            "accepted_tokens": accepted, "emitted_tokens": emitted, "draft_time_s": 0.25 * spec_t,
+            "verify_time_s": 0.5 * spec_t, "speculative_time_s": spec_t, "target_new_tokens": tnew,
+            "target_time_s": tgt_t, "greedy_equal": equal,
+            "per_position_drafted": ppd if ppd is not None else [steps, 2],
+            "per_position_accepted": ppa if ppa is not None else [2, 1],
+            "accepted_length_histogram": hist if hist is not None else [2, 1, 1]}
+
+
+def test_pooled_ratios_are_ratios_of_sums_not_means_of_means():
+    rows = [row(steps=1, emitted=3, accepted=2, pid="a"), row(steps=9, emitted=9, accepted=0, pid="b")]
+    e = cell_metrics(rows, 0.5, num_draft_tokens=2, bootstrap_samples=0)
+    assert e["mean_accepted_length"] == pytest.approx(12 / 10)  # not (3 + 1) / 2
+    assert e["acceptance_rate"] == pytest.approx(2 / 20)
+    assert e["mean_accepted_length_ci"] is None
+    assert e["stats"]["verify_steps"] == 10 and e["accepted_length_histogram"] == [4, 2, 2]
+    assert e["per_position_acceptance"] == pytest.approx([4 / 10, 2 / 4])
+    # the Leviathan numbers use the per-token acceptance (accepted / positions reached), pooled
+    a = (4 + 2) / (10 + 4)
+    assert e["token_acceptance_rate"] == pytest.approx(a)
+    assert e["expected_speedup"] == pytest.approx(expected_speedup(a, 2, 0.5))
+    assert e["expected_mean_accepted_length"] == pytest.approx((1 - a ** 3) / (1 - a))
+    # speedup = pooled speculative tok/s over pooled target tok/s
+    assert e["measured_speedup"] == pytest.approx((16 / 2.0) / (16 / 4.0))
+    assert e["lossless"] is True
+
+
+def test_bootstrap_interval_is_seeded_and_brackets_the_pooled_ratio():
+    rng = np.random.default_rng(1)
+    den = rng.integers(5, 30, size=40).astype(float)
+    num = den * rng.uniform(1.0, 4.0, size=40)
+    ci = bootstrap_ratio_ci(num, den, samples=500, confidence=0.95, seed=3)
+    assert ci == bootstrap_ratio_ci(num, den, samples=500, confidence=0.95, seed=3)  # fixed seed: same interval
+    assert ci != bootstrap_ratio_ci(num, den, samples=500, confidence=0.95, seed=4)
+    point = num.sum() / den.sum()
+    assert ci[0] < point < ci[1]
+    narrow = bootstrap_ratio_ci(num, den, samples=500, confidence=0.5, seed=3)
+    assert ci[0] <= narrow[0] <= narrow[1] <= ci[1]
+    # each resample recomputes the POOLED ratio: a hand-rolled loop with the same draws agrees
+    idx = np.random.default_rng(3).integers(0, 40, size=(500, 40))
+    stats = [num[i].sum() / den[i].sum() for i in idx]
+    assert ci == pytest.approx(list(np.quantile(stats, [0.025, 0.975])))
+    # one prompt: a degenerate interval; identical prompts: zero width
+    assert bootstrap_ratio_ci(num[:1], den[:1], samples=50, confidence=0.95, seed=0) == pytest.approx(
+        [num[0] / den[0]] * 2)
+    assert bootstrap_ratio_ci(np.ones(5) * 3, np.ones(5), samples=50, confidence=0.95, seed=0) == [3.0, 3.0]
+    assert bootstrap_ratio_ci(num, den, samples=0, confidence=0.95, seed=0) is None
+
+
+def test_percentiles():
+    v = list(range(1, 101))
+    p = percentiles(v)
+    assert p == {"p50": pytest.approx(np.percentile(v, 50)), "p95": pytest.approx(np.percentile(v, 95)),
+                 "p99": pytest.approx(np.percentile(v, 99))}
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+
+
+def _sweep_rows():
+    rows = []
+    # draft "a": fastest at gamma 4 on x, at gamma 1 on y; draft "b" is slower everywhere except y at gamma 2
+    speed = {("a", "x"): {1: 1.2, 2: 1.5, 4: 1.9}, ("a", "y"): {1: 1.1, 2: 0.9, 4: 0.7},
+             ("b", "x"): {1: 1.0, 2: 1.1, 4: 1.2}, ("b", "y"): {1: 0.8, 2: 1.3, 4: 0.6}}
+    for (d, dom), by_g in speed.items():
+        for g, s in by_g.items():
+            for i in range(3):
+                rows.append(row(draft=d, domain=dom, g=g, spec_t=2.0 / s, tgt_t=2.0, pid=str(i),
+                                ppd=[4] + [2] * (g - 1), ppa=[2] * g, hist=[1, 1, 1] + [1] * (g - 2)))
+    return rows
+
+
+def test_aggregate_recommends_the_fastest_measured_setting_per_domain():
+    out = aggregate(_sweep_rows(), {"a": 0.2, "b": 0.1}, primary_num_draft_tokens=3, bootstrap_samples=50)
+    rec = out["recommendation"]
+    assert (rec["x"]["draft"], rec["x"]["num_draft_tokens"]) == ("a", 4)
+    assert (rec["y"]["draft"], rec["y"]["num_draft_tokens"]) == ("b", 2)
+    assert rec["y"]["measured_speedup"] == pytest.approx(1.3)
+    assert out["drafts"]["a"]["y"]["best_num_draft_tokens"] == 1
+    # primary gamma: decode.num_draft_tokens=3 was not measured, the closest (ties: smaller) is reported
+    assert out["drafts"]["a"]["x"]["num_draft_tokens"] == 2
+    e = out["drafts"]["a"]["x"]
+    assert sorted(e["sweep"]) == ["1", "2", "4"]
+    curve = e["leviathan_curve"]
+    assert curve["num_draft_tokens"] == list(range(1, 9))
+    alpha = e["token_acceptance_rate_pooled_over_sweep"]
+    assert curve["expected_speedup"][3] == pytest.approx(expected_speedup(alpha, 4, 0.2))
+
+
+def test_csv_round_trip_rebuilds_every_number(tmp_path):
+    rows = _sweep_rows()
+    rows[0]["greedy_equal"] = None
+    write_per_prompt_csv(tmp_path / "per_prompt.csv", rows)
+    back = read_per_prompt_csv(tmp_path / "per_prompt.csv")
+    assert back == rows
+    assert list(back[0]) == list(PER_PROMPT_COLUMNS)
+    a = aggregate(rows, {"a": 0.2, "b": 0.1}, primary_num_draft_tokens=2, bootstrap_samples=100, seed=7)
+    b = aggregate(back, {"a": 0.2, "b": 0.1}, primary_num_draft_tokens=2, bootstrap_samples=100, seed=7)
+    assert json_clean(a) == json_clean(b)
+
+
+def _results(rows, gammas=(1, 2, 4)):
+    return {"rows": rows, "cost_ratio": {d: {"cost_ratio": c, "draft_forward_s": c * 1e-3, "target_forward_s": 1e-3}
+                                         for d, c in (("a", 0.2), ("b", 0.1))},
+            "num_draft_tokens": list(gammas), "max_new_tokens": 8, "sampling": {}, "truncated_prompts": 0}
+
+
+def test_verdict_alerts_below_the_threshold_and_report_is_strict_json(tmp_path):
+    rows = _sweep_rows()
+    doc = metrics_document(_results(rows), {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=4,
+                           bootstrap_samples=50, alert_mean_accepted_length=2.5)
+    # every row has tau = 8 / 4 = 2 < 2.5
+    assert all("**ALERT**" in v for v in doc["verdicts"].values())
+    assert "use `a` with num_draft_tokens=4" in doc["verdicts"]["x"]
+    ok = metrics_document(_results(rows), {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=4,
+                          bootstrap_samples=50, alert_mean_accepted_length=2.0)
+    assert not any("ALERT" in v for v in ok["verdicts"].values())
+    md = render_markdown(ok)
+    assert "## Verdicts" in md and "| x | a |" in md
+    doc = write_report(tmp_path, _results(rows), {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=4,
+                       bootstrap_samples=20, plots=False)
+    text = (tmp_path / "metrics.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+    assert doc["plots"] == {} and (tmp_path / "report.md").exists()
+
+
+def test_nan_cells_do_not_break_the_report(tmp_path):
+    # a prompt that emitted nothing (EOS first) drafts nothing: alpha is undefined, not an error
+    rows = [row(draft="a", g=1, steps=0, accepted=0, emitted=0, new=0, ppd=[], ppa=[], hist=[]),
+            row(draft="b", g=1, steps=0, accepted=0, emitted=0, new=0, ppd=[], ppa=[], hist=[])]
+    doc = write_report(tmp_path, _results(rows, (1,)), {"experiment_name": "t", "seed": 0}, bootstrap_samples=10,
+                       plots=True)
+    assert doc["drafts"]["a"]["x"]["acceptance_rate"] is None
+    assert (tmp_path / "plots" / "acceptance_by_domain.png").stat().st_size > 1000

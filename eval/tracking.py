@@ -4,13 +4,15 @@ The wandb run defaults to ``mode=offline`` (nothing leaves the machine; ``wandb 
 writes its folder under the run directory (``<run_dir>/wandb/offline-run-*``). It receives the same numbers as
 ``metrics.json`` (flattened ``<draft>/<domain>/<field>`` into the run summary and one history step), the plots as
 ``wandb.Image``, a ``metrics`` table (one row per draft x domain x num_draft_tokens), optionally the per-prompt
-table, and a copy of ``metrics.json`` and ``report.md`` in the run's files.
+table, and copies of ``metrics.json`` / ``report.md`` (``specdraft_metrics.json`` / ``specdraft_report.md``)
+in the run's files.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -117,9 +119,11 @@ def log_to_wandb(logger_cfg, run_dir: str | Path, doc: dict, *, config: dict | N
         run.log(payload)
         for k, v in flat.items():
             run.summary[f"eval/{k}"] = v
-        for f in ("metrics.json", "report.md"):
-            if (run_dir / f).exists():
-                run.save(str(run_dir / f), base_path=str(run_dir), policy="now")
+        # copies in the run's files (uploaded by `wandb sync`); renamed so tools that glob for metrics.json in a
+        # sweep folder (scripts/compare_runs.py) do not count the copy as a second run
+        for src, dst in (("metrics.json", "specdraft_metrics.json"), ("report.md", "specdraft_report.md")):
+            if (run_dir / src).exists() and run.dir:
+                shutil.copyfile(run_dir / src, Path(run.dir) / dst)
         local = str(Path(run.dir).parent) if run.dir else None
     finally:
         run.finish()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_llama
+from eval_testutils import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
@@ -192,7 +192,7 @@ def test_plots_events_and_wandb_offline_run(cli_run):
     blob = wandb_file.read_bytes()
     # the summary (same metrics as metrics.json) is in the offline run's log
     assert b"eval/twin/chat/mean_accepted_length" in blob and b"eval/recommendation/chat/num_draft_tokens" in blob
-    saved = json.loads((runs[0] / "files" / "metrics.json").read_text())
+    saved = json.loads((runs[0] / "files" / "specdraft_metrics.json").read_text())
     assert saved["drafts"]["twin"]["chat"]["mean_accepted_length"] == doc["drafts"]["twin"]["chat"][
         "mean_accepted_length"]
     media = list((runs[0] / "files" / "media").rglob("*.png"))

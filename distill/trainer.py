@@ -16,6 +16,7 @@ as an uninterrupted run (tested with a real ``kill -9``).
 
 Closing the loop: with ``evaluate`` and ``eval_every > 0`` the student is evaluated every ``eval_every`` steps and
 at the last step; the weights with the highest ``select_key`` (mean accepted length) are restored at the end.
+(A run shorter than ``eval_every`` steps is never evaluated: it keeps its last weights.)
 """
 from __future__ import annotations
 
@@ -216,9 +217,10 @@ def train(
             optimizer; anything else (e.g. a :class:`distill.teacher.TeacherCache`) is passed through.
         on_step: called after each logged optimizer step with (step, log record); may add keys to the record.
         batch_hook: may replace each micro-batch, see :data:`BatchHook`.
-        evaluate: scores the student (see :data:`EvalFn`); run every ``eval_every`` steps and at the last step.
-            The best weights by ``select_key`` (higher is better; ties keep the earlier step) are restored into
-            ``student`` before returning. Runs on every process (it must be deterministic, e.g. greedy decoding).
+        evaluate: scores the student (see :data:`EvalFn`); run every ``eval_every`` steps and, when that ran at
+            least once, at the last step. The best weights by ``select_key`` (higher is better; ties keep the
+            earlier step) are restored into ``student`` before returning; a run shorter than ``eval_every`` is not
+            evaluated and keeps its last weights. Runs on every process (it must be deterministic, e.g. greedy).
         on_eval: called with (step, eval record) after each evaluation.
 
     Returns:
@@ -368,8 +370,8 @@ def train(
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
             save_checkpoint(accelerator, ckpt, state, best_weights)
     bar.close()
-    if evaluate is not None and eval_every and state["last_eval_step"] != step and step > 0:
-        run_eval(step, last_loss)  # the last weights always compete
+    if evaluate is not None and state["last_eval_step"] not in (None, step):
+        run_eval(step, last_loss)  # once selection is on, the last weights compete too
     state["elapsed_s"] = time.perf_counter() - t0
     accelerator.wait_for_everyone()
     save_checkpoint(accelerator, ckpt, state, best_weights)

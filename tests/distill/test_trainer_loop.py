@@ -99,7 +99,7 @@ def test_best_checkpoint_by_acceptance_is_kept_and_logged(tmp_path):
     assert (tmp_path / "checkpoint-last" / "best_model.safetensors").is_file()
 
 
-def test_last_step_is_always_evaluated(tmp_path):
+def test_last_step_is_evaluated_once_selection_is_on(tmp_path):
     steps = []
 
     def evaluate(model):
@@ -109,6 +109,10 @@ def test_last_step_is_always_evaluated(tmp_path):
     stats = train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path, _cfg(max_steps=5),
                   evaluate=evaluate, eval_every=2)
     assert len(steps) == 3 and stats["best"]["step"] == 5  # steps 2, 4 and the last one, 5
+    steps.clear()
+    short = train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path / "short", _cfg(max_steps=3),
+                  evaluate=evaluate, eval_every=4)
+    assert steps == [] and short["best"] is None  # shorter than eval_every: not scored, last weights kept
     with pytest.raises(ValueError, match="without 'mean_accepted_length'"):
         train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path / "b", _cfg(max_steps=2),
               evaluate=lambda m: {"loss": 1.0}, eval_every=1)

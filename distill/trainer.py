@@ -180,6 +180,11 @@ def _state_dict_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
 
 
+def _score(value) -> float:
+    """A selection score; NaN or None (e.g. no verify step) ranks below every number."""
+    return -math.inf if value is None or value != value else float(value)
+
+
 def _trim_log(path: Path, step: int) -> None:
     """Drop records after ``step`` (written by a run killed after its last checkpoint; they are replayed)."""
     if not path.exists():
@@ -290,7 +295,7 @@ def train(
         if select_key not in metrics:
             raise ValueError(f"{desc}: the evaluation returned {sorted(metrics)}, without {select_key!r}")
         best = state["best"]
-        if best is None or metrics[select_key] > best["metrics"][select_key]:
+        if best is None or _score(metrics[select_key]) > _score(best["metrics"][select_key]):
             state["best"] = {"step": done, "metrics": metrics}
             best_weights = _state_dict_copy(raw_student)
         state["last_eval_step"] = done

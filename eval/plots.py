@@ -68,7 +68,7 @@ def _domains(doc: dict) -> list[str]:
 def acceptance_by_domain(doc: dict, path: Path, alert: float | None = None) -> Path:
     drafts, domains = list(doc["drafts"]), _domains(doc)
     width = 0.8 / max(1, len(drafts))
-    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(domains) * max(1, len(drafts)) + 2), 7.5))
+    fig, axes = plt.subplots(2, 1, figsize=(min(16.0, max(7.0, 0.55 * len(domains) * max(1, len(drafts)) + 3)), 7.5))
     for ax, field, label in ((axes[0], "acceptance_rate", "acceptance rate $\\alpha$"),
                              (axes[1], "mean_accepted_length", "mean accepted length $\\tau$ (tokens / verify step)")):
         for j, draft in enumerate(drafts):

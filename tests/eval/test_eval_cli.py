@@ -225,3 +225,17 @@ def test_bad_eval_input_is_rejected_before_decoding(models, tmp_path, override, 
         run(cfg, tmp_path)
     assert needle in str(ei.value)
     assert not (tmp_path / "metrics.json").exists()
+
+
+def test_unreadable_draft_checkpoint_is_a_clear_error(models, tmp_path):
+    from eval.__main__ import run
+
+    target = models[0]
+    partial = tmp_path / "partial_draft"
+    partial.mkdir()
+    (partial / "config.json").write_text("{}")
+    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{broken: {partial}}}", "eval.domains=[chat]"])
+    with pytest.raises(ValueError) as ei:
+        run(cfg, tmp_path / "run")
+    msg = str(ei.value)
+    assert str(partial) in msg and "incomplete" in msg and "weights" in msg

@@ -5,7 +5,7 @@ import copy
 
 import torch
 
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 
 
 def perturbed_copy(model, noise: float, seed: int):

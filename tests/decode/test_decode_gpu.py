@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 from decode import autoregressive_generate, speculative_generate
 
 pytestmark = pytest.mark.gpu

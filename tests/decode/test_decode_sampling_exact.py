@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 from decode import autoregressive_generate, process_logits, speculative_generate
 
 scipy_stats = pytest.importorskip("scipy.stats")

@@ -12,7 +12,7 @@ from distill.shards import ShardStore
 from distill.teacher import build_teacher_cache, make_cached_distill_step
 from distill.topk import teacher_topk
 from distill.trainer import MicroBatch, TrainerConfig, make_distill_step, train
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 
 V, T = 64, 16
 

@@ -10,7 +10,7 @@ from distill.config import GenerationConfig
 from distill.generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
 from distill.losses import forward_kl
 from distill.trainer import MicroBatch, TrainerConfig, make_distill_step, train
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 
 V, T, EOS = 64, 16, 2
 

@@ -10,7 +10,7 @@ import torch
 
 from distill.losses import forward_kl
 from distill.trainer import MicroBatch, TrainerConfig, cosine_with_warmup, cross_entropy_step, make_distill_step, train
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 
 V, T = 64, 16
 

@@ -18,7 +18,7 @@ from distill.config import GenerationConfig
 from distill.generation import OnPolicyHook, make_acceptance_eval
 from distill.losses import forward_kl
 from distill.trainer import TrainerConfig, make_distill_step, train
-from conftest import tiny_llama
+from tinymodels import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 V, T, MAX_STEPS, SAVE_EVERY = 64, 16, 12, 3

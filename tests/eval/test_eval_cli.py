@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from eval_testutils import tiny_llama
+from tinymodels import tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from eval_testutils import tiny_llama
+from tinymodels import tiny_llama
 from eval.evaluate import Prompt, encode_prompt, evaluate_drafts
 from eval.metrics import aggregate
 

@@ -64,7 +64,14 @@ def check_draft_config(rc) -> None:
 
 
 def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
-    """Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
+    """
+    from .trainer import torch_threads
+
+    with torch_threads(rc.trainer.num_threads):  # the one-off teacher passes too
+        return _train_draft(rc, opts, run_dir, kind, events)
+
+
+def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
 
     Returns a summary: parameters of target and draft, training loss and time, validation cross-entropy of the
     draft on the training domain, the selected step and its mean accepted length (when ``distill.eval_every``),

@@ -20,11 +20,13 @@ at the last step; the weights with the highest ``select_key`` (mean accepted len
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -55,6 +57,7 @@ class TrainerConfig:
     resume: bool = False
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off); LR schedule still max_steps
+    num_threads: int = 0  # torch CPU threads while training (0: leave torch's setting); 1 is fastest for tiny models on busy CPUs
 
     def __post_init__(self):
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
@@ -66,6 +69,8 @@ class TrainerConfig:
             raise ValueError(f"trainer.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.save_every < 0 or self.log_every < 1:
             raise ValueError("trainer.warmup_steps and trainer.save_every must be >= 0, trainer.log_every >= 1")
+        if self.num_threads < 0:
+            raise ValueError(f"trainer.num_threads must be >= 0 (0 keeps torch's setting), got {self.num_threads}")
         if not self.max_time_s >= 0:
             raise ValueError(f"trainer.max_time_s must be >= 0 seconds (0 disables the budget), got {self.max_time_s}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -193,6 +198,30 @@ def _trim_log(path: Path, step: int) -> None:
     path.write_text("".join(l + "\n" for l in keep))
 
 
+@contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` torch CPU threads (``n = 0``: unchanged), restoring the previous count after."""
+    prev = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _with_cfg_threads(fn):
+    """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads."""
+
+    @functools.wraps(fn)
+    def wrapper(student, blocks, out_dir, cfg, *args, **kwargs):
+        with torch_threads(cfg.num_threads):
+            return fn(student, blocks, out_dir, cfg, *args, **kwargs)
+
+    return wrapper
+
+
+@_with_cfg_threads
 def train(
     student: torch.nn.Module,
     blocks: torch.Tensor,

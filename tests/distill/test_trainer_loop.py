@@ -119,7 +119,16 @@ def test_last_step_is_evaluated_once_selection_is_on(tmp_path):
 
 
 @pytest.mark.parametrize("kw,match", [({"max_time_s": -1}, "max_time_s"), ({"max_steps": 0}, "max_steps"),
-                                      ({"mixed_precision": "fp8"}, "mixed_precision")])
+                                      ({"mixed_precision": "fp8"}, "mixed_precision"),
+                                      ({"num_threads": -1}, "num_threads")])
 def test_bad_trainer_config_is_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainerConfig(**kw)
+
+
+def test_num_threads_applies_inside_training_only(tmp_path):
+    torch.set_num_threads(2)
+    inside = []
+    train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path, _cfg(max_steps=1, num_threads=1),
+          on_step=lambda s, r: inside.append(torch.get_num_threads()))
+    assert inside == [1] and torch.get_num_threads() == 2

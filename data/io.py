@@ -10,6 +10,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary folder next to ``final``; on success replace ``final`` with it, else delete it.
@@ -19,6 +25,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; artifacts get the usual permissions
     try:
         yield tmp
         old = None
@@ -38,6 +45,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)

@@ -64,14 +64,9 @@ def check_draft_config(rc) -> None:
 
 
 def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
-    """
-    from .trainer import torch_threads
+    """Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
 
-    with torch_threads(rc.trainer.num_threads):  # the one-off teacher passes too
-        return _train_draft(rc, opts, run_dir, kind, events)
-
-
-def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
+    Runs with ``trainer.num_threads`` torch threads (the one-off teacher passes too).
 
     Returns a summary: parameters of target and draft, training loss and time, validation cross-entropy of the
     draft on the training domain, the selected step and its mean accepted length (when ``distill.eval_every``),
@@ -80,6 +75,13 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     Raises:
         ValueError: inconsistent config (see :func:`check_draft_config`), a domain without text or prompts.
     """
+    from .trainer import torch_threads
+
+    with torch_threads(rc.trainer.num_threads):
+        return _train_draft(rc, opts, run_dir, kind, events)
+
+
+def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
     from data.tokenizer_check import check_tokenizers_compatible
     from eval.evaluate import encode_prompt
 
@@ -100,7 +102,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
     train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-    if torch.cuda.is_available() and kind == "distilled" and (dc.data_source == "teacher" or dc.teacher_signal == "cached"):
+    one_off_passes = kind == "distilled" and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
+    if one_off_passes and torch.cuda.is_available():
         target.to("cuda")  # the one-off teacher passes run where training will (accelerate picks the GPU too)
     passes: dict = {}
     hook = None

@@ -60,7 +60,8 @@ class TeacherCache:
     def top_k(self) -> int:
         return self.values.size(-1)
 
-    def lookup(self, block_index: torch.Tensor, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(self, block_index: torch.Tensor,
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of blocks ``block_index`` (B,): values (B, T, k) fp32, indices (B, T, k) long, on ``device``."""
         i = block_index.cpu().long()
         return self.values[i].to(device), self.indices[i].to(device=device, dtype=torch.long)

@@ -57,7 +57,7 @@ class TrainerConfig:
     resume: bool = False
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off); LR schedule still max_steps
-    num_threads: int = 0  # torch CPU threads while training (0: leave torch's setting); 1 is fastest for tiny models on busy CPUs
+    num_threads: int = 0  # torch CPU threads while training (0: torch's setting); 1: fastest for tiny models
 
     def __post_init__(self):
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):

@@ -111,7 +111,8 @@ def render_markdown(doc: dict) -> str:
              "|---|" + "---|" * (len(domains) + 1)]
     for r in doc["runs"]:
         cells = [_cell(r["mean_accepted_length"][d], r["vs_baseline"][d]) for d in domains]
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {r['selected_step'] if r['selected_step'] is not None else '-'} |")
+        step = r["selected_step"] if r["selected_step"] is not None else "-"
+        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {step} |")
     b = doc["baseline"]
     lines.append("| baseline (cross-entropy) | " + " | ".join(_cell(b["mean_accepted_length"][d]) for d in domains)
                  + " | - |")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import datasets
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -116,3 +117,15 @@ def cached_pack_blocks(key_parts: Iterable[str], texts_fn, tokenizer, block_size
 def iter_texts(ds: datasets.Dataset) -> Iterator[str]:
     for row in ds:
         yield row["prompt"] + row["completion"]
+
+
+def encode_prompt(tokenizer, text: str, max_prompt_tokens: int) -> tuple[torch.Tensor, bool]:
+    """Token ids (1, T) of ``text`` with the tokenizer's special tokens; keeps the last ``max_prompt_tokens``
+    (left truncation, BOS re-prepended). Returns (ids, truncated)."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    truncated = len(ids) > max_prompt_tokens
+    if truncated:
+        bos = tokenizer.bos_token_id
+        keep = ids[-(max_prompt_tokens - (bos is not None)) :]
+        ids = ([bos] if bos is not None else []) + keep
+    return torch.tensor([ids], dtype=torch.long), truncated

@@ -20,7 +20,7 @@ import torch
 
 from data.io import save_hf_atomic
 from data.loading import DataOptions, files_fingerprint, load_domain
-from data.tokenization import cached_pack_blocks
+from data.tokenization import cached_pack_blocks, encode_prompt
 
 from data.checkpoints import load_causal_lm, read_specdraft_meta
 
@@ -83,7 +83,6 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
 
 def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
     from data.tokenizer_check import check_tokenizers_compatible
-    from eval.evaluate import encode_prompt
 
     from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
     from .teacher import build_teacher_cache, make_cached_distill_step

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from tqdm.auto import tqdm
 
 from decode import autoregressive_generate, speculative_generate
@@ -27,18 +29,6 @@ class Prompt:
     domain: str
     id: str
     text: str
-
-
-def encode_prompt(tokenizer, text: str, max_prompt_tokens: int) -> tuple[torch.Tensor, bool]:
-    """Token ids (1, T) of ``text`` with the tokenizer's special tokens; keeps the last ``max_prompt_tokens``
-    (left truncation, BOS re-prepended). Returns (ids, truncated)."""
-    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    truncated = len(ids) > max_prompt_tokens
-    if truncated:
-        bos = tokenizer.bos_token_id
-        keep = ids[-(max_prompt_tokens - (bos is not None)) :]
-        ids = ([bos] if bos is not None else []) + keep
-    return torch.tensor([ids], dtype=torch.long), truncated
 
 
 @torch.inference_mode()

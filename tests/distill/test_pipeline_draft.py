@@ -17,15 +17,6 @@ from train.schema import validate
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def block_cache(tmp_path_factory):
     """One packed-block cache for this module (the tiny tokenizer's blocks are tokenized once)."""

@@ -17,15 +17,6 @@ from tinymodels import tiny_llama
 V, T = 64, 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _blocks(n=12, seed=0):
     return torch.randint(0, V, (n, T), generator=torch.Generator().manual_seed(seed))
 

@@ -15,15 +15,6 @@ from tinymodels import tiny_llama
 V, T, EOS = 64, 16, 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _prompts(n=7):
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, V, (int(torch.randint(2, 9, (), generator=g)),), generator=g).tolist() for _ in range(n)]

@@ -24,15 +24,6 @@ ROOT = Path(__file__).resolve().parents[2]
 V, T, MAX_STEPS, SAVE_EVERY = 64, 16, 12, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (two threads contend with other jobs on a 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def run_training(out_dir, resume: bool, stop_after: int | None = None, sleep_s: float = 0.0) -> torch.nn.Module:
     """Distil a tiny student for MAX_STEPS steps (2 micro-batches each) with on-policy micro-batches (lambda 0.5)
     and acceptance-based selection every 4 steps; checkpoints every SAVE_EVERY steps.

@@ -240,14 +240,17 @@ def write_report(out_dir: str | Path, results: dict, context: dict, extra_sectio
     doc = metrics_document(results, context, primary_num_draft_tokens=primary_num_draft_tokens,
                            bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed,
                            check_lossless=check_lossless, alert_mean_accepted_length=alert_mean_accepted_length)
+    # The numbers first: a failure while drawing plots must never lose the measurements.
+    write_per_prompt_csv(out_dir / "per_prompt.csv", results["rows"])
+    doc["plots"] = {}
+    write_json_atomic(out_dir / "metrics.json", doc)
     rel: dict[str, str] = {}
     if plots:
         from .plots import write_plots
 
         rel = {k: str(p.relative_to(out_dir)) for k, p in
                write_plots(doc, out_dir, alert=alert_mean_accepted_length).items()}
-    doc["plots"] = rel
-    write_per_prompt_csv(out_dir / "per_prompt.csv", results["rows"])
-    write_json_atomic(out_dir / "metrics.json", doc)
+        doc["plots"] = rel
+        write_json_atomic(out_dir / "metrics.json", doc)
     write_text_atomic(out_dir / "report.md", render_markdown(doc, extra_sections, rel, sources))
     return doc

@@ -119,7 +119,9 @@ class KVState:
     the model (attention ignores masked keys exactly).
     """
 
-    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device):
+    fast = False
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 0):
         self.model = model
         self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, L)
@@ -129,10 +131,11 @@ class KVState:
     def length(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
-        """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole) to the cache; return logits
-        ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
-        tm = token_mask.to(torch.long)
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, logits_to_keep: int = 1
+                ) -> torch.Tensor:
+        """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole; ``None`` = all real) to the cache;
+        return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
+        tm = torch.ones_like(tokens) if token_mask is None else token_mask.to(torch.long)
         position_ids = self.num_valid[:, None] + tm.cumsum(1) - tm  # (B, T): valid tokens before each slot
         self.mask = torch.cat([self.mask, tm], dim=1)  # (B, L + T)
         out = self.model(
@@ -146,10 +149,13 @@ class KVState:
         self.num_valid = self.num_valid + tm.sum(1)
         return out.logits
 
-    def truncate(self, start: int, keep: torch.Tensor, max_keep: int) -> None:
+    def truncate(self, start: int, keep: torch.Tensor | None, max_keep: int) -> None:
         """Keep, per row, only the first ``keep[b]`` slots of the region ``[start, L)``; later slots become holes
-        and the physical cache is cropped to ``start + max_keep`` (``max_keep == keep.max()``)."""
+        and the physical cache is cropped to ``start + max_keep`` (``max_keep == keep.max()``; ``keep=None``:
+        every row keeps ``max_keep``)."""
         new_len = start + max_keep
+        if keep is None:  # every row keeps max_keep
+            keep = torch.full_like(self.num_valid, max_keep)
         remove = self.length - new_len
         if remove > 0:
             self.cache.crop(-remove)  # transformers >= 5: a negative value removes that many trailing slots
@@ -165,6 +171,27 @@ class KVState:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
         self.num_valid = self.num_valid[rows]
+
+
+def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
+                 fast_path: bool | None = None):
+    """A KV state for ``model``: the lean Llama forward (:class:`decode.fast_llama.FastKVState`) where it supports
+    the model, else the Hugging Face forward (:class:`KVState`).
+
+    ``fast_path``: ``None`` = automatic, ``False`` = always the Hugging Face forward, ``True`` = require the lean
+    forward (``ValueError`` naming the reason when the model is not supported). ``capacity``: expected number of
+    cache slots (the lean state preallocates that many and grows when needed).
+    """
+    from .fast_llama import FastKVState, _unsupported_reason
+
+    if fast_path is False:
+        return KVState(model, batch_size, device)
+    reason = _unsupported_reason(model)
+    if reason is None:
+        return FastKVState(model, batch_size, device, capacity=capacity)
+    if fast_path:
+        raise ValueError(f"fast_path=True but the lean forward does not support this model: {reason}.")
+    return KVState(model, batch_size, device)
 
 
 def first_stop(tokens: torch.Tensor, count: torch.Tensor, eos_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

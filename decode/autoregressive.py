@@ -5,15 +5,13 @@ import torch
 
 from ._common import (
     GenerationOutput,
-    KVState,
     Timer,
     finalize,
-    first_stop,
     model_device,
+    new_kv_state,
     normalize_eos,
     output_vocab_size,
     prepare_inputs,
-    write_tokens,
 )
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .stats import AcceptanceStats
@@ -36,12 +34,14 @@ def autoregressive_generate(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     vocab_size: int | None = None,
+    fast_path: bool | None = None,
 ) -> GenerationOutput:
     """Decode one token per target forward (KV cache), with the same sampling pipeline and stopping rules as
     :func:`decode.speculative_generate`.
 
     Args / returns / errors: as :func:`decode.speculative_generate` without the draft arguments. ``vocab_size``
     restricts decoding to ids ``< vocab_size`` (to match a speculative run over a smaller shared vocabulary).
+    ``fast_path``: as in :func:`decode.speculative_generate` (the lean Llama forward where supported).
     The stats count one verify step per target forward and active row, ``verify_time_s`` = target time,
     ``drafted_tokens = accepted_tokens = 0`` and ``emitted_tokens`` = new tokens.
     """
@@ -66,39 +66,55 @@ def autoregressive_generate(
         return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
 
     timer = Timer(device)
-    state = KVState(target, bsz, device)
+    state = new_kv_state(target, bsz, device, prompt_len + max_new_tokens + 1, fast_path)
     if prompt_len > 1:
+        pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
         with timer:
-            state.forward(input_ids[:, :-1], attention_mask[:, :-1])
+            state.forward(input_ids[:, :-1], pm)
     rows = torch.arange(bsz, device=device)
     last = input_ids[:, -1]
-    num_new_t = torch.zeros(bsz, dtype=torch.long, device=device)
+    sliced = vocab < output_vocab_size(target)
+    # tokens are collected on the device and written once at the end (or when rows retire): no per-step sync
+    new_tokens: list[torch.Tensor] = []  # per step (b,) for the rows active since the last retirement
+    written = 0  # steps already flushed into buf
+
+    def flush(n_steps: int) -> None:
+        if new_tokens:
+            block = torch.stack(new_tokens, 1)  # (b, steps since the last flush)
+            buf[rows, prompt_len + written: prompt_len + written + block.shape[1]] = block
+            new_tokens.clear()
+
     for step in range(max_new_tokens):
         with timer:
-            logits = state.forward(last[:, None], torch.ones_like(last[:, None]))[:, -1, :vocab]  # (b, V)
+            logits = state.forward(last[:, None])[:, -1]  # (b, V)
+        if sliced:
+            logits = logits[:, :vocab]
         if do_sample:
             tok = sample_tokens(process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), generator)
         else:
             tok = greedy_tokens(logits)
-        one = torch.ones_like(tok)
-        num_emit, hit_eos = first_stop(tok[:, None], one, eos_t)
-        write_tokens(buf, rows, prompt_len + num_new_t, tok[:, None], num_emit, pad)
-        num_new_t = num_new_t + 1
+        new_tokens.append(tok)
         stats.verify_steps += rows.numel()
         stats.emitted_tokens += rows.numel()
         last = tok
         if eos_t is not None and step + 1 < max_new_tokens:
+            hit_eos = torch.isin(tok, eos_t)
             done_list = hit_eos.tolist()  # host sync only when an EOS can end rows early
             if any(done_list):
-                num_new_all[rows] = num_new_t
+                flush(step + 1)
+                written = step + 1
+                num_new_all[rows] = written
                 keep_idx = [i for i, dn in enumerate(done_list) if not dn]
                 if not keep_idx:
                     rows = rows[:0]
                     break
                 sel = torch.tensor(keep_idx, dtype=torch.long, device=device)
-                rows, last, num_new_t = rows[sel], last[sel], num_new_t[sel]
+                rows, last = rows[sel], last[sel]
                 state.select_rows(sel)
+    else:
+        step = max_new_tokens - 1
     if rows.numel():
-        num_new_all[rows] = num_new_t
+        flush(step + 1)
+        num_new_all[rows] = step + 1
     stats.verify_time_s = timer.seconds
     return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), num_new_all, stats)

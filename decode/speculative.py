@@ -21,11 +21,11 @@ import torch
 
 from ._common import (
     GenerationOutput,
-    KVState,
     Timer,
     finalize,
     first_stop,
     model_device,
+    new_kv_state,
     normalize_eos,
     output_vocab_size,
     prepare_inputs,
@@ -42,7 +42,7 @@ def verify_block(
     target_logits: torch.Tensor,
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    draft_lengths: torch.Tensor,
+    draft_lengths: torch.Tensor | None,
     *,
     do_sample: bool,
     temperature: float = 1.0,
@@ -59,29 +59,37 @@ def verify_block(
         draft_probs: ``(B, G, V)`` float32 draft distributions ``q_j`` the tokens were drawn from (sampling only;
             ``None`` for greedy).
         draft_lengths: ``(B,)`` int64 tokens actually proposed per row (``<= G``); later columns are ignored.
+            ``None``: every row proposed all ``G``.
     Returns:
         ``(num_accepted (B,), next_token (B,))``: accepted draft tokens per row (``0..draft_lengths``) and the extra
         token emitted after them (correction drawn from ``norm(max(0, p - q))`` on a rejection, bonus from ``p``
         otherwise; Leviathan et al. 2023, Algorithm 1). Greedy: the target's argmax.
     """
     bsz, g = draft_tokens.shape
-    slot = torch.arange(g, device=draft_tokens.device)
-    in_block = slot[None, :] < draft_lengths[:, None]  # (B, G)
-    rows = torch.arange(bsz, device=draft_tokens.device)
+    if draft_lengths is None:
+        in_block = None
+    else:
+        slot = torch.arange(g, device=draft_tokens.device)
+        in_block = slot[None, :] < draft_lengths[:, None]  # (B, G)
     if not do_sample:
         tgt = greedy_tokens(target_logits)  # (B, G+1)
-        accept = (draft_tokens == tgt[:, :g]) & in_block
+        accept = draft_tokens == tgt[:, :g]
+        if in_block is not None:
+            accept = accept & in_block
         num_accepted = accept.to(torch.long).cumprod(1).sum(1)  # (B,) length of the accepted prefix
-        return num_accepted, tgt[rows, num_accepted]
+        return num_accepted, tgt.gather(1, num_accepted[:, None]).squeeze(1)
+    rows = torch.arange(bsz, device=draft_tokens.device)
     p = process_logits(target_logits, temperature=temperature, top_k=top_k, top_p=top_p)  # (B, G+1, V)
     if g > 0:
         p_d = p[:, :g].gather(2, draft_tokens[..., None]).squeeze(-1)  # (B, G)
         q_d = draft_probs.gather(2, draft_tokens[..., None]).squeeze(-1)  # (B, G)
         u = uniform((bsz, g), device=p.device, generator=generator)
         # accept with probability min(1, p/q)  <=>  u * q < p   (q > 0 because the token was drawn from q)
-        accept = (u * q_d < p_d) & in_block
+        accept = u * q_d < p_d
+        if in_block is not None:
+            accept = accept & in_block
         num_accepted = accept.to(torch.long).cumprod(1).sum(1)
-        rejected = num_accepted < draft_lengths  # (B,)
+        rejected = num_accepted < (draft_lengths if draft_lengths is not None else g)  # (B,)
         q_at = draft_probs[rows, num_accepted.clamp(max=g - 1)] * rejected[:, None]  # (B, V), 0 for the bonus
     else:
         num_accepted = torch.zeros(bsz, dtype=torch.long, device=p.device)
@@ -116,6 +124,7 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     draft_length_policy: DraftLengthPolicy | None = None,
     vocab_size: int | None = None,
+    fast_path: bool | None = None,
 ) -> GenerationOutput:
     """Generate with speculative decoding; the output is distributed exactly as the target's own decoding.
 
@@ -135,6 +144,9 @@ def speculative_generate(
         generator: ``torch.Generator`` making sampling reproducible (same seed and inputs -> same output).
         draft_length_policy: a :mod:`decode.policies` policy (default ``FixedDraftLength(num_draft_tokens)``).
         vocab_size: optional tokenizer vocabulary size, to exclude padded ids both models share.
+        fast_path: run supported Llama models through the lean forward of :mod:`decode.fast_llama` (same math,
+            no Hugging Face wrapper overhead): ``None`` = wherever supported, per model; ``False`` = always the
+            Hugging Face forward; ``True`` = require it (``ValueError`` for an unsupported model).
     Returns:
         :class:`GenerationOutput` with ``sequences (B, P + max_new_tokens)``, ``num_new_tokens (B,)`` and
         :class:`~decode.stats.AcceptanceStats` (row-steps; draft/verify seconds from ``time.perf_counter``).
@@ -154,6 +166,7 @@ def speculative_generate(
         raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
     eos = normalize_eos(eos_token_id)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
+    eos_set = set(eos)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     vocab = min(output_vocab_size(target), output_vocab_size(draft))
     if vocab_size is not None:
@@ -165,120 +178,191 @@ def speculative_generate(
     bsz, prompt_len = input_ids.shape
     stats = AcceptanceStats()
     max_gamma = int(policy.max_draft_tokens)
-    buf = torch.full((bsz, prompt_len + max_new_tokens + max_gamma + 1), pad, dtype=torch.long, device=device)
+    width_out = prompt_len + max_new_tokens
+    buf = torch.full((bsz, width_out + max_gamma + 1), pad, dtype=torch.long, device=device)
     buf[:, :prompt_len] = input_ids
     num_new_all = torch.zeros(bsz, dtype=torch.long, device=device)
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
 
     draft_timer, verify_timer = Timer(device), Timer(device)
-    tstate, dstate = KVState(target, bsz, device), KVState(draft, bsz, device)
+    capacity = width_out + max_gamma + 2
+    tstate = new_kv_state(target, bsz, device, capacity, fast_path)
+    dstate = new_kv_state(draft, bsz, device, capacity, fast_path)
     # Prefill everything but the last prompt token; that token is fed with the first drafted / verified block.
+    prompt_mask = None if bool(attention_mask.all()) else attention_mask
     if prompt_len > 1:
+        pm = None if prompt_mask is None else prompt_mask[:, :-1]
         with verify_timer:
-            tstate.forward(input_ids[:, :-1], attention_mask[:, :-1])
+            tstate.forward(input_ids[:, :-1], pm)
         with draft_timer:
-            dstate.forward(input_ids[:, :-1], attention_mask[:, :-1])
+            dstate.forward(input_ids[:, :-1], pm)
     rows = torch.arange(bsz, device=device)  # original row of each active row
+    rows_list = list(range(bsz))
     last = input_ids[:, -1]  # (b,) last emitted token, not yet in the target cache
-    pending = last[:, None]  # (b, w) tokens not yet in the draft cache (w = 1 or 2, holes masked)
-    pending_mask = torch.ones_like(pending)
+    pending = last[:, None]  # (b, w) tokens not yet in the draft cache (w = 1 or 2)
+    pending_mask = None  # (b, w) 1 real, 0 hole; None = all real
     num_new = [0] * bsz  # per active row (host copy, refreshed once per step)
     num_new_t = torch.zeros(bsz, dtype=torch.long, device=device)
+    confidence = policy.uses_confidence
+    target_vocab = output_vocab_size(target)
+    draft_vocab = output_vocab_size(draft)
 
-    while rows.numel() > 0:
-        b = rows.numel()
+    while rows_list:
+        b = len(rows_list)
         gamma = max(1, min(int(policy.propose_length()), max_gamma))
         # never draft tokens that cannot be emitted: at most remaining - 1 (the extra token fills the last slot)
         caps_list = [min(gamma, max_new_tokens - n - 1) for n in num_new]
-        caps = torch.tensor(caps_list, dtype=torch.long, device=device)  # (b,)
         steps = max(caps_list)
+        uniform_caps = min(caps_list) == steps  # every row drafts `steps` tokens unless confidence stops it
+        caps = None if uniform_caps else torch.tensor(caps_list, dtype=torch.long, device=device)  # (b,)
 
         # ---------------------------------------------------------------- draft phase
-        drafts: list[torch.Tensor] = []
+        drafts: list[torch.Tensor] = [last]  # last, then d_1..d_G: stacked into the verify block
         probs: list[torch.Tensor] = []
         fed = 0  # drafted tokens already in the draft cache
         draft_start = dstate.length
         width = pending.shape[1]
+        lengths = None  # (b,) tokens proposed per row; None = `steps` for every row
         with draft_timer:
-            alive = torch.ones(b, dtype=torch.bool, device=device)
-            lengths = torch.zeros(b, dtype=torch.long, device=device)
+            alive = None
             tokens, tokens_mask = pending, pending_mask
             for j in range(steps):
-                logits = dstate.forward(tokens, tokens_mask)[:, -1, :vocab]  # (b, V)
+                logits = dstate.forward(tokens, tokens_mask)[:, -1]  # (b, V_draft)
+                if vocab < draft_vocab:
+                    logits = logits[:, :vocab]
                 if j > 0:
                     fed += 1
                 if do_sample:
                     q = process_logits(logits, **sampling)  # (b, V)
                     d = sample_tokens(q, generator)
+                    probs.append(q)
                 else:
                     q, d = None, greedy_tokens(logits)
-                if j > 0 and policy.uses_confidence:
-                    top = (q if q is not None else logits.float().softmax(-1)).amax(-1)
-                    alive = alive & policy.keep_drafting(top)
-                proposing = alive & (caps > j)
-                if j > 0 and policy.uses_confidence and not bool(proposing.any()):
-                    break
-                lengths = lengths + proposing
+                if confidence or caps is not None:
+                    if lengths is None:
+                        lengths = torch.zeros(b, dtype=torch.long, device=device)
+                    proposing = caps > j if caps is not None else torch.ones(b, dtype=torch.bool, device=device)
+                    if confidence and j > 0:
+                        top = (q if q is not None else logits.float().softmax(-1)).amax(-1)
+                        alive = policy.keep_drafting(top) if alive is None else alive & policy.keep_drafting(top)
+                        proposing = proposing & alive
+                        if not bool(proposing.any()):
+                            if do_sample:
+                                probs.pop()
+                            break
+                    lengths = lengths + proposing
                 drafts.append(d)
-                if q is not None:
-                    probs.append(q)
-                tokens, tokens_mask = d[:, None], torch.ones_like(d[:, None])
-        g = len(drafts)
-        draft_tokens = torch.stack(drafts, 1) if g else torch.zeros(b, 0, dtype=torch.long, device=device)  # (b, G)
+                tokens, tokens_mask = d[:, None], None
+        g = len(drafts) - 1
+        block = torch.stack(drafts, 1)  # (b, G+1): last emitted token, then the drafted tokens
+        draft_tokens = block[:, 1:]  # (b, G)
         draft_probs = torch.stack(probs, 1) if probs else None  # (b, G, V)
 
         # ---------------------------------------------------------------- verify: one target forward
         verify_start = tstate.length
-        block = torch.cat([last[:, None], draft_tokens], 1)  # (b, G+1)
         with verify_timer:
-            target_logits = tstate.forward(block, torch.ones_like(block), logits_to_keep=0)[..., :vocab]
-        num_acc, next_tok = verify_block(
-            target_logits, draft_tokens, draft_probs, lengths, do_sample=do_sample, generator=generator, **sampling
-        )
+            target_logits = tstate.forward(block, None, logits_to_keep=0)  # (b, G+1, V_target)
+        if vocab < target_vocab:
+            target_logits = target_logits[..., :vocab]
 
-        # ---------------------------------------------------------------- emit, stop rules
-        emitted = torch.cat([draft_tokens, torch.full_like(next_tok[:, None], pad)], 1)  # (b, G+1)
-        emitted.scatter_(1, num_acc[:, None], next_tok[:, None])
-        num_emit, hit_eos = first_stop(emitted, num_acc + 1, eos_t)
-        write_tokens(buf, rows, prompt_len + num_new_t, emitted, num_emit, pad)
-        num_new_t = num_new_t + num_emit
-        done = hit_eos | (num_new_t >= max_new_tokens)
-        # one host sync per step for all bookkeeping decisions
-        host = torch.stack([lengths, num_acc, num_emit, done.to(torch.long)]).tolist()
-        k_list, n_list, m_list, done_list = host
+        # ---------------------------------------------------------------- accept, emit, stop rules
+        if not do_sample:
+            # Greedy: d_j is accepted iff it equals the target's argmax, so the emitted tokens of a row are exactly
+            # the target's argmaxes tgt[:, :n+1]. One host sync fetches tgt and the drafts; the decisions are made
+            # on the host (no per-step tensor bookkeeping).
+            tgt = greedy_tokens(target_logits)  # (b, G+1)
+            parts = [tgt, draft_tokens] + ([lengths[:, None]] if lengths is not None else [])
+            host = torch.cat(parts, 1).tolist() if len(parts) > 1 else tgt.tolist()
+            n_list, m_list, k_list, done_list = [], [], [], []
+            for i, row in enumerate(host):
+                k = row[2 * g + 1] if lengths is not None else caps_list[i] if caps is not None else g
+                n = 0
+                while n < k and row[g + 1 + n] == row[n]:
+                    n += 1
+                m = n + 1  # <= tokens left: never more than caps + 1 were possible
+                hit = False
+                if eos_set:
+                    for j in range(m):
+                        if row[j] in eos_set:
+                            m, hit = j + 1, True
+                            break
+                num_new[i] += m
+                n_list.append(n)
+                m_list.append(m)
+                k_list.append(k)
+                done_list.append(hit or num_new[i] >= max_new_tokens)
+            emitted = tgt
+            if b == 1:
+                num_acc = None
+                next_tok = tgt[:, n_list[0]]  # (1,)
+            else:
+                num_acc = torch.tensor(n_list, dtype=torch.long, device=device)
+                next_tok = tgt.gather(1, num_acc[:, None]).squeeze(1)  # (b,)
+        else:
+            num_acc, next_tok = verify_block(
+                target_logits, draft_tokens, draft_probs, lengths, do_sample=True, generator=generator, **sampling
+            )
+            emitted = torch.cat([draft_tokens, next_tok[:, None]], 1)  # (b, G+1)
+            if g > 0:
+                emitted.scatter_(1, num_acc[:, None], next_tok[:, None])  # slots after it are never written out
+            num_emit, hit_eos = first_stop(emitted, num_acc + 1, eos_t)
+            lens_t = lengths if lengths is not None else torch.full_like(num_acc, g)
+            # one host sync per step for all bookkeeping decisions
+            k_list, n_list, m_list, hit_list = torch.stack([lens_t, num_acc, num_emit, hit_eos.long()]).tolist()
+            num_new = [t + m for t, m in zip(num_new, m_list)]
+            done_list = [bool(h) or t >= max_new_tokens for h, t in zip(hit_list, num_new)]
+        if b == 1:
+            start = prompt_len + num_new[0] - m_list[0]
+            buf[rows_list[0], start:start + m_list[0]] = emitted[0, :m_list[0]]
+        else:
+            num_emit = torch.tensor(m_list, dtype=torch.long, device=device)
+            write_tokens(buf, rows, prompt_len + num_new_t, emitted, num_emit, pad)
+            num_new_t = num_new_t + num_emit
         for k_i, n_i, m_i in zip(k_list, n_list, m_list):
             stats.record_step(k_i, n_i, m_i)
         policy.update(k_list, n_list)
-        num_new = [n + m for n, m in zip(num_new, m_list)]
 
         # ---------------------------------------------------------------- roll caches back to the accepted prefix
         max_acc = max(n_list)
-        tstate.truncate(verify_start, num_acc + 1, max_acc + 1)  # last token + accepted drafts stay
+        tstate.truncate(verify_start, None if b == 1 else num_acc + 1, max_acc + 1)  # last + accepted drafts stay
         if g > 0:
-            dstate.truncate(draft_start, width + num_acc.clamp(max=fed), width + min(max_acc, fed))
+            dstate.truncate(draft_start, None if b == 1 else width + num_acc.clamp(max=fed), width + min(max_acc, fed))
         last = next_tok
-        catch_up = num_acc > fed  # all G accepted and d_G never fed: the draft needs d_G and the bonus token
         if g > 0 and max_acc > fed:
-            pending = torch.stack([torch.where(catch_up, draft_tokens[:, -1], next_tok), next_tok], 1)  # (b, 2)
-            pending_mask = torch.stack([catch_up.to(torch.long), torch.ones_like(num_acc)], 1)
+            # a row that accepted all G never fed d_G to the draft: it needs d_G and the bonus token
+            if b == 1:
+                pending_mask = None
+                if do_sample:
+                    pending = torch.cat([draft_tokens[:, -1:], next_tok[:, None]], 1)  # (1, 2)
+                else:  # all G accepted: d_G == tgt[:, G-1] and the bonus token is tgt[:, G]
+                    pending = tgt[:, g - 1:]  # (1, 2)
+            else:
+                catch_up = num_acc > fed
+                pending = torch.stack([torch.where(catch_up, draft_tokens[:, -1], next_tok), next_tok], 1)  # (b, 2)
+                pending_mask = torch.stack([catch_up.to(torch.long), torch.ones_like(num_acc)], 1)
         else:
             # (g == 0 only when every row had one token left, so every row is done below)
-            pending, pending_mask = next_tok[:, None], torch.ones_like(next_tok[:, None])
+            pending, pending_mask = next_tok[:, None], None
 
         # ---------------------------------------------------------------- retire finished rows
         if any(done_list):
-            num_new_all[rows] = num_new_t
             keep_idx = [i for i, dn in enumerate(done_list) if not dn]
+            if b == 1:
+                num_new_all[rows_list[0]] = num_new[0]
+            else:
+                num_new_all[rows] = num_new_t
             if not keep_idx:
                 break
             sel = torch.tensor(keep_idx, dtype=torch.long, device=device)
-            rows, last, pending, pending_mask = rows[sel], last[sel], pending[sel], pending_mask[sel]
-            num_new_t = num_new_t[sel]
+            rows, last, pending = rows[sel], last[sel], pending[sel]
+            pending_mask = pending_mask[sel] if pending_mask is not None else None
             num_new = [num_new[i] for i in keep_idx]
+            rows_list = [rows_list[i] for i in keep_idx]
+            num_new_t = torch.tensor(num_new, dtype=torch.long, device=device)
             tstate.select_rows(sel)
             dstate.select_rows(sel)
 
     stats.draft_time_s = draft_timer.seconds
     stats.verify_time_s = verify_timer.seconds
-    return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), num_new_all, stats)
+    return GenerationOutput(finalize(buf, width_out), num_new_all, stats)

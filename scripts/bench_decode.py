@@ -3,7 +3,7 @@
 
     python scripts/bench_decode.py --target DIR --draft DIR [--prompts-file F.jsonl --text-field text]
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
-        [--prompt-ids --num-prompts 4 --prompt-len 16] [--json-out results.json]
+        [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1] [--fast-path auto|off] [--json-out F]
 
 On the same prompts (batch size 1, greedy) it runs, alternating the three methods in every repeat:
 
@@ -18,6 +18,9 @@ ours/transformers and ours/target-only ratios, the measured acceptance rate alph
 speedup of Leviathan et al. 2023, Thm 3.8, from the measured alpha and c, and measured speedup / expected.
 Generation ignores EOS by default (fixed-length outputs make the three comparable); ``--stop-at-eos`` uses the
 target's EOS. ``--prompt-ids`` uses random token-id prompts and needs no tokenizer (used by the tests).
+``--num-threads`` sets ``torch.set_num_threads`` (default 1: timings on a shared CPU are steadier, and for
+models this small more threads do not help); ``--fast-path off`` runs ours through the Hugging Face forward
+instead of the lean Llama forward (:mod:`decode.fast_llama`), to measure what the lean forward buys.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from decode import (  # noqa: E402
     expected_speedup,
     speculative_generate,
 )
-from decode._common import KVState, sync  # noqa: E402
+from decode._common import new_kv_state, sync  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "The patient was admitted to the hospital with",
@@ -67,9 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
     ap.add_argument("--cost-steps", type=int, default=16, help="single-token forwards timed for the cost ratio")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
+                    help="ours: lean Llama forward where supported (auto) or always the Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     args = ap.parse_args(argv)
-    for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps"):
+    for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
+                 "num_threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -120,25 +127,37 @@ def check_tokenizers(target_dir: str, draft_dir: str):
 
 
 @torch.inference_mode()
-def forward_time_s(model, prompt: torch.Tensor, steps: int) -> float:
-    """Median seconds of one cached single-token forward after prefilling ``prompt``."""
-    state = KVState(model, 1, prompt.device)
-    state.forward(prompt, torch.ones_like(prompt))
+def forward_time_s(model, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> float:
+    """Median seconds of one cached single-token forward after prefilling ``prompt`` (the forward ours uses)."""
+    state = new_kv_state(model, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path)
+    state.forward(prompt)
     tok = prompt[:, -1:]
     times = []
     for _ in range(steps + 2):
         sync(prompt.device)
         t0 = time.perf_counter()
-        state.forward(tok, torch.ones_like(tok))
+        state.forward(tok)
         sync(prompt.device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[2:])  # first two are warm-up
 
 
 def run(args) -> dict:
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.num_threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from decode.fast_llama import fast_path_supported
+
     torch.manual_seed(args.seed)
+    fast_path = None if args.fast_path == "auto" else False
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     tokenizer = None if args.prompt_ids else check_tokenizers(args.target, args.draft)
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
@@ -169,12 +188,12 @@ def run(args) -> dict:
 
     def ours_ar(p):
         out = autoregressive_generate(target, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
-                                      vocab_size=shared_vocab)
+                                      vocab_size=shared_vocab, fast_path=fast_path)
         return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
     def ours_spec(p):
         out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=eos,
-                                   pad_token_id=pad, vocab_size=shared_vocab)
+                                   pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
         return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
     methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
@@ -207,8 +226,8 @@ def run(args) -> dict:
 
     stats = AcceptanceStats.pool(spec_stats)
     tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
-    t_draft = forward_time_s(draft, prompts[0], args.cost_steps)
-    t_target = forward_time_s(target, prompts[0], args.cost_steps)
+    t_draft = forward_time_s(draft, prompts[0], args.cost_steps, fast_path)
+    t_target = forward_time_s(target, prompts[0], args.cost_steps, fast_path)
     cost_ratio = t_draft / t_target
     alpha = stats.acceptance_rate
     expected = expected_speedup(alpha, gamma, cost_ratio) if alpha == alpha else float("nan")
@@ -216,6 +235,10 @@ def run(args) -> dict:
     return {
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
+        "num_threads": torch.get_num_threads(),
+        "fast_path": args.fast_path,
+        "fast_path_used": {"target": args.fast_path == "auto" and fast_path_supported(target),
+                           "draft": args.fast_path == "auto" and fast_path_supported(draft)},
         "num_prompts": len(prompts),
         "repeats": args.repeats,
         "num_draft_tokens": gamma,
@@ -238,7 +261,10 @@ def run(args) -> dict:
 def format_table(r: dict) -> str:
     tps = r["tokens_per_s"]
     rows = [
-        ("device / dtype", f"{r['device']} / {r['dtype']}"),
+        ("device / dtype / threads", f"{r['device']} / {r['dtype']} / {r['num_threads']}"),
+        ("ours: lean Llama forward (target, draft)",
+         f"{r['fast_path']} ({'yes' if r['fast_path_used']['target'] else 'no'}, "
+         f"{'yes' if r['fast_path_used']['draft'] else 'no'})"),
         ("prompts x repeats", f"{r['num_prompts']} x {r['repeats']}"),
         ("num_draft_tokens (gamma)", f"{r['num_draft_tokens']}"),
         ("max_new_tokens", f"{r['max_new_tokens']}"),

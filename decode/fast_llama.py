@@ -1,0 +1,320 @@
+"""A lean cached forward for Hugging Face Llama-family causal LMs (not public API).
+
+For small models at batch 1 most of the time of a Hugging Face forward is Python wrapper work (mask creation,
+rotary module, output dataclasses, config look-ups), not matmuls. :class:`FastKVState` runs the same computation
+directly on the model's own parameters (no weight copies), with the same ops in the same order as
+``transformers.models.llama.modeling_llama``:
+
+    embed -> per layer [RMSNorm (fp32, ``variance_epsilon``) -> q/k/v ``F.linear`` -> rotary (cos/sin from the
+    model's own ``inv_freq``, precomputed per position) -> append K/V to preallocated per-layer buffers -> SDPA over
+    the valid prefix (boolean key mask for left padding / holes) -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP
+    -> residual] -> final RMSNorm -> lm_head on the kept positions only.
+
+Cropping the cache only moves the valid length (no copy). Models the lean forward does not cover (another
+architecture, rope scaling, attention / MLP bias, sliding window, a non-SiLU activation, ...) fall back to the
+Hugging Face forward (:func:`fast_path_supported` says which and why).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["fast_path_supported", "FastKVState"]
+
+
+def _unsupported_reason(model: torch.nn.Module) -> str | None:
+    """``None`` when :class:`FastKVState` reproduces ``model``'s forward, else why not."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) != "llama":
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not 'llama'"
+    if type(model).__name__ != "LlamaForCausalLM":
+        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if model.training:
+        return "model is in training mode (dropout)"
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, n) for n in needed) or getattr(model, "lm_head", None) is None:
+        return "unexpected module layout"
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
+    if rope_type != "default" or getattr(base.rotary_emb, "rope_type", "default") != "default":
+        return f"rope type {rope_type!r} is not 'default'"
+    if float(getattr(base.rotary_emb, "attention_scaling", 1.0)) != 1.0:
+        return "rotary attention_scaling != 1"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention / MLP bias"
+    if getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False):
+        return "sliding window attention"
+    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+        return f"hidden_act {cfg.hidden_act!r} is not SiLU"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if len(base.layers) != cfg.num_hidden_layers:
+        return "layer count differs from the config"
+    if model.lm_head.bias is not None:
+        return "lm_head has a bias"
+    for layer in base.layers:
+        attn = layer.self_attn
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj):
+            if type(lin) is not torch.nn.Linear or lin.bias is not None:
+                return "a projection is not a plain bias-free nn.Linear (quantized / adapted?)"
+        if getattr(attn, "scaling", None) != attn.head_dim ** -0.5:
+            return "attention scaling differs from head_dim ** -0.5"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "meta parameters"
+    return None
+
+
+def fast_path_supported(model: torch.nn.Module) -> bool:
+    return _unsupported_reason(model) is None
+
+
+# Packed weights (CPU): [q; k; v] and [gate; up] concatenated and every projection stored transposed, (in, out)
+# contiguous. For these small matrices MKL is about twice as fast on that layout, and 7 projections per layer become
+# 4 matmuls. They are a copy (built once per model and reused while the parameters are unchanged: the cache key is
+# every parameter's storage pointer and version counter, so in-place edits and `.to()` rebuild it); on CUDA, and for
+# models over _PACK_MAX_BYTES, the model's own weights are used through F.linear instead.
+_PACK_MAX_BYTES = 1 << 30
+_packed_cache: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _use_packed(model: torch.nn.Module, device: torch.device) -> bool:
+    if torch.device(device).type != "cpu":
+        return False
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return size <= _PACK_MAX_BYTES
+
+
+def _packed_weights(model: torch.nn.Module) -> tuple[list[tuple], torch.Tensor]:
+    params = list(model.parameters())
+    key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+    hit = _packed_cache.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    layers = []
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a, m = layer.self_attn, layer.mlp
+            qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).t().contiguous()
+            gu = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0).t().contiguous()
+            layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                qkv, a.o_proj.weight.t().contiguous(),
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                gu, m.down_proj.weight.t().contiguous(),
+            ))
+        lm = model.lm_head.weight.t().contiguous()
+    _packed_cache[model] = (key, (layers, lm))
+    return layers, lm
+
+
+class FastKVState:
+    """Lean cached forward for a Llama model: the same interface and semantics as ``decode._common.KVState``.
+
+    Buffers: per layer ``K, V (B, cap, H_kv, D)``; ``valid (B, cap)`` bool over physical slots (0 = left padding or
+    a hole left by a rejected token); ``num_valid (B,)`` = next position id per row. While no row has a hole or
+    padding (``dense``, the batch-1 case), positions are the slot indices and no key mask is needed for one-token
+    steps, so a step does no index arithmetic at all.
+    """
+
+    fast = True
+
+    def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
+                 packed: bool | None = None, fused_norm: bool | None = None):
+        self.model = model
+        base = model.model
+        cfg = model.config
+        self.device = device
+        self.dtype = model.lm_head.weight.dtype
+        self.batch_size = batch_size
+        self.embed_w = base.embed_tokens.weight
+        self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+        attn0 = base.layers[0].self_attn
+        self.head_dim = attn0.head_dim
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.n_rep = self.n_heads // self.n_kv
+        self.scaling = attn0.scaling
+        self.hidden = cfg.hidden_size
+        self.inter = base.layers[0].mlp.gate_proj.weight.shape[0]
+        # fp32: torch's fused rms_norm computes exactly LlamaRMSNorm's formula (fp32 variance, rsqrt, scale);
+        # other dtypes keep the explicit formula (HF casts back to the input dtype before scaling)
+        self.fused_norm = self.dtype == torch.float32 if fused_norm is None else fused_norm
+        self.packed = _use_packed(model, device) if packed is None else packed
+        if self.packed:
+            self.layers, self.lm_w = _packed_weights(model)
+        else:
+            self.layers = [
+                (
+                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                    (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight),
+                    layer.self_attn.o_proj.weight,
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                    (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight), layer.mlp.down_proj.weight,
+                )
+                for layer in base.layers
+            ]
+            self.lm_w = model.lm_head.weight
+        self.inv_freq = base.rotary_emb.inv_freq
+        self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=device)
+        self.cap = 0
+        self.length = 0  # physical slots in use
+        self.dense = True  # every slot < length of every row is a real token
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._grow(max(int(capacity), 16))
+
+    # ------------------------------------------------------------------ buffers
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self.cap)
+        b, h, d, n = self.valid.shape[0], self.n_kv, self.head_dim, self.length
+        new_k, new_v = [], []
+        for i in range(len(self.layers)):
+            k = torch.empty(b, cap, h, d, dtype=self.dtype, device=self.device)
+            v = torch.empty(b, cap, h, d, dtype=self.dtype, device=self.device)
+            if n:
+                k[:, :n] = self.k[i][:, :n]
+                v[:, :n] = self.v[i][:, :n]
+            new_k.append(k)
+            new_v.append(v)
+        self.k, self.v = new_k, new_v
+        valid = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
+        valid[:, :n] = self.valid[:, :n]
+        self.valid = valid
+        # rotary tables exactly as LlamaRotaryEmbedding.forward: fp32 freqs, cat, cos/sin, cast to the model dtype
+        pos = torch.arange(cap, device=self.device)
+        freqs = pos[:, None].float() * self.inv_freq.to(device=self.device, dtype=torch.float)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (cap, D)
+        half = self.head_dim // 2
+        self.cos = emb.cos().to(self.dtype)  # (cap, D)
+        sin = emb.sin().to(self.dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]  (negation is exact, so bitwise equal)
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.cos4, self.sin4 = self.cos[None, :, None, :], self.sin_signed[None, :, None, :]  # (1, cap, 1, D)
+        self.arange = pos
+        self.cap = cap
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, logits_to_keep: int = 1
+                ) -> torch.Tensor:
+        """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole; ``None`` = all real) to the cache;
+        return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
+        bsz, t = tokens.shape
+        start = self.length
+        end = start + t
+        if end > self.cap:
+            self._grow(end + 64)
+        if token_mask is not None and self.dense and not bool(token_mask.all()):
+            self.dense = False
+        arange = self.arange
+        if self.dense:
+            self.valid[:, start:end] = True
+            cos = self.cos4[:, start:end]  # (1, T, 1, D)
+            sin = self.sin4[:, start:end]
+            if t == 1:
+                attn_mask = None
+            else:  # (T, L+T) causal, additive (SDPA would convert a boolean mask again in every layer)
+                attn_mask = torch.where(arange[:end][None, :] <= arange[start:end][:, None], 0.0, self._neg_inf)
+            self.num_valid = self.num_valid + t
+        else:
+            if token_mask is None:
+                tm = torch.ones_like(tokens)
+                position_ids = self.num_valid[:, None] + arange[:t][None, :]
+            else:
+                tm = token_mask.to(torch.long)
+                position_ids = self.num_valid[:, None] + tm.cumsum(1) - tm  # (B, T) valid tokens before each slot
+            self.valid[:, start:end] = tm.bool()
+            cos = self.cos[position_ids][:, :, None, :]  # (B, T, 1, D)
+            sin = self.sin_signed[position_ids][:, :, None, :]
+            keys = self.valid[:, None, :end]  # (B, 1, L+T)
+            kpos, qpos = arange[:end][None, :], arange[start:end][:, None]
+            # every query also sees its own slot, so a padding / hole query never has an all-masked row (NaN);
+            # its output is never read and its key stays masked for every other query
+            allowed = (keys & (kpos <= qpos)[None]) | (kpos == qpos)[None]  # (B, T, L+T)
+            attn_mask = torch.where(allowed[:, None], 0.0, self._neg_inf)  # (B, 1, T, L+T) additive
+            self.num_valid = self.num_valid + tm.sum(1)
+        self.length = end
+
+        half = self.head_dim // 2
+        h_kv, h_q, d = self.n_kv, self.n_heads, self.head_dim
+        qd, kd, inter, packed = h_q * d, h_kv * d, self.inter, self.packed
+        norm = self._norm
+        x = F.embedding(tokens, self.embed_w)  # (B, T, E)
+        for i, (ln1, eps1, w_qkv, w_o, ln2, eps2, w_gu, w_d) in enumerate(self.layers):
+            # --- attention block
+            hs = norm(x, ln1, eps1)
+            if packed:  # (E, (H + 2 H_kv) D) = [q_proj; k_proj; v_proj]^T
+                qkv = torch.matmul(hs, w_qkv)  # (B, T, (H + 2 H_kv) D)
+                q = qkv[..., :qd].view(bsz, t, h_q, d)  # (B, T, H, D)
+                k = qkv[..., qd:qd + kd].view(bsz, t, h_kv, d)
+                v = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
+            else:
+                q = F.linear(hs, w_qkv[0]).view(bsz, t, h_q, d)
+                k = F.linear(hs, w_qkv[1]).view(bsz, t, h_kv, d)
+                v = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
+            kbuf, vbuf = self.k[i], self.v[i]
+            q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
+            torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
+            vbuf[:, start:end] = v
+            key = kbuf[:, :end].transpose(1, 2)  # (B, H_kv, L+T, D)
+            val = vbuf[:, :end].transpose(1, 2)
+            if self.n_rep > 1:  # repeat_kv
+                key = key[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
+                val = val[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), key, val, attn_mask=attn_mask, scale=self.scaling)
+            o = o.transpose(1, 2).reshape(bsz, t, qd)  # (B, T, H D)
+            x = x + (torch.matmul(o, w_o) if packed else F.linear(o, w_o))
+            # --- MLP block (SiLU-gated)
+            hs = norm(x, ln2, eps2)
+            if packed:  # (E, 2 I) = [gate_proj; up_proj]^T
+                gu = torch.matmul(hs, w_gu)  # (B, T, 2 I)
+                x = x + torch.matmul(F.silu(gu[..., :inter]) * gu[..., inter:], w_d)
+            else:
+                x = x + F.linear(F.silu(F.linear(hs, w_gu[0])) * F.linear(hs, w_gu[1]), w_d)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        hs = norm(x, self.norm_w, self.norm_eps)
+        return torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """LlamaRMSNorm: fp32 variance, ``x * rsqrt(var + eps)``, cast back, times weight."""
+        if self.fused_norm:
+            return F.rms_norm(x, (self.hidden,), weight, eps)
+        hs = x.float()
+        hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * hs.to(x.dtype)
+
+    # ------------------------------------------------------------------ cache edits
+    @property
+    def mask(self) -> torch.Tensor:
+        return self.valid[:, : self.length].to(torch.long)
+
+    def truncate(self, start: int, keep: torch.Tensor | None, max_keep: int) -> None:
+        """Keep, per row, only the first ``keep[b]`` slots of the region ``[start, L)``; later slots become holes
+        and the physical length becomes ``start + max_keep`` (``max_keep == keep.max()``; ``keep=None``: every row
+        keeps ``max_keep``). No copy."""
+        new_len = start + max_keep
+        old_len = self.length
+        self.length = new_len
+        if keep is None or self.valid.shape[0] == 1:  # every row keeps max_keep: nothing becomes a hole
+            if self.dense:
+                self.num_valid = self.num_valid - (old_len - new_len)
+            else:
+                self.num_valid = self.valid[:, :new_len].sum(1)
+            return
+        self.dense = False
+        region = self.valid[:, start:new_len]  # (B, max_keep) view
+        region &= self.arange[:max_keep][None, :] < keep[:, None]
+        self.num_valid = self.valid[:, :new_len].sum(1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (1-D index tensor)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        self.valid = self.valid.index_select(0, rows)
+        self.num_valid = self.num_valid.index_select(0, rows)

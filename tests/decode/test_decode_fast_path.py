@@ -1,0 +1,155 @@
+"""The lean Llama forward (decode.fast_llama): same logits as the Hugging Face forward, same decoding results,
+and a clean fallback to the Hugging Face forward for models it does not cover."""
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
+
+from decode import autoregressive_generate, speculative_generate
+from decode._common import KVState, new_kv_state
+from decode.fast_llama import FastKVState, fast_path_supported
+
+
+def _llama(seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=80, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=6, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
+              eos_token_id=None, pad_token_id=None)
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def _hf_logits(model, ids, mask):
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2])  # MHA and GQA (3 query heads per key/value head)
+@pytest.mark.parametrize("padded", [False, True])
+def test_logits_match_hf_forward(kv_heads, padded):
+    model = _llama(seed=kv_heads, num_key_value_heads=kv_heads)
+    assert fast_path_supported(model)
+    lengths = [9, 4, 7] if padded else [9, 9, 9]
+    ids, mask = left_pad(random_prompts(lengths, 80, seed=1))
+    ref = _hf_logits(model, ids, mask)  # (B, P, V) one uncached forward
+    with torch.inference_mode():
+        # prefill in two chunks, then one token at a time: every cached shape the decoder uses
+        state = FastKVState(model, 3, torch.device("cpu"), capacity=4)  # small capacity: the buffers must grow
+        out = [state.forward(ids[:, :5], mask[:, :5], logits_to_keep=0)]
+        out.append(state.forward(ids[:, 5:7], mask[:, 5:7], logits_to_keep=0))
+        for j in range(7, ids.shape[1]):
+            out.append(state.forward(ids[:, j:j + 1], mask[:, j:j + 1]))
+    got = torch.cat(out, 1)
+    real = mask.bool()
+    assert (got - ref)[real].abs().max().item() < 1e-4
+    assert torch.equal(state.num_valid, mask.sum(1))
+
+
+def test_holes_and_truncation_match_hf_cache_state():
+    """Speculative cache edits (holes from rejected tokens, row retirement) give the HF KVState's logits."""
+    model = _llama(seed=3, num_key_value_heads=3)
+    ids, mask = left_pad(random_prompts([6, 3, 5], 80, seed=2))
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        hf, fast = KVState(model, 3, torch.device("cpu")), FastKVState(model, 3, torch.device("cpu"), capacity=8)
+        for s in (hf, fast):
+            s.forward(ids, mask)
+        for step in range(6):
+            block = torch.randint(0, 80, (hf.mask.shape[0], 4), generator=gen)
+            bmask = torch.ones_like(block)
+            bmask[0, 0] = step % 2  # a hole inside the block (the draft's catch-up slot)
+            start = hf.length
+            a = hf.forward(block, bmask, logits_to_keep=0)
+            b = fast.forward(block, bmask, logits_to_keep=0)
+            assert (a - b)[bmask.bool()].abs().max().item() < 1e-4
+            keep = torch.randint(1, 5, (block.shape[0],), generator=gen)
+            for s in (hf, fast):
+                s.truncate(start, keep, int(keep.max()))
+            assert torch.equal(hf.mask, fast.mask) and torch.equal(hf.num_valid, fast.num_valid)
+            if step == 3:
+                for s in (hf, fast):
+                    s.select_rows(torch.tensor([0, 2]))
+        tok = torch.randint(0, 80, (2, 1), generator=gen)
+        assert (hf.forward(tok) - fast.forward(tok)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_fast_path_equals_generate_and_hf_path(gamma):
+    target, draft = make_pair(seed=21, noise=0.3)
+    prompts = random_prompts([5, 2, 8], 64, 4)
+    ids, mask = left_pad(prompts)
+    n = 21
+    ref = hf_greedy(target, ids, mask, n)
+    for fast_path in (True, False):
+        sp = speculative_generate(target, draft, ids, mask, max_new_tokens=n, num_draft_tokens=gamma,
+                                  fast_path=fast_path)
+        assert torch.equal(sp.sequences, ref), fast_path
+        ar = autoregressive_generate(target, ids, mask, max_new_tokens=n, fast_path=fast_path)
+        assert torch.equal(ar.sequences, ref), fast_path
+        one = speculative_generate(target, draft, prompts[1][None], max_new_tokens=n, num_draft_tokens=gamma,
+                                   fast_path=fast_path)  # batch 1: the dense (hole-free) path
+        assert torch.equal(one.sequences[0, -n:], ref[1, -n:]), fast_path
+
+
+def test_greedy_gqa_target_matches_generate():
+    target = _llama(seed=5, num_key_value_heads=2, vocab_size=64, num_hidden_layers=3)
+    draft = _llama(seed=6, num_key_value_heads=3, vocab_size=64, num_hidden_layers=1)
+    ids, mask = left_pad(random_prompts([4, 7], 64, 8))
+    ref = hf_greedy(target, ids, mask, 17)
+    sp = speculative_generate(target, draft, ids, mask, max_new_tokens=17, num_draft_tokens=3, fast_path=True)
+    assert torch.equal(sp.sequences, ref)
+
+
+def test_sampling_same_seed_same_output_on_both_paths():
+    target, draft = make_pair(seed=8, noise=0.5)
+    ids, mask = left_pad(random_prompts([3, 6], 64, 3))
+    outs = []
+    for fast_path in (True, False):
+        out = speculative_generate(target, draft, ids, mask, max_new_tokens=20, num_draft_tokens=3, do_sample=True,
+                                   temperature=0.9, top_p=0.95, generator=torch.Generator().manual_seed(7),
+                                   fast_path=fast_path)
+        outs.append(out.sequences)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("overrides,why", [
+    (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}), "rope"),
+    (dict(attention_bias=True), "bias"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_unsupported_llama_configs_fall_back(overrides, why):
+    target = _llama(seed=9, vocab_size=64, **overrides)
+    draft = _llama(seed=10, vocab_size=64, num_hidden_layers=1)
+    assert not fast_path_supported(target)
+    assert isinstance(new_kv_state(target, 1, torch.device("cpu")), KVState)
+    assert isinstance(new_kv_state(draft, 1, torch.device("cpu")), FastKVState)
+    with pytest.raises(ValueError, match=why):
+        new_kv_state(target, 1, torch.device("cpu"), fast_path=True)
+    ids, mask = left_pad(random_prompts([3, 5], 64, 0))
+    ref = hf_greedy(target, ids, mask, 9)
+    sp = speculative_generate(target, draft, ids, mask, max_new_tokens=9, num_draft_tokens=2)  # mixed paths
+    assert torch.equal(sp.sequences, ref)
+
+
+def test_other_architecture_falls_back():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert not fast_path_supported(gpt2)
+    with pytest.raises(ValueError, match="gpt2"):
+        new_kv_state(gpt2, 1, torch.device("cpu"), fast_path=True)
+
+
+def test_training_mode_falls_back():
+    model = _llama(seed=1)
+    model.train()
+    assert not fast_path_supported(model)
+    model.eval()
+    assert fast_path_supported(model)

@@ -95,7 +95,8 @@ def _packed_weights(model: torch.nn.Module) -> tuple[list[tuple], torch.Tensor]:
     if hit is not None and hit[0] == key:
         return hit[1]
     layers = []
-    with torch.no_grad():
+    # ordinary tensors even when first built under inference_mode (the cache outlives the call)
+    with torch.inference_mode(False), torch.no_grad():
         for layer in model.model.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0).t().contiguous()
@@ -167,7 +168,8 @@ class FastKVState:
         self.v: list[torch.Tensor] = []
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self._grow(max(int(capacity), 16))
+        with torch.inference_mode():
+            self._grow(max(int(capacity), 16))
 
     # ------------------------------------------------------------------ buffers
     def _grow(self, need: int) -> None:
@@ -204,6 +206,12 @@ class FastKVState:
                 ) -> torch.Tensor:
         """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole; ``None`` = all real) to the cache;
         return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
+        if not torch.is_inference_mode_enabled():  # the buffers are inference tensors (the decoders run inside)
+            with torch.inference_mode():
+                return self._forward(tokens, token_mask, logits_to_keep)
+        return self._forward(tokens, token_mask, logits_to_keep)
+
+    def _forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None, logits_to_keep: int) -> torch.Tensor:
         bsz, t = tokens.shape
         start = self.length
         end = start + t
@@ -298,6 +306,9 @@ class FastKVState:
         """Keep, per row, only the first ``keep[b]`` slots of the region ``[start, L)``; later slots become holes
         and the physical length becomes ``start + max_keep`` (``max_keep == keep.max()``; ``keep=None``: every row
         keeps ``max_keep``). No copy."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.truncate(start, keep, max_keep)
         new_len = start + max_keep
         old_len = self.length
         self.length = new_len
@@ -314,6 +325,9 @@ class FastKVState:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (1-D index tensor)."""
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.select_rows(rows)
         self.k = [k.index_select(0, rows) for k in self.k]
         self.v = [v.index_select(0, rows) for v in self.v]
         self.valid = self.valid.index_select(0, rows)

@@ -14,7 +14,8 @@ On the same prompts (batch size 1, greedy) it runs, alternating the three method
 
 It prints tokens/s of each (new tokens / wall seconds, ``time.perf_counter`` around each call, CUDA synchronised),
 ours/transformers and ours/target-only ratios, the measured acceptance rate alpha and mean accepted length tau
-(pooled), the cost ratio c (one-token cached draft forward time / target forward time, medians), the expected
+(pooled), the cost ratio c (one-token cached draft forward time / target forward time, medians, the two models
+timed alternately), the expected
 speedup of Leviathan et al. 2023, Thm 3.8, from the measured alpha and c, and measured speedup / expected.
 Generation ignores EOS by default (fixed-length outputs make the three comparable); ``--stop-at-eos`` uses the
 target's EOS. ``--prompt-ids`` uses random token-id prompts and needs no tokenizer (used by the tests).
@@ -68,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
-    ap.add_argument("--cost-steps", type=int, default=16, help="single-token forwards timed for the cost ratio")
+    ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
@@ -127,19 +128,22 @@ def check_tokenizers(target_dir: str, draft_dir: str):
 
 
 @torch.inference_mode()
-def forward_time_s(model, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> float:
-    """Median seconds of one cached single-token forward after prefilling ``prompt`` (the forward ours uses)."""
-    state = new_kv_state(model, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path)
-    state.forward(prompt)
+def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> list[float]:
+    """Median seconds of one cached single-token forward of each model after prefilling ``prompt`` (the forward
+    ours uses). The models alternate step by step, so a load change on a shared machine hits them alike."""
+    states = [new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
+    for state in states:
+        state.forward(prompt)
     tok = prompt[:, -1:]
-    times = []
+    times = [[] for _ in models]
     for _ in range(steps + 2):
-        sync(prompt.device)
-        t0 = time.perf_counter()
-        state.forward(tok)
-        sync(prompt.device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])  # first two are warm-up
+        for state, ts in zip(states, times):
+            sync(prompt.device)
+            t0 = time.perf_counter()
+            state.forward(tok)
+            sync(prompt.device)
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts[2:]) for ts in times]  # first two are warm-up
 
 
 def run(args) -> dict:
@@ -226,8 +230,7 @@ def _run(args) -> dict:
 
     stats = AcceptanceStats.pool(spec_stats)
     tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
-    t_draft = forward_time_s(draft, prompts[0], args.cost_steps, fast_path)
-    t_target = forward_time_s(target, prompts[0], args.cost_steps, fast_path)
+    t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
     cost_ratio = t_draft / t_target
     alpha = stats.acceptance_rate
     expected = expected_speedup(alpha, gamma, cost_ratio) if alpha == alpha else float("nan")

@@ -5,6 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import torch
 from decode_testutils import make_pair
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_decode.py"
@@ -22,6 +23,7 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     target.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
     bench = _load_script()
+    threads_before = torch.get_num_threads()
     out_json = tmp_path / "bench.json"
     result = bench.main([
         "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
@@ -29,8 +31,10 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
         "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json),
     ])
     table = capsys.readouterr().out
+    assert torch.get_num_threads() == threads_before  # --num-threads is restored after the run
+    assert result["num_threads"] == 1 and result["fast_path_used"] == {"target": True, "draft": True}
     for needle in ("tokens/s ours speculative", "ours / transformers", "cost ratio c", "expected speedup",
-                   "measured / expected", "mean accepted length tau"):
+                   "measured / expected", "mean accepted length tau", "cpu / float32 / 1", "auto (yes, yes)"):
         assert needle in table
     assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0}  # all agree
     assert 0.0 <= result["acceptance_rate"] <= 1.0

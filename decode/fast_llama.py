@@ -256,19 +256,20 @@ class FastKVState:
         for i, (ln1, eps1, w_qkv, w_o, ln2, eps2, w_gu, w_d) in enumerate(self.layers):
             # --- attention block
             hs = norm(x, ln1, eps1)
+            kbuf, vbuf = self.k[i], self.v[i]
             if packed:  # (E, (H + 2 H_kv) D) = [q_proj; k_proj; v_proj]^T
                 qkv = torch.matmul(hs, w_qkv)  # (B, T, (H + 2 H_kv) D)
-                q = qkv[..., :qd].view(bsz, t, h_q, d)  # (B, T, H, D)
-                k = qkv[..., qd:qd + kd].view(bsz, t, h_kv, d)
-                v = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
+                qk = qkv[..., :qd + kd].view(bsz, t, h_q + h_kv, d)  # (B, T, H + H_kv, D)
+                qk = qk * cos + qk.roll(half, -1) * sin  # apply_rotary_pos_emb on q and k at once
+                q = qk[:, :, :h_q]  # (B, T, H, D)
+                kbuf[:, start:end] = qk[:, :, h_q:]
+                vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
             else:
-                q = F.linear(hs, w_qkv[0]).view(bsz, t, h_q, d)
+                q = F.linear(hs, w_qkv[0]).view(bsz, t, h_q, d)  # (B, T, H, D)
                 k = F.linear(hs, w_qkv[1]).view(bsz, t, h_kv, d)
-                v = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
-            kbuf, vbuf = self.k[i], self.v[i]
-            q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
-            torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
-            vbuf[:, start:end] = v
+                q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
+                torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
+                vbuf[:, start:end] = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
             key = kbuf[:, :end].transpose(1, 2)  # (B, H_kv, L+T, D)
             val = vbuf[:, :end].transpose(1, 2)
             if self.n_rep > 1:  # repeat_kv

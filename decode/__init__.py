@@ -20,6 +20,7 @@ from .policies import (
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .speculative import speculative_generate, verify_block
 from .stats import AcceptanceStats, expected_speedup
+from .timing import cost_ratio, forward_times_s
 
 __all__ = [
     "speculative_generate",
@@ -28,6 +29,8 @@ __all__ = [
     "GenerationOutput",
     "AcceptanceStats",
     "expected_speedup",
+    "cost_ratio",
+    "forward_times_s",
     "process_logits",
     "greedy_tokens",
     "sample_tokens",

@@ -8,18 +8,17 @@ it returns one row per (draft, domain, prompt, num_draft_tokens) with the counts
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from tqdm.auto import tqdm
 
+from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode import autoregressive_generate, speculative_generate
+from decode.timing import cost_ratio
 
 log = logging.getLogger(__name__)
 
@@ -33,33 +32,10 @@ class Prompt:
 
 @torch.inference_mode()
 def measure_cost_ratio(target, draft, input_ids: torch.Tensor, trials: int = 20) -> dict[str, float]:
-    """Cost ratio c = (time of one draft forward) / (time of one target forward), one new token with a KV cache
-    after a prefill of ``input_ids`` (1, T); medians over ``trials`` timed forwards each (Leviathan et al. 2023,
-    Sec. 3.3 defines c this way). Returns ``{"cost_ratio", "target_forward_s", "draft_forward_s"}``."""
-    from transformers import DynamicCache
-
-    def one(model):
-        device = next(model.parameters()).device
-        ids = input_ids.to(device)
-        cache = DynamicCache()
-        out = model(input_ids=ids, cache=cache, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        times = []
-        n = ids.size(1)
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            out = model(input_ids=nxt, cache=cache, use_cache=True,
-                        position_ids=torch.tensor([[n]], device=device))
-            nxt = out.logits[:, -1:].argmax(-1)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-            n += 1
-        return statistics.median(times)
-
-    one(target), one(draft)  # warm-up
-    t, d = one(target), one(draft)
-    return {"cost_ratio": d / t, "target_forward_s": t, "draft_forward_s": d}
+    """Cost ratio c of ``draft`` against ``target`` on ``input_ids`` (1, T), measured through the decoder's own
+    forward path (see :func:`decode.timing.cost_ratio`)."""
+    device = next(target.parameters()).device
+    return cost_ratio(target, draft, input_ids.to(device), steps=trials)
 
 
 def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:

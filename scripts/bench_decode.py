@@ -43,7 +43,8 @@ from decode import (  # noqa: E402
     expected_speedup,
     speculative_generate,
 )
-from decode._common import new_kv_state, sync  # noqa: E402
+from decode._common import sync  # noqa: E402
+from decode.timing import forward_times_s  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "The patient was admitted to the hospital with",
@@ -125,25 +126,6 @@ def check_tokenizers(target_dir: str, draft_dir: str):
     if tok_t.get_vocab() != tok_d.get_vocab():
         raise SystemExit(f"tokenizer mismatch: {target_dir} and {draft_dir} have different vocabularies")
     return tok_t
-
-
-@torch.inference_mode()
-def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> list[float]:
-    """Median seconds of one cached single-token forward of each model after prefilling ``prompt`` (the forward
-    ours uses). The models alternate step by step, so a load change on a shared machine hits them alike."""
-    states = [new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
-    for state in states:
-        state.forward(prompt)
-    tok = prompt[:, -1:]
-    times = [[] for _ in models]
-    for _ in range(steps + 2):
-        for state, ts in zip(states, times):
-            sync(prompt.device)
-            t0 = time.perf_counter()
-            state.forward(tok)
-            sync(prompt.device)
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts[2:]) for ts in times]  # first two are warm-up
 
 
 def run(args) -> dict:

@@ -1,0 +1,38 @@
+"""Timing the forward the decoder really uses (for the cost ratio c of Leviathan et al. 2023, Sec. 3.3)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ._common import new_kv_state, sync
+
+__all__ = ["forward_times_s", "cost_ratio"]
+
+
+@torch.inference_mode()
+def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> list[float]:
+    """Median seconds of one cached single-token forward of each model after prefilling ``prompt`` (the forward
+    ours uses). The models alternate step by step, so a load change on a shared machine hits them alike."""
+    states = [new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
+    for state in states:
+        state.forward(prompt)
+    tok = prompt[:, -1:]
+    times = [[] for _ in models]
+    for _ in range(steps + 2):
+        for state, ts in zip(states, times):
+            sync(prompt.device)
+            t0 = time.perf_counter()
+            state.forward(tok)
+            sync(prompt.device)
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts[2:]) for ts in times]  # first two are warm-up
+
+
+def cost_ratio(target, draft, prompt: torch.Tensor, steps: int = 20, fast_path: bool | None = None) -> dict[str, float]:
+    """Cost ratio c = (one draft forward) / (one target forward), both one new token with a KV cache after a
+    prefill of ``prompt`` (1, T), through the same forward path the decoder uses; medians of ``steps`` forwards,
+    the two models alternating. Returns ``{"cost_ratio", "target_forward_s", "draft_forward_s"}`` (seconds)."""
+    t, d = forward_times_s([target, draft], prompt, steps, fast_path)
+    return {"cost_ratio": d / t, "target_forward_s": t, "draft_forward_s": d}

@@ -36,6 +36,13 @@ class DataOptions:
     test_fraction: float = 0.1
 
 
+def _source_path(source: Source, root: Path | None) -> Path | None:
+    """Where a source's file is: its own absolute path (user files), else relative to the data root."""
+    if Path(source.file).is_absolute():
+        return Path(source.file)
+    return (root / source.file) if root else None
+
+
 def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataSourceError:
     where = f"data root {root}" if root else "no data root (data.root unset, $SPECDRAFT_DATA_ROOT unset, no ../shared/data)"
     hub = (
@@ -110,7 +117,7 @@ def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> It
         raise ValueError(f"data.source must be one of {SOURCE_MODES}, got {opts.source!r}")
     root = resolve_data_root(opts.root)
     for source in dom.sources:
-        path = (root / source.file) if root else None
+        path = _source_path(source, root)
         if opts.source == "hub" and source.hub is None and path is not None and path.exists():
             records, origin = _records_from_file(source, path), str(path)
         elif opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
@@ -190,7 +197,7 @@ def files_fingerprint(domain: Domain | str, opts: DataOptions = DataOptions()) -
     root = resolve_data_root(opts.root)
     h = hashlib.sha256()
     for source in dom.sources:
-        path = (root / source.file) if root else None
+        path = _source_path(source, root)
         h.update(source.name.encode())
         if path is not None and path.exists():
             with open(path, "rb") as f:

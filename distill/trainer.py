@@ -298,6 +298,9 @@ def train(
         if state["best"] is not None and (ckpt / "best_model.safetensors").exists():
             best_weights = load_file(str(ckpt / "best_model.safetensors"))
         log.info("resumed %s from step %d", desc, state["step"])
+    elif cfg.resume:
+        log.warning("%s: trainer.resume=true but no checkpoint in %s (checkpoints are written every "
+                    "trainer.save_every=%d steps); starting from step 0", desc, ckpt, cfg.save_every)
     start_step = state["step"]
 
     world, rank = accelerator.num_processes, accelerator.process_index

@@ -46,10 +46,11 @@ def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
 
 
 def training_section(drafts_meta: dict[str, dict]) -> str:
-    rows = ["## Drafts", "", "| draft | training loss | steps | parameters (draft / target) | "
+    rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | parameters (draft / target) | "
             "validation CE on training domain (draft / target, nats/token) |", "|---|---|---|---|---|"]
     for name, m in drafts_meta.items():
-        rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {m['train']['steps']} | "
+        selected = m.get("selected_step", m["train"]["steps"])
+        rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {m['train']['steps']} ({selected}) | "
                     f"{m['draft_parameters']:,} / {m['target_parameters']:,} | "
                     f"{m['validation_loss_nats_per_token']:.3f} / {m['target_validation_loss_nats_per_token']:.3f} |")
     return "\n".join(rows)

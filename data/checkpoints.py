@@ -53,3 +53,20 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
 def read_specdraft_meta(path: str | os.PathLike) -> dict:
     f = Path(path) / "specdraft.json"
     return json.loads(f.read_text()) if f.exists() else {}
+
+
+def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:
+    """Raise :class:`CheckpointError` when ``model`` has fewer embedding or output rows than ``tokenizer`` has
+    tokens (it could not read or propose some ids). More rows (padding) are fine: the decoder compares only the
+    shared ids.
+    """
+    n_tok = len(tokenizer)
+    n_in = model.get_input_embeddings().num_embeddings
+    out = model.get_output_embeddings()
+    n_out = out.weight.shape[0] if out is not None else n_in
+    if min(n_in, n_out) < n_tok:
+        raise CheckpointError(
+            f"{role} has {n_in} input / {n_out} output embedding rows but the tokenizer has {n_tok} tokens; it cannot "
+            f"represent every token. Resize it (model.resize_token_embeddings({n_tok})) and fine-tune, or use a draft "
+            f"built for this tokenizer."
+        )

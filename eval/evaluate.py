@@ -77,7 +77,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     _warm_up(target, drafts, probe, gammas[0], eos, pad)
     cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
     if events:
-        events("eval_cost_ratio", **{n: c["cost_ratio"] for n, c in cost.items()})
+        events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
     rows: list[dict] = []
     truncated_total = 0
     runs_per_prompt = 1 + len(gammas) * len(drafts)

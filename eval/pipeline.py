@@ -49,6 +49,9 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
     rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | parameters (draft / target) | "
             "validation CE on training domain (draft / target, nats/token) |", "|---|---|---|---|---|"]
     for name, m in drafts_meta.items():
+        if not all(k in m for k in ("draft_parameters", "target_parameters", "validation_loss_nats_per_token",
+                                    "target_validation_loss_nats_per_token")):
+            continue  # not a draft trained by this pipeline (e.g. a reference target used as a draft)
         selected = m.get("selected_step", m["train"]["steps"])
         rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {m['train']['steps']} ({selected}) | "
                     f"{m['draft_parameters']:,} / {m['target_parameters']:,} | "
@@ -79,7 +82,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
         ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
             missing data (``DataSourceError``), each with a message saying what to fix.
     """
-    from data.checkpoints import load_causal_lm, read_specdraft_meta
+    from data.checkpoints import check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
     from data.tokenizer_check import check_tokenizers_compatible
 
     run_dir = Path(run_dir)
@@ -95,10 +98,12 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     domains = _domain_objects(rc)  # user files are checked before any model loads
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
+    check_vocab_covers_tokenizer(target, tokenizer, role="target")
     drafts, meta = {}, {}
     for n in sorted(paths, key=lambda n: (n != "distilled", n)):
         model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
+        check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
     prompts = load_prompts(domains, opts, rc.eval.max_prompts)
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
@@ -119,7 +124,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
                        alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
                        sources=domain_sources(domains))
     for domain, r in doc["recommendation"].items():
-        ev("eval_recommendation", domain=domain, **r)
+        ev("eval_recommendation", domain=domain, recommendation=r)
     out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
            "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
            "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()}}

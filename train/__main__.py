@@ -28,6 +28,10 @@ def main(cfg: DictConfig) -> None:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"interrupted: rerun with hydra.run.dir={run_dir} trainer.resume=true to continue from the last "
+              f"checkpoint", file=sys.stderr)
+        sys.exit(130)
     print(f"run directory: {run_dir}")
 
 

@@ -45,19 +45,27 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         t0 = time.perf_counter()
         events("stage_start", stage=stage)
         log.info("stage %s", stage)
-        if stage == "reference_target":
-            from distill.reference import build_reference_target
-
-            rc.reference.trainer.resume = rc.reference.trainer.resume or rc.trainer.resume
-            results[stage] = build_reference_target(rc.reference, opts, run_dir / "reference_train", seed=rc.seed)
-        elif stage in ("distill", "baseline"):
-            from distill.pipeline import train_draft
-
-            results[stage] = train_draft(rc, opts, run_dir, kind="distilled" if stage == "distill" else "baseline",
-                                         events=events)
-        elif stage == "eval":
-            from eval.pipeline import evaluate_run
-
-            results[stage] = evaluate_run(rc, opts, run_dir, events=events)
+        try:
+            results[stage] = _run_stage(stage, rc, opts, run_dir, events)
+        except BaseException as e:
+            events("stage_failed", stage=stage, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+            if isinstance(e, KeyboardInterrupt):
+                log.error("interrupted; rerun with hydra.run.dir=%s trainer.resume=true to continue", run_dir)
+            raise
         events("stage_end", stage=stage, seconds=time.perf_counter() - t0)
     return results
+
+
+def _run_stage(stage: str, rc: RootConfig, opts, run_dir: Path, events: EventLog) -> dict:
+    if stage == "reference_target":
+        from distill.reference import build_reference_target
+
+        rc.reference.trainer.resume = rc.reference.trainer.resume or rc.trainer.resume
+        return build_reference_target(rc.reference, opts, run_dir / "reference_train", seed=rc.seed)
+    if stage in ("distill", "baseline"):
+        from distill.pipeline import train_draft
+
+        return train_draft(rc, opts, run_dir, kind="distilled" if stage == "distill" else "baseline", events=events)
+    from eval.pipeline import evaluate_run
+
+    return evaluate_run(rc, opts, run_dir, events=events)

@@ -239,3 +239,43 @@ def test_unreadable_draft_checkpoint_is_a_clear_error(models, tmp_path):
         run(cfg, tmp_path / "run")
     msg = str(ei.value)
     assert str(partial) in msg and "incomplete" in msg and "weights" in msg
+
+
+def test_draft_with_fewer_rows_than_the_tokenizer_is_rejected_before_decoding(models, tmp_path):
+    """A draft whose embedding matrix cannot hold every tokenizer id is an error up front, not an IndexError later."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.__main__ import run
+
+    target, same, _, _ = models
+    small = tmp_path / "small_vocab"
+    model = AutoModelForCausalLM.from_pretrained(same)
+    model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(same)) - 10)
+    model.save_pretrained(small)
+    AutoTokenizer.from_pretrained(same).save_pretrained(small)
+    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{small: {small}}}", "eval.domains=[chat]",
+                    "eval.max_prompts=1", "eval.max_new_tokens=4"])
+    with pytest.raises(ValueError) as ei:
+        run(cfg, tmp_path / "run")
+    assert "embedding rows" in str(ei.value) and "resize_token_embeddings" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["event", "time", "self"])
+def test_any_draft_name_works_and_a_foreign_specdraft_json_is_fine(models, tmp_path, name):
+    """Draft names are data, never keyword arguments; a draft whose specdraft.json is not a trained draft's
+    (here: the reference-target kind) still gets a report."""
+    from eval.__main__ import run
+
+    target, _, _, twin = models
+    (twin / "specdraft.json").write_text(json.dumps({"kind": "reference_target", "train": {"steps": 3}}))
+    try:
+        cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{{name}: {twin}}}", "eval.domains=[chat]",
+                        "eval.max_prompts=1", "eval.max_new_tokens=4", "eval.cost_ratio_trials=2",
+                        "eval.bootstrap_samples=0"])
+        run(cfg, tmp_path)
+    finally:
+        (twin / "specdraft.json").unlink()
+    doc = json.loads((tmp_path / "metrics.json").read_text())
+    assert doc["drafts"][name]["chat"]["acceptance_rate"] == 1.0
+    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert all(isinstance(e["time"], float) and e["time"] > 1e9 for e in events)

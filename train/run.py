@@ -28,6 +28,46 @@ class EventLog:
             f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
 
 
+# Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
+RESUME_FREE_KEYS = {"trainer.resume", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
+                    "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval", "decode"}
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_resume_consistent(rc: RootConfig, run_dir: Path) -> None:
+    """With ``trainer.resume=true``, refuse to continue a run whose training settings differ from the stored ones
+    (a mixed run would record one config and contain weights trained with another).
+
+    Raises:
+        ValueError: listing each differing key with the stored and the new value.
+    """
+    stored_path = run_dir / "resolved_config.json"
+    if not rc.trainer.resume or not stored_path.exists():
+        return
+    stored = _flatten(json.loads(stored_path.read_text()))
+    new = _flatten(json.loads(json.dumps(asdict(rc), default=str)))
+
+    def free(key: str) -> bool:
+        return any(key == f or key.startswith(f + ".") for f in RESUME_FREE_KEYS)
+
+    diff = [k for k in sorted(set(stored) | set(new)) if not free(k) and stored.get(k) != new.get(k)]
+    if diff:
+        shown = "; ".join(f"{k}: {stored.get(k)!r} -> {new.get(k)!r}" for k in diff[:8])
+        raise ValueError(f"trainer.resume=true in {run_dir}, but the training settings differ from the interrupted "
+                         f"run ({shown}{'; ...' if len(diff) > 8 else ''}). Resume with the same settings, or start a "
+                         f"new run directory.")
+
+
 def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     """Validate ``cfg`` and run its stages in ``run_dir``; returns each stage's summary keyed by stage name.
 
@@ -38,6 +78,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(run_dir / "events.jsonl")
+    check_resume_consistent(rc, run_dir)
     write_json_atomic(run_dir / "resolved_config.json", asdict(rc))
     results: dict = {}
     opts = rc.data.options()

@@ -78,3 +78,20 @@ def test_draft_checkpoint_works_as_transformers_assistant(smoke_run):
                                    pad_token_id=tok.pad_token_id)
     n = assisted.size(1)
     assert torch.equal(assisted, ours.sequences[:, :n])
+
+
+def test_resume_with_different_training_settings_is_refused(smoke_run, tmp_path):
+    """Resuming must not mix configs: a changed training key is an error that names it; eval keys may change."""
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(smoke_run, run_dir)
+    before = (run_dir / "resolved_config.json").read_text()
+    proc = run_train("+experiment=smoke", f"hydra.run.dir={run_dir}", "trainer.resume=true", "distill.loss=reverse_kl",
+                     "stages=[distill]")
+    assert proc.returncode == 2
+    assert "distill.loss" in proc.stderr and "'forward_kl' -> 'reverse_kl'" in proc.stderr, proc.stderr[-2000:]
+    assert (run_dir / "resolved_config.json").read_text() == before
+    ok = run_train("+experiment=smoke", f"hydra.run.dir={run_dir}", "trainer.resume=true", "stages=[distill]",
+                   "eval.max_prompts=1")
+    assert ok.returncode == 0, ok.stderr[-2000:]

@@ -70,3 +70,13 @@ def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:
             f"represent every token. Resize it (model.resize_token_embeddings({n_tok})) and fine-tune, or use a draft "
             f"built for this tokenizer."
         )
+
+
+def check_context_fits(model, tokens: int, role: str, what: str) -> None:
+    """Raise :class:`CheckpointError` when ``tokens`` positions exceed ``model.config.max_position_embeddings``."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and tokens > limit:
+        raise CheckpointError(
+            f"{what} needs {tokens} positions but the {role} has a context of {limit} "
+            f"(config.max_position_embeddings); lower it to at most {limit}."
+        )

@@ -22,7 +22,7 @@ from data.io import save_hf_atomic
 from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks, encode_prompt
 
-from data.checkpoints import load_causal_lm, read_specdraft_meta
+from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
 
 from .losses import get_loss
 from .models import build_llama, count_parameters
@@ -96,6 +96,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     check_draft_config(rc)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
+    for model, role in ((target, "target"), (draft, "draft")):
+        check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None

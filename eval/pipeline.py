@@ -82,7 +82,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
         ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
             missing data (``DataSourceError``), each with a message saying what to fix.
     """
-    from data.checkpoints import check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
+    from data.checkpoints import (check_context_fits, check_vocab_covers_tokenizer, load_causal_lm,
+                                  read_specdraft_meta)
     from data.tokenizer_check import check_tokenizers_compatible
 
     run_dir = Path(run_dir)
@@ -99,11 +100,15 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     domains = _domain_objects(rc)  # user files are checked before any model loads
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
+    need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
+    what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
+    check_context_fits(target, need, "target", what)
     drafts, meta = {}, {}
     for n in sorted(paths, key=lambda n: (n != "distilled", n)):
         model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
+        check_context_fits(model, need, f"draft {n!r}", what)
         drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
     prompts = load_prompts(domains, opts, rc.eval.max_prompts)
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)

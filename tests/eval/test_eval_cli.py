@@ -279,3 +279,14 @@ def test_any_draft_name_works_and_a_foreign_specdraft_json_is_fine(models, tmp_p
     assert doc["drafts"][name]["chat"]["acceptance_rate"] == 1.0
     events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert all(isinstance(e["time"], float) and e["time"] > 1e9 for e in events)
+
+
+def test_prompt_plus_generation_beyond_the_context_is_rejected(models, tmp_path):
+    from eval.__main__ import run
+
+    target, same, _, _ = models  # tiny_llama: max_position_embeddings 256
+    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]",
+                    "eval.max_prompt_tokens=250", "eval.max_new_tokens=10"])
+    with pytest.raises(ValueError) as ei:
+        run(cfg, tmp_path)
+    assert "max_position_embeddings" in str(ei.value) and "260" in str(ei.value)

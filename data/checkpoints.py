@@ -51,8 +51,22 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
 
 
 def read_specdraft_meta(path: str | os.PathLike) -> dict:
+    """The ``specdraft.json`` beside a checkpoint (how it was produced), ``{}`` when there is none.
+
+    Raises:
+        CheckpointError: the file exists but is not a JSON object (names the file).
+    """
     f = Path(path) / "specdraft.json"
-    return json.loads(f.read_text()) if f.exists() else {}
+    if not f.exists():
+        return {}
+    try:
+        meta = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f} is not valid JSON ({e}); restore it or delete it (it only describes how the "
+                              f"checkpoint was made).") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{f} must hold a JSON object, got {type(meta).__name__}; restore it or delete it.")
+    return meta
 
 
 def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:

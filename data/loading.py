@@ -61,7 +61,11 @@ def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataS
 def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
     if path.stat().st_size == 0:
         raise DataFormatError(f"{path}: the file is empty. Replace it with the published file or remove the source.")
-    yield from READERS[source.format](path)
+    try:
+        yield from READERS[source.format](path)
+    except UnicodeDecodeError as e:
+        raise DataFormatError(f"{path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at byte offset {e.start}); "
+                              f"re-save the file as UTF-8.") from None
 
 
 def _records_from_hub(source: Source) -> Iterable[tuple[Any, Any]]:

@@ -102,7 +102,13 @@ def cached_pack_blocks(key_parts: Iterable[str], texts_fn, tokenizer, block_size
         h.update(str(part).encode() + b"\0")
     path = cache_root() / "blocks" / h.hexdigest()[:24]
     if path.is_dir():
-        return datasets.load_from_disk(str(path))
+        try:
+            cached = datasets.load_from_disk(str(path))
+            cached.with_format(None)[-1:]  # touch the data: a damaged entry fails here, not in a later stage
+            return cached
+        except Exception as e:  # a damaged cache entry is rebuilt, never trusted
+            log.warning("token-block cache entry %s is unreadable (%s); rebuilding it", path, e)
+            shutil.rmtree(path, ignore_errors=True)
     blocks = pack_blocks(texts_fn(), tokenizer, block_size)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))

@@ -419,3 +419,35 @@ def test_cached_pack_blocks(tokenizer, monkeypatch, tmp_path):
     assert len(calls) == 3
     names = [p.name for p in (tmp_path / "blocks").iterdir()]
     assert len(names) == 3 and not any(n.startswith(".tmp-") for n in names)
+
+
+def test_damaged_block_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    """A truncated cache file (a killed writer, a full disk) is detected and rebuilt, never read as data."""
+    import glob
+
+    from data.tokenization import cache_root, cached_pack_blocks, train_bpe_tokenizer
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    tok = train_bpe_tokenizer(iter(["hello world this is text"] * 50), 300, min_frequency=1)
+    texts = lambda: [f"hello world this is text number {i}" for i in range(200)]  # noqa: E731
+    ds = cached_pack_blocks(["k"], texts, tok, 16)
+    first = [list(map(int, row)) for row in ds["input_ids"]]  # plain Python copy: the file is damaged below
+    del ds
+    (arrow,) = glob.glob(str(cache_root() / "blocks" / "*" / "*.arrow"))
+    data = open(arrow, "rb").read()
+    os.unlink(arrow)  # a new file (never truncate a file some process may still have mapped)
+    with open(arrow, "wb") as f:
+        f.write(data[: len(data) // 2])
+    again = [list(map(int, row)) for row in cached_pack_blocks(["k"], texts, tok, 16)["input_ids"]]
+    assert again == first
+
+
+def test_non_utf8_data_file_names_the_file(tmp_path):
+    from data.errors import DataFormatError
+    from data.loading import eval_prompts, user_domain
+
+    f = tmp_path / "bad.jsonl"
+    f.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataFormatError) as ei:
+        eval_prompts(user_domain("bad", f, "text"))
+    assert str(f) in str(ei.value) and "UTF-8" in str(ei.value)

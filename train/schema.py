@@ -9,31 +9,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from data.config import DataConfig, PathsConfig, TargetConfig, validate_structured
-from decode.config import DecodeConfig
+from data.config import validate_structured
 from distill.config import DistillConfig, DraftConfig
 from distill.reference import ReferenceConfig
 from distill.trainer import TrainerConfig
-from eval.config import EvalConfig, LoggerConfig
+from eval.config import EvalRootConfig
 
 KNOWN_STAGES = ("reference_target", "distill", "baseline", "eval")
 
 
 @dataclass
-class RootConfig:
-    seed: int = 0
+class RootConfig(EvalRootConfig):
+    """The whole tree: the sections ``python -m eval`` reads (:class:`eval.config.EvalRootConfig`) plus training."""
+
     experiment_name: str = "default"
     stages: list[str] = field(default_factory=lambda: ["distill", "baseline", "eval"])
-    paths: PathsConfig = field(default_factory=PathsConfig)
-    target: TargetConfig = field(default_factory=TargetConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
-    data: DataConfig = field(default_factory=DataConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    decode: DecodeConfig = field(default_factory=DecodeConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
 
     def __post_init__(self):
         bad = [s for s in self.stages if s not in KNOWN_STAGES]

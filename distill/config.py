@@ -50,6 +50,7 @@ class GenerationConfig:
 
 DATA_SOURCES = ("dataset", "teacher", "on_policy")
 TEACHER_SIGNALS = ("online", "cached")
+BASELINE_BUDGETS = ("steps", "wall_clock")
 
 
 @dataclass
@@ -73,6 +74,11 @@ class DistillConfig:
     eval_every: int = 50  # optimizer steps between acceptance evaluations (0: off, the last weights are saved)
     eval_prompts: int = 8  # validation prompts of data.domain (hash order)
     eval_max_new_tokens: int = 32  # tokens generated per prompt (greedy, decode.num_draft_tokens)
+    # The cross-entropy baseline's budget: steps (trainer.max_steps, like the distilled draft) or wall_clock (the
+    # distilled draft's training time + its one-off teacher passes, with the LR schedule over that time and at most
+    # baseline_max_steps steps; 0: 20 x trainer.max_steps).
+    baseline_budget: str = "steps"
+    baseline_max_steps: int = 0
 
     def __post_init__(self):
         from .losses import LOSSES
@@ -95,6 +101,12 @@ class DistillConfig:
         if self.eval_every < 0 or self.eval_prompts < 1 or self.eval_max_new_tokens < 1:
             raise ValueError("distill.eval_every must be >= 0 (0 disables), distill.eval_prompts and "
                              "distill.eval_max_new_tokens >= 1")
+        if self.baseline_budget not in BASELINE_BUDGETS:
+            raise ValueError(f"distill.baseline_budget must be one of {', '.join(BASELINE_BUDGETS)}, "
+                             f"got {self.baseline_budget!r}")
+        if self.baseline_max_steps < 0:
+            raise ValueError(f"distill.baseline_max_steps must be >= 0 (0: 20 x trainer.max_steps), "
+                             f"got {self.baseline_max_steps}")
         if self.teacher_signal == "cached":
             if self.data_source == "on_policy":
                 raise ValueError("distill.teacher_signal=cached needs fixed training sequences; on-policy "

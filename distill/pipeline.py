@@ -13,7 +13,7 @@ decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weight
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +53,27 @@ def domain_prompts(domain: str, split: str, opts: DataOptions, limit: int) -> li
         raise ValueError(f"domain {domain!r} split {split!r} has no prompts (needed by distill.data_source=teacher "
                          f"and by distill.eval_every > 0; set distill.eval_every=0 to train without them)")
     return out
+
+
+def matched_wall_clock_budget(run_dir: Path) -> dict:
+    """The baseline's budget under ``distill.baseline_budget=wall_clock``: the distilled draft's training-loop time
+    plus its one-off teacher passes (teacher cache, teacher data), as recorded in its ``specdraft.json``.
+
+    Returns ``{"kind": "wall_clock", "seconds", "distilled_train_s", "distilled_one_off_s"}``.
+
+    Raises:
+        ValueError: this run has no distilled draft yet (the distill stage must run before the baseline).
+    """
+    meta_path = run_dir / "drafts" / "distilled" / "specdraft.json"
+    if not meta_path.exists():
+        raise ValueError(f"distill.baseline_budget=wall_clock matches the baseline's time to the distilled draft's, "
+                         f"but {meta_path} does not exist: run the distill stage before the baseline "
+                         f"(stages: [distill, baseline, ...]) or set distill.baseline_budget=steps")
+    meta = read_specdraft_meta(run_dir / "drafts" / "distilled")
+    train_s = float(meta["train"]["train_time_s"])
+    one_off = sum(float(meta[k].get("time_s", 0.0)) for k in ("teacher_cache", "teacher_data") if k in meta)
+    return {"kind": "wall_clock", "seconds": train_s + one_off, "distilled_train_s": train_s,
+            "distilled_one_off_s": one_off}
 
 
 def check_draft_config(rc) -> None:
@@ -127,6 +148,14 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=shared)
     else:
         step, teacher = cross_entropy_step, None
+    tcfg, budget = rc.trainer, None
+    if kind == "baseline" and dc.baseline_budget == "wall_clock":
+        budget = matched_wall_clock_budget(run_dir)
+        tcfg = replace(rc.trainer, max_time_s=budget["seconds"], schedule_over="time",
+                       max_steps=dc.baseline_max_steps or 20 * rc.trainer.max_steps)
+        log.info("baseline draft: wall-clock budget %.1f s (the distilled draft's %.1f s of training + %.1f s of "
+                 "one-off teacher passes), at most %d steps", budget["seconds"], budget["distilled_train_s"],
+                 budget["distilled_one_off_s"], tcfg.max_steps)
     evaluate = None
     if dc.eval_every:
         texts = domain_prompts(rc.data.domain, "validation", opts, dc.eval_prompts)
@@ -136,7 +165,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
     log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, count_parameters(draft),
              count_parameters(target), train_blocks.size(0), rc.data.block_size)
-    stats = train(draft, train_blocks, run_dir / "train" / kind, rc.trainer, step, teacher=teacher, seed=rc.seed,
+    stats = train(draft, train_blocks, run_dir / "train" / kind, tcfg, step, teacher=teacher, seed=rc.seed,
                   desc=f"{kind} draft", batch_hook=hook, evaluate=evaluate, eval_every=dc.eval_every,
                   on_step=(lambda s, r: events("train_step", stage=kind, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=kind, **r)) if events else None)
@@ -158,7 +187,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
                       "split": "validation", "best": best} if best else None,
         "draft_parameters": count_parameters(draft), "target_parameters": count_parameters(target),
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
-        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(rc.trainer),
+        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
+        "budget": budget or {"kind": "steps", "max_steps": tcfg.max_steps, "max_time_s": tcfg.max_time_s or None},
         "data_fingerprint_sha256": files_fingerprint(rc.data.domain, opts), **passes,
     }
     if hook is not None:

@@ -56,7 +56,8 @@ class TrainerConfig:
     save_every: int = 100  # steps between resumable checkpoints (0: only at the end)
     resume: bool = False
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
-    max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off); LR schedule still max_steps
+    max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off)
+    schedule_over: str = "steps"  # steps: cosine spans max_steps | time: spans the max_time_s budget (or max_steps)
     num_threads: int = 0  # torch CPU threads while training (0: torch's setting); 1: fastest for tiny models
 
     def __post_init__(self):
@@ -73,15 +74,25 @@ class TrainerConfig:
             raise ValueError(f"trainer.num_threads must be >= 0 (0 keeps torch's setting), got {self.num_threads}")
         if not self.max_time_s >= 0:
             raise ValueError(f"trainer.max_time_s must be >= 0 seconds (0 disables the budget), got {self.max_time_s}")
+        if self.schedule_over not in ("steps", "time"):
+            raise ValueError(f"trainer.schedule_over must be steps or time, got {self.schedule_over!r}")
+        if self.schedule_over == "time" and not self.max_time_s > 0:
+            raise ValueError("trainer.schedule_over=time needs a wall-clock budget: set trainer.max_time_s > 0 "
+                             "(or use trainer.schedule_over=steps)")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"trainer.mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
 
 
-def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float, time_progress: float = 0.0) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``.
+
+    ``time_progress`` in [0, 1] (the fraction of a wall-clock budget spent) advances the decay when it is ahead of
+    the step count, so a run stopped by its budget still ends its schedule there: the budget-aware schedule of
+    Li, Yumer & Ramanan, "Budgeted Training", ICLR 2020 (Sec. 3, decay tied to the budget instead of the steps).
+    """
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_progress))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -240,7 +251,9 @@ def train(
     on_eval: Callable[[int, dict], None] | None = None,
 ) -> dict:
     """Train ``student`` on token ``blocks`` (N, T) for ``cfg.max_steps`` optimizer steps (or until
-    ``cfg.max_time_s`` seconds of training-loop wall clock have passed, checked at step boundaries).
+    ``cfg.max_time_s`` seconds of training-loop wall clock have passed, checked at step boundaries; time spent in
+    the ``evaluate`` callback does not count). With ``cfg.schedule_over="time"`` the cosine decay follows the spent
+    fraction of that budget (see :func:`cosine_with_warmup`), so a budget-stopped run still anneals.
 
     Args:
         student: the model to train (all its parameters, and only them, go into the optimizer).
@@ -259,7 +272,9 @@ def train(
 
     Returns:
         dict with ``final_loss`` (mean loss per token of the last logged window), ``steps`` (optimizer steps
-        done), ``train_time_s`` (training-loop wall clock, summed over resumed parts), ``tokens_seen``,
+        done), ``train_time_s`` (training-loop wall clock in seconds, summed over resumed parts, without the
+        selection evaluations: the clock ``cfg.max_time_s`` budgets), ``selection_eval_s`` (those evaluations),
+        ``tokens_seen``,
         ``stopped_early`` (``"max_time_s"`` or None), ``best`` ({``step``, ``metrics``} or None), ...
 
     Raises:
@@ -281,15 +296,22 @@ def train(
         teacher.to(accelerator.device)
     student.train()
     optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    clock = {"t0": time.perf_counter()}  # start of the budget clock (moved past resumed parts and evaluations)
+
+    def time_progress() -> float:
+        if cfg.schedule_over != "time":
+            return 0.0
+        return min(1.0, (time.perf_counter() - clock["t0"]) / cfg.max_time_s)
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        optimizer, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, time_progress())
     )
     student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
     raw_student = accelerator.unwrap_model(student)
 
     ckpt = out_dir / "checkpoint-last"
     state: dict = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "final_loss": None, "best": None,
-                   "last_eval_step": None, "stopped_early": None}
+                   "last_eval_step": None, "stopped_early": None, "selection_eval_s": 0.0}
     best_weights: dict[str, torch.Tensor] | None = None
     if cfg.resume and (ckpt / "trainer_state.json").exists():
         accelerator.load_state(str(ckpt))
@@ -331,20 +353,23 @@ def train(
             state["best"] = {"step": done, "metrics": metrics}
             best_weights = _state_dict_copy(raw_student)
         state["last_eval_step"] = done
-        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": time.perf_counter() - t_eval,
+        eval_s = time.perf_counter() - t_eval
+        clock["t0"] += eval_s  # selection evaluations are not training: they don't spend the budget
+        state["selection_eval_s"] = state.get("selection_eval_s", 0.0) + eval_s
+        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": eval_s,
                "best_step": state["best"]["step"]}
         write_log(rec)
         if on_eval is not None:
             on_eval(done, rec)
 
     window_loss, window_tokens = 0.0, 0
-    t0 = time.perf_counter() - float(state["elapsed_s"])  # the budget counts every resumed part
+    clock["t0"] = time.perf_counter() - float(state["elapsed_s"])  # the budget counts every resumed part
     last_loss: float | None = None
     bar = tqdm(total=cfg.max_steps, desc=desc, initial=start_step, disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     step = start_step
     while step < cfg.max_steps:
-        if cfg.max_time_s and time.perf_counter() - t0 >= cfg.max_time_s:
+        if cfg.max_time_s and time.perf_counter() - clock["t0"] >= cfg.max_time_s:
             state["stopped_early"] = "max_time_s"
             log.info("%s: wall-clock budget trainer.max_time_s=%.0f s reached after %d steps", desc, cfg.max_time_s,
                      step)
@@ -390,7 +415,7 @@ def train(
         state["tokens_seen"] += n_global
         step = done = step + 1
         state["step"] = done
-        state["elapsed_s"] = time.perf_counter() - t0
+        state["elapsed_s"] = time.perf_counter() - clock["t0"]
         bar.update(1)
         if done % cfg.log_every == 0 or done == cfg.max_steps:
             state["final_loss"] = window_loss / max(1, window_tokens)
@@ -409,14 +434,15 @@ def train(
     bar.close()
     if evaluate is not None and state["last_eval_step"] not in (None, step):
         run_eval(step, last_loss)  # once selection is on, the last weights compete too
-    state["elapsed_s"] = time.perf_counter() - t0
+    state["elapsed_s"] = time.perf_counter() - clock["t0"]
     accelerator.wait_for_everyone()
     save_checkpoint(accelerator, ckpt, state, best_weights)
     if best_weights is not None:
         raw_student.load_state_dict(best_weights)
     raw_student.eval()
     return {"final_loss": state["final_loss"], "steps": step, "max_steps": cfg.max_steps,
-            "train_time_s": state["elapsed_s"], "tokens_seen": state["tokens_seen"],
+            "train_time_s": state["elapsed_s"], "selection_eval_s": state.get("selection_eval_s", 0.0),
+            "tokens_seen": state["tokens_seen"],
             "global_batch_sequences": global_batch, "resumed_from_step": start_step,
             "stopped_early": state["stopped_early"], "best": state["best"], "config": asdict(cfg)}
 

@@ -151,6 +151,41 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     return entry
 
 
+REFERENCE_DRAFT = "baseline"  # the draft other drafts are compared with in ``vs_baseline``
+
+
+def ratios_vs_reference(rows: list[dict], *, num_draft_tokens: int, reference: str = REFERENCE_DRAFT,
+                        bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0) -> dict:
+    """Mean accepted length of each draft divided by the ``reference`` draft's, per domain, paired over prompts.
+
+    tau_draft / tau_reference = (sum emitted_d / sum verify_steps_d) / (sum emitted_r / sum verify_steps_r) over the
+    prompts both drafts decoded at ``num_draft_tokens``; the interval resamples those prompts (the same indices for
+    both drafts: a paired percentile bootstrap, see :func:`bootstrap_ratio_ci`).
+
+    Returns ``{draft: {domain: {"mean_accepted_length_ratio", "ci", "num_prompts"}}}``; empty without the reference.
+    """
+    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    for r in rows:
+        if int(r["num_draft_tokens"]) == num_draft_tokens:
+            cells.setdefault((r["draft"], r["domain"]), {})[r["prompt_id"]] = r
+    out: dict[str, dict] = {}
+    for (draft, domain), by_prompt in sorted(cells.items()):
+        ref = cells.get((reference, domain))
+        if draft == reference or ref is None:
+            continue
+        ids = sorted(set(by_prompt) & set(ref))
+        if not ids:
+            continue
+        col = lambda src, k: np.array([float(src[i][k]) for i in ids])  # noqa: E731
+        num, den = col(by_prompt, "emitted_tokens"), col(by_prompt, "verify_steps")
+        num2, den2 = col(ref, "emitted_tokens"), col(ref, "verify_steps")
+        ratio = _ratio(num.sum(), den.sum()) / _ratio(num2.sum(), den2.sum())
+        ci = bootstrap_ratio_ci(num, den, num2=num2, den2=den2, samples=bootstrap_samples, confidence=confidence,
+                                seed=_cell_seed(seed, "vs", draft, reference, domain, num_draft_tokens))
+        out.setdefault(draft, {})[domain] = {"mean_accepted_length_ratio": ratio, "ci": ci, "num_prompts": len(ids)}
+    return out
+
+
 def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_draft_tokens: int,
               bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
               check_lossless: bool = True) -> dict:
@@ -160,7 +195,8 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     measured value closest to it), ``sweep`` = ``{gamma: entry}`` for every measured gamma, ``best_num_draft_tokens``
     (highest measured speedup) and ``leviathan_curve`` (expected speedup for gamma = 1..max, from the token
     acceptance rate pooled over the sweep). ``recommendation[domain]`` = the (draft, gamma) with the highest measured
-    speedup. ``cost_ratio`` maps draft -> c.
+    speedup. ``vs_baseline`` = :func:`ratios_vs_reference` at the primary gamma when a draft is named
+    ``baseline``. ``cost_ratio`` maps draft -> c.
     """
     cells: dict[tuple[str, str, int], list[dict]] = {}
     for r in rows:
@@ -197,7 +233,9 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
             cur = recommendation.get(domain)
             if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
                 recommendation[domain] = cand
-    return {"drafts": out, "recommendation": recommendation}
+    vs = ratios_vs_reference(rows, num_draft_tokens=primary_num_draft_tokens, bootstrap_samples=bootstrap_samples,
+                             confidence=confidence, seed=seed) if any(r["draft"] == REFERENCE_DRAFT for r in rows) else {}
+    return {"drafts": out, "recommendation": recommendation, "vs_baseline": vs}
 
 
 def _finite(x) -> float:

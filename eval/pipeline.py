@@ -46,16 +46,36 @@ def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
 
 
 def training_section(drafts_meta: dict[str, dict]) -> str:
-    rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | parameters (draft / target) | "
-            "validation CE on training domain (draft / target, nats/token) |", "|---|---|---|---|---|"]
+    """The report's "Drafts" section: how each draft of this pipeline was trained and with what budget."""
+    rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | training time s (one-off teacher "
+            "passes s) | budget | parameters (draft / target) | validation CE on training domain (draft / target, "
+            "nats/token) |", "|---|---|---|---|---|---|---|"]
+    notes = []
     for name, m in drafts_meta.items():
         if not all(k in m for k in ("draft_parameters", "target_parameters", "validation_loss_nats_per_token",
                                     "target_validation_loss_nats_per_token")):
             continue  # not a draft trained by this pipeline (e.g. a reference target used as a draft)
-        selected = m.get("selected_step", m["train"]["steps"])
-        rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {m['train']['steps']} ({selected}) | "
+        tr = m["train"]
+        selected = m.get("selected_step", tr["steps"])
+        one_off = sum(float(m[k].get("time_s", 0.0)) for k in ("teacher_cache", "teacher_data") if k in m)
+        b = m.get("budget") or {}
+        if b.get("kind") == "wall_clock":
+            budget = f"wall clock {b['seconds']:.0f} s"
+            notes.append(f"`{name}` had the same wall-clock budget as the distilled draft: {b['seconds']:.1f} s = "
+                         f"{b['distilled_train_s']:.1f} s of its training + {b['distilled_one_off_s']:.1f} s of its "
+                         f"one-off teacher passes; it trained {tr['steps']} steps in {tr['train_time_s']:.1f} s "
+                         f"(LR schedule over the budget).")
+        elif b.get("max_time_s"):
+            budget = f"{b['max_steps']} steps or {b['max_time_s']:.0f} s"
+        else:
+            budget = f"{b.get('max_steps', tr.get('max_steps', '?'))} steps"
+        rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {tr['steps']} ({selected}) | "
+                    f"{tr.get('train_time_s', float('nan')):.1f} ({one_off:.1f}) | {budget} | "
                     f"{m['draft_parameters']:,} / {m['target_parameters']:,} | "
                     f"{m['validation_loss_nats_per_token']:.3f} / {m['target_validation_loss_nats_per_token']:.3f} |")
+    rows += ["", "Training time: the training loop's wall clock without the periodic acceptance evaluations that "
+             "select the checkpoint; one-off teacher passes (top-k cache, teacher data) are timed separately."]
+    rows += [""] + notes if notes else []
     return "\n".join(rows)
 
 

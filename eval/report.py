@@ -71,6 +71,7 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "lossless_all": all(all_lossless) if all_lossless else None,
         "drafts": agg["drafts"],
         "recommendation": agg["recommendation"],
+        "vs_baseline": agg["vs_baseline"],
     }
     doc["verdicts"] = {d: verdict(doc, d) for d in domains_of(doc)}
     return json_clean(doc)
@@ -151,6 +152,15 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                      f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
     lines += ["", "## Verdicts", ""]
     lines += [f"- **{d}**: {doc['verdicts'][d]}" for d in domains]
+    if doc.get("vs_baseline"):
+        lines += ["", f"## Against the cross-entropy baseline (gamma = {doc['num_draft_tokens']})", "",
+                  f"Mean accepted length of each draft / that of `baseline` on the same prompts ([{level}% CI], "
+                  f"paired bootstrap over prompts).", "",
+                  "| draft | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+        for n, by_domain in doc["vs_baseline"].items():
+            cells = [("-" if (v := by_domain.get(d)) is None else
+                      _ci(v["mean_accepted_length_ratio"], v["ci"], 2, "x")) for d in domains]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += ["", f"## Summary (gamma = {doc['num_draft_tokens']}; [{level}% CI])", "",
               "| domain | draft | acceptance rate | mean accepted length | measured speedup | expected speedup | "
               "target tok/s | speculative tok/s | best gamma | lossless |", "|" + "---|" * 10]

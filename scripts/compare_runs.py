@@ -1,26 +1,11 @@
-"""Combine the runs of a Hydra multirun sweep into one comparison report.
+"""Write the comparison report of a Hydra multirun folder: ``python scripts/compare_runs.py SWEEP_DIR``.
 
-    python -m train -m +experiment=distill_med distill.loss=forward_kl,reverse_kl,generalized_jsd,total_variation,skew_kl
-    python scripts/compare_runs.py outputs/multirun/distill_med/<timestamp>
-
-Every job folder under SWEEP_DIR that holds a ``metrics.json`` is one run; its label is the distillation loss
-(``resolved_config.json``: ``distill.loss``), followed by the job's override folder name when two jobs share a loss.
-Writes, atomically, into SWEEP_DIR:
-
-* ``comparison.json``: ``{"sweep_dir", "domains", "num_draft_tokens", "runs": [{"label", "job", "loss",
-  "data_source", "teacher_signal", "selected_step", "mean_accepted_length": {domain: tau}, "acceptance_rate":
-  {domain: alpha}, "vs_baseline": {domain: tau / tau_baseline}}], "baseline": {"mean_accepted_length": {domain: tau},
-  "jobs": n, "spread": {domain: max - min over jobs}}, "skipped": [{"job", "reason"}]}``
-* ``comparison.md``: the same as a loss x domain table of mean accepted length (distilled draft; in brackets the
-  ratio to the cross-entropy baseline), with the baseline as the last row.
-
-The baseline row is the mean over the jobs' baseline drafts (every job of a loss sweep trains the same baseline;
-``spread`` shows whether they differ). Exit status 2 (with a message) when SWEEP_DIR holds no finished run.
+A multirun of ``python -m train`` already writes it when the sweep ends; this reruns it (e.g. after adding jobs or
+for a sweep that was interrupted). See :mod:`eval.compare` for what ``comparison.md`` / ``comparison.json`` hold.
+Exit status 2 with a message when SWEEP_DIR holds no finished run.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -28,122 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from data.io import write_json_atomic, write_text_atomic  # noqa: E402
-
-DRAFT, BASELINE = "distilled", "baseline"
-
-
-def collect_runs(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(runs, skipped): one dict per job folder with a ``metrics.json`` (sorted by folder name)."""
-    runs, skipped = [], []
-    for metrics_path in sorted(sweep_dir.rglob("metrics.json")):
-        job = metrics_path.parent
-        try:
-            metrics = json.loads(metrics_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            skipped.append({"job": str(job.relative_to(sweep_dir)), "reason": f"unreadable metrics.json: {e}"})
-            continue
-        cfg_path = job / "resolved_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        meta_path = job / "drafts" / DRAFT / "specdraft.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-        if DRAFT not in metrics.get("drafts", {}):
-            skipped.append({"job": str(job.relative_to(sweep_dir)), "reason": f"no {DRAFT!r} draft in metrics.json"})
-            continue
-        distill = cfg.get("distill", {})
-        runs.append({"job": str(job.relative_to(sweep_dir)) or ".", "metrics": metrics,
-                     "loss": distill.get("loss", meta.get("loss", "?")),
-                     "data_source": distill.get("data_source", meta.get("data_source")),
-                     "teacher_signal": distill.get("teacher_signal", meta.get("teacher_signal")),
-                     "selected_step": meta.get("selected_step")})
-    return runs, skipped
-
-
-def _field(metrics: dict, draft: str, domain: str, name: str):
-    return metrics.get("drafts", {}).get(draft, {}).get(domain, {}).get(name)
-
-
-def compare(runs: list[dict], sweep_dir: str = "") -> dict:
-    """The comparison document (see the module docstring) from :func:`collect_runs`' runs."""
-    domains: list[str] = []
-    for r in runs:
-        for d in r["metrics"]["drafts"][DRAFT]:
-            if d not in domains:
-                domains.append(d)
-    base_values = {d: [v for r in runs if (v := _field(r["metrics"], BASELINE, d, "mean_accepted_length")) is not None]
-                   for d in domains}
-    baseline = {
-        "mean_accepted_length": {d: (sum(v) / len(v) if v else None) for d, v in base_values.items()},
-        "jobs": sum(1 for r in runs if BASELINE in r["metrics"].get("drafts", {})),
-        "spread": {d: (max(v) - min(v) if v else None) for d, v in base_values.items()},
-    }
-    losses = [r["loss"] for r in runs]
-    out_runs = []
-    for r in runs:
-        tau = {d: _field(r["metrics"], DRAFT, d, "mean_accepted_length") for d in domains}
-        base = baseline["mean_accepted_length"]
-        out_runs.append({
-            "label": r["loss"] if losses.count(r["loss"]) == 1 else f"{r['loss']} ({r['job']})",
-            "job": r["job"], "loss": r["loss"], "data_source": r["data_source"],
-            "teacher_signal": r["teacher_signal"], "selected_step": r["selected_step"],
-            "mean_accepted_length": tau,
-            "acceptance_rate": {d: _field(r["metrics"], DRAFT, d, "acceptance_rate") for d in domains},
-            "vs_baseline": {d: (tau[d] / base[d] if tau[d] is not None and base[d] else None) for d in domains},
-        })
-    gammas = sorted({r["metrics"].get("num_draft_tokens") for r in runs} - {None})
-    return {"sweep_dir": sweep_dir, "domains": domains, "num_draft_tokens": gammas[0] if len(gammas) == 1 else gammas,
-            "runs": out_runs, "baseline": baseline}
-
-
-def _cell(v, ratio=None) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.3f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
-
-
-def render_markdown(doc: dict) -> str:
-    """``comparison.md``: loss x domain mean accepted length, the baseline last."""
-    domains = doc["domains"]
-    lines = [f"# Sweep comparison: {doc['sweep_dir']}", "",
-             f"Mean accepted length tau (tokens per verify step, bonus included; gamma = {doc['num_draft_tokens']}) "
-             f"of the distilled draft per domain; in brackets tau / tau of the cross-entropy baseline.", "",
-             "| loss | " + " | ".join(domains) + " | selected step |",
-             "|---|" + "---|" * (len(domains) + 1)]
-    for r in doc["runs"]:
-        cells = [_cell(r["mean_accepted_length"][d], r["vs_baseline"][d]) for d in domains]
-        step = r["selected_step"] if r["selected_step"] is not None else "-"
-        lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {step} |")
-    b = doc["baseline"]
-    lines.append("| baseline (cross-entropy) | " + " | ".join(_cell(b["mean_accepted_length"][d]) for d in domains)
-                 + " | - |")
-    spread = [s for s in b["spread"].values() if s]
-    lines += ["", f"Baseline: mean over {b['jobs']} job(s)" + (f"; max spread between jobs {max(spread):.3f}."
-                                                               if spread else ".")]
-    if doc.get("skipped"):
-        lines += ["", "Skipped jobs: " + "; ".join(f"{s['job']} ({s['reason']})" for s in doc["skipped"])]
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep_dir", type=Path, help="the multirun folder (hydra.sweep.dir)")
-    args = ap.parse_args(argv)
-    sweep = args.sweep_dir
-    if not sweep.is_dir():
-        print(f"error: {sweep} is not a directory", file=sys.stderr)
-        return 2
-    runs, skipped = collect_runs(sweep)
-    if not runs:
-        print(f"error: no finished run (a job folder with metrics.json and a {DRAFT!r} draft) under {sweep}"
-              + (f"; skipped: {skipped}" if skipped else ""), file=sys.stderr)
-        return 2
-    doc = {**compare(runs, str(sweep)), "skipped": skipped}
-    write_json_atomic(sweep / "comparison.json", doc)
-    write_text_atomic(sweep / "comparison.md", render_markdown(doc))
-    print(render_markdown(doc))
-    print(f"wrote {sweep / 'comparison.md'} and {sweep / 'comparison.json'}")
-    return 0
-
+from eval.compare import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -66,6 +66,46 @@ def test_wall_clock_budget_stops_at_a_step_boundary_with_the_max_steps_schedule(
     assert state["step"] == stats["steps"] and state["stopped_early"] == "max_time_s"
 
 
+def test_time_schedule_anneals_within_the_budget(tmp_path):
+    import time
+
+    # max_steps is far away; with schedule_over=time the cosine follows the spent budget, so the LR of the last
+    # logged step is well below the peak although only a few of the 1000 steps ran.
+    cfg = _cfg(max_steps=1000, max_time_s=0.4, warmup_steps=1, lr=1e-2, log_every=1, schedule_over="time")
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    stats = train(student, _blocks(), tmp_path, cfg, on_step=lambda s, r: time.sleep(0.05))
+    assert stats["stopped_early"] == "max_time_s" and stats["steps"] < 100
+    lrs = [json.loads(l)["lr"] for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert lrs[-1] < 0.5 * 1e-2  # past half the budget: below the cosine midpoint
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:]))  # decays monotonically after warmup
+    steps_lr = 1e-2 * cosine_with_warmup(stats["steps"], 1, 1000, cfg.min_lr_ratio)
+    assert lrs[-1] < 0.6 * steps_lr  # what the step-based schedule would have left
+
+
+def test_time_schedule_needs_a_budget():
+    with pytest.raises(ValueError, match="max_time_s"):
+        _cfg(schedule_over="time")
+    with pytest.raises(ValueError, match="schedule_over"):
+        _cfg(schedule_over="epochs")
+
+
+def test_selection_evaluations_do_not_spend_the_budget(tmp_path):
+    import time
+
+    def slow_eval(model):
+        time.sleep(0.6)
+        return {"mean_accepted_length": 1.0}
+
+    # Each evaluation takes longer than the whole 0.5 s budget: if it counted, training would stop after the
+    # evaluation at step 1. The three tiny steps themselves take a few milliseconds.
+    cfg = _cfg(max_steps=3, max_time_s=0.5, warmup_steps=1, lr=1e-2)
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    stats = train(student, _blocks(), tmp_path, cfg, evaluate=slow_eval, eval_every=1)
+    assert stats["steps"] == 3 and stats["stopped_early"] is None
+    assert stats["selection_eval_s"] >= 0.6 * 3
+    assert stats["train_time_s"] < 0.5
+
+
 def test_best_checkpoint_by_acceptance_is_kept_and_logged(tmp_path):
     scores = iter([1.5, 2.5, 2.0])  # steps 2, 4, 6: step 4 is the best although the loss keeps falling
     seen = {}

@@ -1,4 +1,5 @@
-"""scripts/compare_runs.py: a multirun sweep folder becomes one loss x domain comparison (Markdown + JSON)."""
+"""eval.compare (and scripts/compare_runs.py, the train multirun callback): a sweep folder becomes one loss x domain
+comparison (Markdown + JSON)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+import eval.compare as compare_runs
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import compare_runs  # noqa: E402
 
 
 def _job(sweep: Path, name: str, loss: str, tau: dict, base: dict, step: int = 100) -> None:
@@ -56,3 +57,18 @@ def test_duplicate_losses_are_labelled_by_job_and_empty_sweep_fails(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(empty)],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no finished run" in proc.stderr
+
+
+def test_multirun_callback_writes_the_comparison(tmp_path):
+    from omegaconf import OmegaConf
+
+    from train.callbacks import CompareSweep
+
+    _job(tmp_path, "0_distill.loss=forward_kl", "forward_kl", {"medical": 2.6}, {"medical": 2.0})
+    CompareSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    assert json.loads((tmp_path / "comparison.json").read_text())["runs"][0]["loss"] == "forward_kl"
+    # A sweep whose jobs all failed leaves no comparison and does not raise (the jobs' own errors were shown).
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    CompareSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(empty)}}}))
+    assert not (empty / "comparison.json").exists()

@@ -93,6 +93,25 @@ def test_on_policy_online_and_baseline(tiny_target, tmp_path):
     assert base["loss"] == "cross_entropy" and base["data_source"] == "dataset"
 
 
+def test_baseline_gets_the_distilled_drafts_wall_clock(tiny_target, tmp_path):
+    rc = _rc(tiny_target, teacher_signal="cached", cache_top_k=8, cache_shard_blocks=16, baseline_budget="wall_clock",
+             baseline_max_steps=10_000)
+    with pytest.raises(ValueError, match="run the distill stage before the baseline"):
+        train_draft(rc, rc.data.options(), tmp_path, "baseline")
+    dist = train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
+    base = train_draft(rc, rc.data.options(), tmp_path, "baseline", events=_events(tmp_path))
+    budget = base["budget"]
+    assert budget["kind"] == "wall_clock"
+    assert budget["distilled_train_s"] == pytest.approx(dist["train"]["train_time_s"])
+    assert budget["distilled_one_off_s"] == pytest.approx(dist["teacher_cache"]["time_s"])
+    assert budget["seconds"] == pytest.approx(budget["distilled_train_s"] + budget["distilled_one_off_s"])
+    # The baseline ran until the budget was spent (not to its 10 000-step cap), on the time-based schedule.
+    assert base["train"]["stopped_early"] == "max_time_s" and base["train"]["steps"] < 10_000
+    assert base["train"]["train_time_s"] >= budget["seconds"]
+    assert base["trainer"]["schedule_over"] == "time" and base["trainer"]["max_time_s"] == budget["seconds"]
+    assert dist["budget"] == {"kind": "steps", "max_steps": 4, "max_time_s": None}
+
+
 def test_inconsistent_config_is_rejected_before_loading(tmp_path):
     rc = _rc(tmp_path / "does-not-exist", data_source="on_policy", generation={"max_new_tokens": 32})
     with pytest.raises(ValueError, match="must be < data.block_size"):
@@ -109,6 +128,8 @@ def test_inconsistent_config_is_rejected_before_loading(tmp_path):
     ({"eval_every": -1}, "eval_every"),
     ({"generation": {"top_p": 0.0}}, "top_p"),
     ({"generation": {"temperature": -1.0}}, "temperature"),
+    ({"baseline_budget": "flops"}, "distill.baseline_budget"),
+    ({"baseline_max_steps": -1}, "baseline_max_steps"),
 ])
 def test_bad_distill_config_is_rejected(tmp_path, distill, match):
     with pytest.raises(ValueError, match=match):

@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from decode.stats import expected_speedup
 from eval.metrics import (PER_PROMPT_COLUMNS, aggregate, bootstrap_ratio_ci, cell_metrics, json_clean, percentiles,
@@ -148,3 +150,38 @@ def test_nan_cells_do_not_break_the_report(tmp_path):
                        plots=True)
     assert doc["drafts"]["a"]["x"]["acceptance_rate"] is None
     assert (tmp_path / "plots" / "acceptance_by_domain.png").stat().st_size > 1000
+
+
+def _vs_rows(draft: str, emitted: list[int], steps: list[int], gamma: int = 4, domain: str = "medical") -> list[dict]:
+    return [{"draft": draft, "domain": domain, "prompt_id": f"p{i}", "num_draft_tokens": gamma,
+             "emitted_tokens": e, "verify_steps": v} for i, (e, v) in enumerate(zip(emitted, steps))]
+
+
+@given(st.lists(st.tuples(st.integers(1, 60), st.integers(1, 30), st.integers(1, 60), st.integers(1, 30)),
+                min_size=1, max_size=12))
+@settings(max_examples=40, deadline=None)
+def test_ratio_vs_baseline_is_the_pooled_ratio_with_a_paired_interval(cells):
+    from eval.metrics import ratios_vs_reference
+
+    de, dv, be, bv = (list(c) for c in zip(*cells))
+    rows = _vs_rows("distilled", de, dv) + _vs_rows("baseline", be, bv) + _vs_rows("distilled", de, dv, gamma=2)
+    out = ratios_vs_reference(rows, num_draft_tokens=4, bootstrap_samples=200)
+    r = out["distilled"]["medical"]
+    assert r["mean_accepted_length_ratio"] == pytest.approx((sum(de) / sum(dv)) / (sum(be) / sum(bv)))
+    assert r["num_prompts"] == len(cells) and "baseline" not in out
+    lo, hi = r["ci"]
+    assert lo <= r["mean_accepted_length_ratio"] * (1 + 1e-9) and hi >= r["mean_accepted_length_ratio"] * (1 - 1e-9)
+    # Identical drafts: every paired resample gives exactly 1 (an unpaired bootstrap would not).
+    same = ratios_vs_reference(_vs_rows("a", de, dv) + _vs_rows("baseline", de, dv), num_draft_tokens=4,
+                               bootstrap_samples=200)
+    assert same["a"]["medical"]["ci"] == pytest.approx([1.0, 1.0])
+
+
+def test_ratio_vs_baseline_pairs_prompts_and_needs_the_baseline():
+    from eval.metrics import ratios_vs_reference
+
+    rows = _vs_rows("distilled", [10, 20, 30], [5, 5, 5]) + _vs_rows("baseline", [10, 20], [10, 10])
+    r = ratios_vs_reference(rows, num_draft_tokens=4, bootstrap_samples=0)["distilled"]["medical"]
+    assert r["num_prompts"] == 2 and r["mean_accepted_length_ratio"] == pytest.approx((30 / 10) / (30 / 20))
+    assert r["ci"] is None
+    assert ratios_vs_reference(_vs_rows("distilled", [1], [1]), num_draft_tokens=4) == {}

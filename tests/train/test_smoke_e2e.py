@@ -59,6 +59,12 @@ def test_smoke_metrics_are_consistent_and_lossless(smoke_run):
             assert e["lossless"] is True
     report = (smoke_run / "report.md").read_text()
     assert "## medical" in report and "mean accepted length" in report
+    for domain in ("medical", "code"):
+        d, b = doc["drafts"]["distilled"][domain], doc["drafts"]["baseline"][domain]
+        assert doc["vs_baseline"]["distilled"][domain]["mean_accepted_length_ratio"] == pytest.approx(
+            d["mean_accepted_length"] / b["mean_accepted_length"])
+    assert "## Against the cross-entropy baseline" in report
+    assert "training time s (one-off teacher passes s)" in report
 
 
 def test_draft_checkpoint_works_as_transformers_assistant(smoke_run):

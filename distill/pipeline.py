@@ -13,6 +13,7 @@ decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weight
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -53,6 +54,21 @@ def domain_prompts(domain: str, split: str, opts: DataOptions, limit: int) -> li
         raise ValueError(f"domain {domain!r} split {split!r} has no prompts (needed by distill.data_source=teacher "
                          f"and by distill.eval_every > 0; set distill.eval_every=0 to train without them)")
     return out
+
+
+def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int) -> torch.Tensor:
+    """The training blocks (N, T) a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch:
+    the first ``max_steps * global batch`` blocks of the trainer's epoch-0 permutation (the blocks an uncached run
+    reads, see :func:`distill.trainer._batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
+    these costs the same teacher forwards as the online teacher instead of a pass over the whole domain.
+    """
+    from .trainer import _batch_indices
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+    needed = tcfg.max_steps * tcfg.micro_batch_size * tcfg.grad_accum_steps * world
+    if needed >= blocks.size(0):
+        return blocks
+    return blocks[_batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
 
 
 def matched_wall_clock_budget(run_dir: Path) -> dict:
@@ -138,6 +154,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
                 pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
             train_blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         if dc.teacher_signal == "cached":
+            train_blocks = blocks_this_run_uses(train_blocks, rc.trainer, rc.seed)
             teacher, passes["teacher_cache"] = build_teacher_cache(
                 target, train_blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
                 vocab_size=shared)

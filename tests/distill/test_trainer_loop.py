@@ -7,6 +7,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distill.losses import forward_kl
 from distill.trainer import MicroBatch, TrainerConfig, cosine_with_warmup, cross_entropy_step, make_distill_step, train
@@ -163,3 +165,17 @@ def test_num_threads_applies_inside_training_only(tmp_path):
     train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path, _cfg(max_steps=1, num_threads=1),
           on_step=lambda s, r: inside.append(torch.get_num_threads()))
     assert inside == [1] and torch.get_num_threads() == 2
+
+
+@given(n=st.integers(2, 300), steps=st.integers(1, 40), mb=st.integers(1, 8), seed=st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_cached_run_covers_exactly_the_blocks_training_reads(n, steps, mb, seed):
+    from distill.pipeline import blocks_this_run_uses
+    from distill.trainer import _batch_indices
+
+    blocks = torch.arange(n).view(n, 1)  # row i holds i
+    cfg = _cfg(max_steps=steps, micro_batch_size=mb)
+    kept = blocks_this_run_uses(blocks, cfg, seed)[:, 0].tolist()
+    read = {i for s in range(steps) for i in _batch_indices(n, s, mb, seed).tolist()}
+    assert set(kept) == read and len(kept) == len(set(kept))  # no block twice, none missing, none extra
+    assert len(kept) == min(n, steps * mb)

@@ -7,12 +7,14 @@ import json
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from data.paths import PROJECT_ROOT
 from train.schema import validate
 
 CONF = PROJECT_ROOT / "conf"
 TRAINERS = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml"))
+OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 
 
 def test_each_trainer_config_has_its_accelerate_config():

@@ -65,7 +65,7 @@ def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int) -> torch.Tensor:
     from .trainer import _batch_indices
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-    needed = tcfg.max_steps * tcfg.micro_batch_size * tcfg.grad_accum_steps * world
+    needed = tcfg.max_steps * tcfg.global_batch(world)  # global batch: trainer.global_batch_size or mb x accum x world
     if needed >= blocks.size(0):
         return blocks
     return blocks[_batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
@@ -94,6 +94,10 @@ def matched_wall_clock_budget(run_dir: Path) -> dict:
 
 def check_draft_config(rc) -> None:
     """Cross-section checks that no single section can make (before any model loads)."""
+    if rc.distill.data_source == "on_policy" and rc.trainer.strategy == "deepspeed_zero3":
+        raise ValueError("distill.data_source=on_policy cannot run under trainer=deepspeed_zero3: each process "
+                         "generates from its own micro-batches, but ZeRO-3 forwards are collective. Use "
+                         "trainer=deepspeed_zero2 or ddp for on-policy distillation.")
     if rc.distill.data_source == "on_policy" and rc.distill.generation.max_new_tokens >= rc.data.block_size:
         raise ValueError(f"distill.generation.max_new_tokens ({rc.distill.generation.max_new_tokens}) must be < "
                          f"data.block_size ({rc.data.block_size}) with distill.data_source=on_policy: each block's "
@@ -131,6 +135,9 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", kind, out)
         return {**read_specdraft_meta(out), "path": str(out), "reused": True}
     check_draft_config(rc)
+    from .trainer import distributed_state
+
+    dist = distributed_state()
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
     for model, role in ((target, "target"), (draft, "draft")):
@@ -138,7 +145,9 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
-    train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
+    with dist.main_process_first():  # the main process fills the on-disk caches, the others read them
+        train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts,
+                                     rc.data.max_train_blocks)
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
     one_off_passes = kind == "distilled" and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
     if one_off_passes and torch.cuda.is_available():
@@ -146,6 +155,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     passes: dict = {}
     hook = None
     if kind == "distilled":
+        if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
+            dist.wait_for_everyone()
         if dc.data_source == "teacher":
             texts = domain_prompts(rc.data.domain, "train", opts, dc.generation.max_prompts)
             prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
@@ -161,6 +172,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
         else:
             step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
+        if dist.is_main_process:
+            dist.wait_for_everyone()
         if dc.data_source == "on_policy":
             hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=shared)
     else:
@@ -180,13 +193,15 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
             num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
-    log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, count_parameters(draft),
-             count_parameters(target), train_blocks.size(0), rc.data.block_size)
+    n_draft, n_target = count_parameters(draft), count_parameters(target)  # before ZeRO-3 may partition them
+    log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, n_draft, n_target,
+             train_blocks.size(0), rc.data.block_size)
     stats = train(draft, train_blocks, run_dir / "train" / kind, tcfg, step, teacher=teacher, seed=rc.seed,
                   desc=f"{kind} draft", batch_hook=hook, evaluate=evaluate, eval_every=dc.eval_every,
                   on_step=(lambda s, r: events("train_step", stage=kind, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=kind, **r)) if events else None)
-    val_blocks = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
+    with dist.main_process_first():
+        val_blocks = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
     val_loss = evaluate_loss(draft, val_blocks)
     target_val_loss = evaluate_loss(target, val_blocks)
     best = stats.get("best")
@@ -202,7 +217,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
                       "eval_max_new_tokens": dc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
                       "split": "validation", "best": best} if best else None,
-        "draft_parameters": count_parameters(draft), "target_parameters": count_parameters(target),
+        "draft_parameters": n_draft, "target_parameters": n_target,
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
         "budget": budget or {"kind": "steps", "max_steps": tcfg.max_steps, "max_time_s": tcfg.max_time_s or None},
@@ -210,7 +225,9 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     }
     if hook is not None:
         meta["on_policy_generated_batches"] = hook.generated_batches
-    save_hf_atomic(draft, tokenizer, out, extra=meta)
+    if dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
+        save_hf_atomic(draft, tokenizer, out, extra=meta)
+    dist.wait_for_everyone()
     log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", kind, out, meta["selected_step"],
              val_loss, target_val_loss)
     return {**meta, "path": str(out)}

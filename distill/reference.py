@@ -83,5 +83,10 @@ def build_reference_target(rc: ReferenceConfig, opts: DataOptions, work_dir: Pat
         "config": {**asdict(rc), "seed": seed, "data": asdict(opts)},
         "train": {k: v for k, v in stats.items() if k != "config"},
     }
-    save_hf_atomic(model, tokenizer, rc.output_dir, extra=meta)
+    from .trainer import distributed_state
+
+    dist = distributed_state()
+    if dist.is_main_process:
+        save_hf_atomic(model, tokenizer, rc.output_dir, extra=meta)
+    dist.wait_for_everyone()
     return meta

@@ -14,6 +14,14 @@ elapsed seconds, tokens seen, the best evaluation so far) and the best weights a
 ``<out_dir>/checkpoint-last``; with ``resume=True`` training continues from there and ends with the same weights
 as an uninterrupted run (tested with a real ``kill -9``).
 
+Scale-out (``trainer.strategy``): the same loop runs on one process, under DDP, or under DeepSpeed ZeRO-2/3 when
+started with ``accelerate launch --config_file conf/accelerate/<strategy>.yaml``. The global batch
+(``trainer.global_batch_size``) is split into per-process micro-batches and accumulation steps, so the sequences of
+every optimizer step, and hence the loss curve, do not depend on the process count; each process takes its
+contiguous share of the step's block indices. The frozen teacher is replicated, or (ZeRO-3,
+``trainer.teacher_placement=zero3``) runs in its own DeepSpeed inference engine. Checkpoints are collective
+(DeepSpeed writes one partition per process); the selected weights are gathered on the main process.
+
 Closing the loop: with ``evaluate`` and ``eval_every > 0`` the student is evaluated every ``eval_every`` steps and
 at the last step; the weights with the highest ``select_key`` (mean accepted length) are restored at the end.
 (A run shorter than ``eval_every`` steps is never evaluated: it keeps its last weights.)
@@ -59,6 +67,11 @@ class TrainerConfig:
     max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off)
     schedule_over: str = "steps"  # steps: cosine spans max_steps | time: spans the max_time_s budget (or max_steps)
     num_threads: int = 0  # torch CPU threads while training (0: torch's setting); 1: fastest for tiny models
+    # Scale-out. strategy must match how the run was launched (conf/accelerate/<strategy>.yaml).
+    strategy: str = "single"  # single | ddp | deepspeed_zero2 | deepspeed_zero3
+    global_batch_size: int = 0  # sequences per optimizer step over all processes (0: micro x accum x processes)
+    gradient_checkpointing: bool = False  # recompute the student's activations in backward (less memory)
+    teacher_placement: str = "replicate"  # replicate | zero3 (own ZeRO-3 inference engine; deepspeed_zero3 only)
 
     def __post_init__(self):
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
@@ -81,6 +94,102 @@ class TrainerConfig:
                              "(or use trainer.schedule_over=steps)")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"trainer.mixed_precision must be no, bf16 or fp16, got {self.mixed_precision!r}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"trainer.strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.teacher_placement not in ("replicate", "zero3"):
+            raise ValueError(f"trainer.teacher_placement must be replicate or zero3, got {self.teacher_placement!r}")
+        if self.teacher_placement == "zero3" and self.strategy != "deepspeed_zero3":
+            raise ValueError("trainer.teacher_placement=zero3 needs trainer=deepspeed_zero3 (the teacher's own ZeRO-3 "
+                             f"engine), got trainer.strategy={self.strategy}; use teacher_placement=replicate")
+        if self.global_batch_size < 0:
+            raise ValueError(f"trainer.global_batch_size must be >= 0 (0: micro_batch_size x grad_accum_steps x "
+                             f"processes), got {self.global_batch_size}")
+        if self.global_batch_size:
+            if self.grad_accum_steps != 1:
+                raise ValueError("set either trainer.global_batch_size (accumulation is then computed per process "
+                                 f"count) or trainer.grad_accum_steps, not both (got {self.grad_accum_steps})")
+            if self.global_batch_size % self.micro_batch_size:
+                raise ValueError(f"trainer.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                                 f"trainer.micro_batch_size ({self.micro_batch_size})")
+
+    def accumulation_steps(self, num_processes: int) -> int:
+        """Micro-batches per process per optimizer step for ``num_processes`` processes.
+
+        ``global_batch_size = micro_batch_size x num_processes x accumulation`` when ``global_batch_size`` is set;
+        else ``grad_accum_steps``.
+
+        Raises:
+            ValueError: ``global_batch_size`` is not divisible by ``micro_batch_size x num_processes``.
+        """
+        if not self.global_batch_size:
+            return self.grad_accum_steps
+        per_step = self.micro_batch_size * num_processes
+        if self.global_batch_size % per_step:
+            raise ValueError(
+                f"trainer.global_batch_size={self.global_batch_size} is not divisible by trainer.micro_batch_size "
+                f"({self.micro_batch_size}) x processes ({num_processes}) = {per_step}; choose a global batch that is "
+                f"a multiple of {per_step}, or a micro_batch_size that divides {self.global_batch_size // num_processes}"
+                if self.global_batch_size % num_processes == 0 else
+                f"trainer.global_batch_size={self.global_batch_size} is not divisible by trainer.micro_batch_size "
+                f"({self.micro_batch_size}) x processes ({num_processes}) = {per_step}; use a multiple of {per_step}")
+        return self.global_batch_size // per_step
+
+    def global_batch(self, num_processes: int) -> int:
+        """Sequences per optimizer step over all processes."""
+        return self.micro_batch_size * self.accumulation_steps(num_processes) * num_processes
+
+
+STRATEGIES = ("single", "ddp", "deepspeed_zero2", "deepspeed_zero3")
+
+
+def _launch_kwargs() -> dict:
+    """``Accelerator``/``PartialState`` arguments for how this process was launched.
+
+    Without a GPU, a multi-process launch needs help: DDP runs as accelerate's MULTI_CPU (``cpu=True``, gloo) and
+    DeepSpeed needs the gloo backend named (accelerate would otherwise treat it as one process).
+    """
+    import torch.cuda
+
+    multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("LOCAL_RANK") is not None
+    if torch.cuda.is_available() or not multi:
+        return {}
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        from accelerate.utils import InitProcessGroupKwargs
+
+        return {"kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+    return {"cpu": True}
+
+
+def distributed_state():
+    """The process's :class:`accelerate.PartialState` (initialises the process group under ``accelerate launch``)."""
+    from accelerate import PartialState
+
+    kw = _launch_kwargs()
+    return PartialState(cpu=kw.get("cpu", False),
+                        **({"backend": "gloo"} if "kwargs_handlers" in kw else {}))
+
+
+def check_launch(cfg: "TrainerConfig", num_processes: int, uses_deepspeed: bool, zero_stage: int | None) -> None:
+    """``trainer.strategy`` must match how the run was launched (checked before any model loads).
+
+    Raises:
+        ValueError: naming the strategy, the launch and the ``accelerate launch --config_file`` that fits.
+    """
+    fix = f"accelerate launch --config_file conf/accelerate/{cfg.strategy}.yaml -m train ... trainer={cfg.strategy}"
+    if cfg.strategy.startswith("deepspeed"):
+        want = 2 if cfg.strategy == "deepspeed_zero2" else 3
+        if not uses_deepspeed:
+            raise ValueError(f"trainer.strategy={cfg.strategy} but this run was not launched with DeepSpeed; start it "
+                             f"with `{fix}`")
+        if zero_stage != want:
+            raise ValueError(f"trainer.strategy={cfg.strategy} but the DeepSpeed config has ZeRO stage {zero_stage}; "
+                             f"start it with `{fix}`")
+    elif uses_deepspeed:
+        raise ValueError(f"this run was launched with DeepSpeed (ZeRO stage {zero_stage}) but trainer.strategy="
+                         f"{cfg.strategy}; add trainer=deepspeed_zero{zero_stage}")
+    elif cfg.strategy == "single" and num_processes > 1:
+        raise ValueError(f"trainer.strategy=single but {num_processes} processes were launched; add trainer=ddp")
+    cfg.accumulation_steps(num_processes)
 
 
 def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float, time_progress: float = 0.0) -> float:
@@ -136,7 +245,9 @@ class MicroBatch:
         return self.loss_mask.bool() & self.attention_mask.bool()
 
 
-# A step loss: (student, teacher or None, micro-batch) -> (summed loss over counted tokens, token count).
+# A step loss: (student, teacher or None, micro-batch) -> (summed loss over counted tokens, token count). The count
+# must equal count_tokens(step_loss, batch): ``batch.counted().sum()`` unless the function carries a
+# ``count_tokens(batch) -> int`` attribute.
 StepLoss = Callable[[torch.nn.Module, Any, MicroBatch], "tuple[torch.Tensor, int]"]
 # A batch hook: (micro-batch, optimizer step, micro-batch index within the step over all processes, unwrapped
 # student) -> the micro-batch to train on. Must be a deterministic function of its arguments (and the seed it
@@ -154,6 +265,20 @@ def cross_entropy_step(student, teacher, batch: MicroBatch):
     labels = batch.input_ids[:, 1:].masked_fill(~keep, -100)  # (B, T-1)
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
     return loss, int(keep.sum())
+
+
+def _count_next_token_labels(batch: MicroBatch) -> int:
+    return int((batch.counted()[:, :-1] & batch.attention_mask[:, 1:].bool()).sum())
+
+
+cross_entropy_step.count_tokens = _count_next_token_labels
+
+
+def count_tokens(step_loss: StepLoss, batch: MicroBatch) -> int:
+    """Tokens ``step_loss`` counts on ``batch`` (its ``count_tokens`` attribute; default: ``batch.counted()``),
+    known before the forward so the step's global token count can scale every micro-batch's backward."""
+    fn = getattr(step_loss, "count_tokens", None)
+    return int(fn(batch)) if fn is not None else int(batch.counted().sum())
 
 
 def make_distill_step(loss_fn, temperature: float, shared_vocab: int | None = None, **loss_kwargs) -> StepLoss:
@@ -194,6 +319,200 @@ def _batch_indices(num_blocks: int, step: int, global_batch: int, seed: int) -> 
 def _state_dict_copy(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of every tensor of the state dict (tied weights become separate copies, safetensors-safe)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.state_dict().items()}
+
+
+
+def optimizer_parameters(optimizer) -> list[torch.nn.Parameter]:
+    """The model parameters ``optimizer`` updates, looking through accelerate's and DeepSpeed's wrappers (ZeRO keeps
+    the model's own parameters in ``bit16_groups`` (stages 1-2) or ``fp16_groups`` (stage 3) and flat fp32 copies in
+    ``param_groups``)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer / DeepSpeedOptimizerWrapper
+    for attr in ("bit16_groups", "fp16_groups"):
+        if hasattr(opt, attr):
+            return [p for group in getattr(opt, attr) for p in group]
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _teacher_ds_config(cfg: TrainerConfig, accum: int) -> dict:
+    """DeepSpeed config of the frozen teacher's own inference engine (ZeRO-3, no optimizer), as in accelerate's
+    guide to several models with DeepSpeed (knowledge distillation: student ZeRO-2/3, teacher ZeRO-3).
+    ``gradient_accumulation_steps`` equals the student's: preparing an engine sets the accelerator's."""
+    return {"train_micro_batch_size_per_gpu": cfg.micro_batch_size, "gradient_accumulation_steps": accum,
+            "bf16": {"enabled": cfg.mixed_precision == "bf16"}, "fp16": {"enabled": cfg.mixed_precision == "fp16"},
+            "zero_optimization": {"stage": 3, "overlap_comm": False, "stage3_param_persistence_threshold": "auto",
+                                  "stage3_prefetch_bucket_size": "auto", "reduce_bucket_size": "auto"},
+            "steps_per_print": 10**9}
+
+
+@dataclass
+class _Run:
+    """The prepared training objects of one :func:`train` call."""
+
+    accelerator: Any
+    engine: Any  # what the loop calls: the module, its DDP wrapper or its DeepSpeed engine
+    raw_student: torch.nn.Module  # the trained module (parameters partitioned under ZeRO-3)
+    replica: torch.nn.Module | None  # ZeRO-3: the caller's full module; receives the gathered weights at the end
+    teacher: Any
+    optimizer: Any
+    scheduler: Any
+    accum: int  # micro-batches per process per optimizer step
+
+    @property
+    def keeps_best(self) -> bool:
+        """Whether this process holds the selected weights (under ZeRO-3 only the main process gathers them)."""
+        return self.replica is None or self.accelerator.is_main_process
+
+    def main_value(self, obj):
+        """The main process's ``obj`` on every process (so every process takes the same decision)."""
+        if self.accelerator.num_processes == 1:
+            return obj
+        from accelerate.utils import broadcast_object_list
+
+        return broadcast_object_list([obj], from_process=0)[0]
+
+    def weights_copy(self) -> dict[str, torch.Tensor] | None:
+        """CPU copy of the student's full state dict; under ZeRO-3 gathered (collective: call on every process)
+        and returned on the main process only (None elsewhere)."""
+        if self.replica is None:
+            return _state_dict_copy(self.raw_student)
+        sd = self.accelerator.get_state_dict(self.engine)  # ZeRO-3: all-gathers the partitions onto the main process
+        if not self.accelerator.is_main_process:
+            return None
+        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in sd.items()}
+
+    def eval_model(self) -> torch.nn.Module | None:
+        """The student to evaluate with full weights: the trained module itself, or under ZeRO-3 the caller's
+        replica loaded with the gathered weights on the main process (None on the others; collective)."""
+        if self.replica is None:
+            return self.raw_student
+        weights = self.weights_copy()
+        if weights is None:
+            return None
+        self.replica.load_state_dict(weights)
+        return self.replica
+
+    def finish(self, has_best: bool, best_weights: dict[str, torch.Tensor] | None,
+               gradient_checkpointing: bool) -> None:
+        """Leave the caller's student holding the selected (else the last) weights, in eval mode. Under ZeRO-3 the
+        caller's module is the unpartitioned replica, updated on the main process (which saves it)."""
+        if self.replica is not None:
+            final = best_weights if has_best else self.weights_copy()  # same branch on every process
+            module = self.replica
+            if final is not None:
+                module.load_state_dict(final)
+        else:
+            module = self.raw_student
+            if best_weights is not None:
+                module.load_state_dict(best_weights)
+        if gradient_checkpointing:
+            module.gradient_checkpointing_disable()
+        module.eval()
+
+
+def _prepare_run(student: torch.nn.Module, teacher: Any, cfg: TrainerConfig,
+                 lr_lambda: Callable[[int], float] | None = None) -> _Run:
+    """Accelerator, optimizer (the student's parameters, exactly), schedule (``lr_lambda``: LR multiplier per
+    optimizer step; default the cosine over ``cfg.max_steps``) and teacher placement for ``cfg``.
+
+    Raises:
+        ValueError: the launch does not match ``trainer.strategy`` or the global batch (see :func:`check_launch`);
+            a DeepSpeed config that brings its own optimizer or scheduler; gradient checkpointing on a model
+            without it.
+        RuntimeError: the optimizer would hold anything but the student's parameters.
+    """
+    import copy
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    state = distributed_state()
+    accum = cfg.accumulation_steps(state.num_processes)
+    uses_ds = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    plugins = None
+    teacher_zero3 = uses_ds and cfg.teacher_placement == "zero3" and isinstance(teacher, torch.nn.Module)
+    if teacher_zero3:
+        plugins = {"student": DeepSpeedPlugin(), "teacher": DeepSpeedPlugin(hf_ds_config=_teacher_ds_config(cfg, accum))}
+    kw = _launch_kwargs()
+    # Each train() call is its own accelerate run (stages may differ in precision or DeepSpeed engines): start a
+    # fresh AcceleratorState, keeping the process group (PartialState).
+    AcceleratorState._reset_state(reset_partial_state=False)
+    accelerator = Accelerator(gradient_accumulation_steps=accum, mixed_precision=cfg.mixed_precision,
+                              step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps, not samples
+                              deepspeed_plugins=plugins, **kw)
+    ds = accelerator.distributed_type == DistributedType.DEEPSPEED
+    plugin = accelerator.state.deepspeed_plugin if ds else None
+    check_launch(cfg, accelerator.num_processes, ds, plugin.zero_stage if ds else None)
+    replica = None
+    if ds:
+        conf = plugin.deepspeed_config
+        if "optimizer" in conf or "scheduler" in conf:
+            raise ValueError("the DeepSpeed config names an optimizer or scheduler; the trainer builds AdamW and its "
+                             "cosine schedule from the trainer section: remove them from the DeepSpeed JSON")
+        conf.update(train_micro_batch_size_per_gpu=cfg.micro_batch_size, gradient_accumulation_steps=accum,
+                    gradient_clipping=cfg.max_grad_norm)
+        if plugin.zero_stage == 3:
+            conf.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+            # ZeRO-3 partitions parameters in place: train a copy, so the caller's module stays a full one that
+            # holds the gathered weights for evaluation (the fast decoder reads weights directly) and saving.
+            replica, student = student, copy.deepcopy(student)
+    if cfg.gradient_checkpointing:
+        if not getattr(student, "supports_gradient_checkpointing", False):
+            raise ValueError(f"trainer.gradient_checkpointing=true but {type(student).__name__} does not support it")
+        student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    teacher_params = set()
+    if isinstance(teacher, torch.nn.Module):
+        teacher.eval().requires_grad_(False)
+        teacher_params = {id(p) for p in teacher.parameters()}
+        if teacher_zero3:
+            teacher = copy.deepcopy(teacher)  # partitioned in place; the caller's full copy serves the evaluations
+            teacher_params |= {id(p) for p in teacher.parameters()}
+        else:
+            teacher.to(accelerator.device)  # replicated on every process
+    student.train()
+    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if lr_lambda is None:
+        lr_lambda = lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)  # noqa: E731
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    engine, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
+    raw_student = accelerator.unwrap_model(engine)
+    held = {id(p) for p in optimizer_parameters(optimizer)}
+    if held != {id(p) for p in raw_student.parameters()} or held & teacher_params:
+        raise RuntimeError("the optimizer must hold exactly the student's parameters (and none of the teacher's)")
+    if teacher_zero3:
+        # The teacher's own ZeRO-3 inference engine (no optimizer); the student's engine stays the one that
+        # accelerator.backward steps. It is frozen, so it is left out of the resumable state.
+        accelerator.state.select_deepspeed_plugin("teacher")
+        teacher = accelerator.prepare(teacher)
+        teacher.eval()
+        accelerator._models.remove(teacher)
+        accelerator.state.select_deepspeed_plugin("student")
+        if accelerator.gradient_accumulation_steps != accum:
+            raise RuntimeError(f"preparing the teacher changed the accumulation steps to "
+                               f"{accelerator.gradient_accumulation_steps} (expected {accum})")
+    return _Run(accelerator, engine, raw_student, replica, teacher, optimizer, scheduler, accum)
+
+
+def _check_resumable(saved: dict, now: dict, ckpt: Path) -> None:
+    """A checkpoint resumes under another process count only with the same global batch, and (DeepSpeed keeps
+    one optimizer partition per process) only outside DeepSpeed.
+
+    Raises:
+        ValueError: naming the stored and the new setting and the fix.
+    """
+    gb = saved.get("global_batch_sequences")
+    if gb is not None and gb != now["global_batch_sequences"]:
+        raise ValueError(f"{ckpt} was trained with {gb} sequences per optimizer step; this launch gives "
+                         f"{now['global_batch_sequences']} (micro_batch_size x accumulation x {now['num_processes']} "
+                         f"processes). Set trainer.global_batch_size={gb} so the batch stays the same across "
+                         f"process counts.")
+    was, strategy = saved.get("strategy", "single"), now["strategy"]
+    deepspeed = was.startswith("deepspeed") or strategy.startswith("deepspeed")
+    if deepspeed and (was != strategy or saved.get("num_processes", 1) != now["num_processes"]):
+        raise ValueError(f"{ckpt} holds a {was} checkpoint of {saved.get('num_processes', 1)} process(es); resuming it "
+                         f"as {strategy} on {now['num_processes']} is not supported (DeepSpeed partitions the optimizer "
+                         f"state per process). Resume with trainer={was} on {saved.get('num_processes', 1)} "
+                         f"process(es), or start a new run directory.")
 
 
 def _score(value) -> float:
@@ -256,32 +575,39 @@ def train(
     fraction of that budget (see :func:`cosine_with_warmup`), so a budget-stopped run still anneals.
 
     Args:
-        student: the model to train (all its parameters, and only them, go into the optimizer).
+        student: the model to train (all its parameters, and only them, go into the optimizer). Under ZeRO-3 a
+            copy is trained and ``student`` stays unpartitioned; it ends with the gathered weights on the main
+            process (the one that saves).
         blocks: LongTensor (N, T) of packed token blocks.
         out_dir: stage folder; holds ``checkpoint-last`` (resumable state) and ``train_log.jsonl``.
         step_loss: returns (summed loss, token count) for one micro-batch, see :data:`StepLoss`.
         teacher: passed to ``step_loss``; an ``nn.Module`` teacher is kept in eval mode, frozen and never in the
-            optimizer; anything else (e.g. a :class:`distill.teacher.TeacherCache`) is passed through.
+            optimizer (replicated on every process, or a copy in its own ZeRO-3 inference engine with
+            ``cfg.teacher_placement="zero3"``); anything else (e.g. a :class:`distill.teacher.TeacherCache`) is
+            passed through.
         on_step: called after each logged optimizer step with (step, log record); may add keys to the record.
         batch_hook: may replace each micro-batch, see :data:`BatchHook`.
         evaluate: scores the student (see :data:`EvalFn`); run every ``eval_every`` steps and, when that ran at
             least once, at the last step. The best weights by ``select_key`` (higher is better; ties keep the
             earlier step) are restored into ``student`` before returning; a run shorter than ``eval_every`` is not
-            evaluated and keeps its last weights. Runs on every process (it must be deterministic, e.g. greedy).
+            evaluated and keeps its last weights. Runs on every process (under ZeRO-3 on the main process only,
+            with the gathered weights); the main process's result decides on every process.
         on_eval: called with (step, eval record) after each evaluation.
 
     Returns:
         dict with ``final_loss`` (mean loss per token of the last logged window), ``steps`` (optimizer steps
         done), ``train_time_s`` (training-loop wall clock in seconds, summed over resumed parts, without the
         selection evaluations: the clock ``cfg.max_time_s`` budgets), ``selection_eval_s`` (those evaluations),
-        ``tokens_seen``,
-        ``stopped_early`` (``"max_time_s"`` or None), ``best`` ({``step``, ``metrics``} or None), ...
+        ``tokens_seen``, ``stopped_early`` (``"max_time_s"`` or None), ``best`` ({``step``, ``metrics``} or None),
+        ``num_processes``, ``grad_accum_steps`` (per process), ``global_batch_sequences``, ``optimizer_parameters``
+        (parameters the optimizer updates: the student's count), ...
 
     Raises:
         FloatingPointError: the loss became NaN/inf; the message names the step, the last good checkpoint stays.
-        ValueError: ``eval_every < 0``, or ``evaluate`` did not return ``select_key``.
+        ValueError: ``eval_every < 0``, ``evaluate`` did not return ``select_key``, a launch that does not match
+            ``cfg.strategy`` or the global batch (:func:`check_launch`), a checkpoint that cannot resume here
+            (:func:`_check_resumable`).
     """
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
     from safetensors.torch import load_file
 
@@ -289,35 +615,36 @@ def train(
         raise ValueError(f"eval_every must be >= 0 (0 disables evaluation), got {eval_every}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    accelerator = Accelerator(gradient_accumulation_steps=1, mixed_precision=cfg.mixed_precision)
-    set_seed(seed)
-    if isinstance(teacher, torch.nn.Module):
-        teacher.eval().requires_grad_(False)
-        teacher.to(accelerator.device)
-    student.train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    clock = {"t0": time.perf_counter()}  # start of the budget clock (moved past resumed parts and evaluations)
+    # The budget clock: t0 moves past resumed parts and evaluations; elapsed_s is the main process's reading,
+    # shared with every process so they stop at the same step and follow the same LR.
+    clock = {"t0": time.perf_counter(), "elapsed_s": 0.0}
 
     def time_progress() -> float:
         if cfg.schedule_over != "time":
             return 0.0
-        return min(1.0, (time.perf_counter() - clock["t0"]) / cfg.max_time_s)
+        return min(1.0, clock["elapsed_s"] / cfg.max_time_s)
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, time_progress())
-    )
-    student, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
-    raw_student = accelerator.unwrap_model(student)
+    run = _prepare_run(student, teacher, cfg, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps,
+                                                                           cfg.min_lr_ratio, time_progress()))
+    accelerator, teacher, optimizer, scheduler = run.accelerator, run.teacher, run.optimizer, run.scheduler
+    raw_student, student = run.raw_student, run.engine
+    set_seed(seed)
+    world, rank, accum = accelerator.num_processes, accelerator.process_index, run.accum
+    global_batch = cfg.micro_batch_size * accum * world  # sequences per optimizer step
 
     ckpt = out_dir / "checkpoint-last"
     state: dict = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "final_loss": None, "best": None,
-                   "last_eval_step": None, "stopped_early": None, "selection_eval_s": 0.0}
+                   "last_eval_step": None, "stopped_early": None, "selection_eval_s": 0.0,
+                   "global_batch_sequences": global_batch, "num_processes": world, "strategy": cfg.strategy}
     best_weights: dict[str, torch.Tensor] | None = None
     if cfg.resume and (ckpt / "trainer_state.json").exists():
+        saved = json.loads((ckpt / "trainer_state.json").read_text())
+        _check_resumable(saved, state, ckpt)
         accelerator.load_state(str(ckpt))
-        state.update(json.loads((ckpt / "trainer_state.json").read_text()))
+        state.update(saved)
+        state.update(num_processes=world, strategy=cfg.strategy)
         state["stopped_early"] = None  # a new budget (or none) applies to the continuation
-        if state["best"] is not None and (ckpt / "best_model.safetensors").exists():
+        if state["best"] is not None and (ckpt / "best_model.safetensors").exists() and run.keeps_best:
             best_weights = load_file(str(ckpt / "best_model.safetensors"))
         log.info("resumed %s from step %d", desc, state["step"])
     elif cfg.resume:
@@ -325,8 +652,6 @@ def train(
                     "trainer.save_every=%d steps); starting from step 0", desc, ckpt, cfg.save_every)
     start_step = state["step"]
 
-    world, rank = accelerator.num_processes, accelerator.process_index
-    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * world  # sequences per optimizer step
     log_path = out_dir / "train_log.jsonl"
     if accelerator.is_main_process:
         if start_step == 0:
@@ -341,17 +666,21 @@ def train(
 
     def run_eval(done: int, last_loss: float | None) -> None:
         nonlocal best_weights
-        raw_student.eval()
         t_eval = time.perf_counter()
-        with torch.no_grad():
-            metrics = dict(evaluate(raw_student))
-        raw_student.train()
+        model = run.eval_model()  # ZeRO-3: full weights gathered on the main process only (None elsewhere)
+        metrics = None
+        if model is not None:
+            model.eval()
+            with torch.no_grad():
+                metrics = dict(evaluate(model))
+            model.train(model is raw_student)
+        metrics = run.main_value(metrics)  # every process selects by the main process's numbers
         if select_key not in metrics:
             raise ValueError(f"{desc}: the evaluation returned {sorted(metrics)}, without {select_key!r}")
         best = state["best"]
         if best is None or _score(metrics[select_key]) > _score(best["metrics"][select_key]):
             state["best"] = {"step": done, "metrics": metrics}
-            best_weights = _state_dict_copy(raw_student)
+            best_weights = _state_dict_copy(model) if model is not None else None
         state["last_eval_step"] = done
         eval_s = time.perf_counter() - t_eval
         clock["t0"] += eval_s  # selection evaluations are not training: they don't spend the budget
@@ -369,41 +698,49 @@ def train(
                dynamic_ncols=True)
     step = start_step
     while step < cfg.max_steps:
-        if cfg.max_time_s and time.perf_counter() - clock["t0"] >= cfg.max_time_s:
+        if cfg.max_time_s:
+            clock["elapsed_s"] = run.main_value(time.perf_counter() - clock["t0"])  # one reading for all processes
+        if cfg.max_time_s and clock["elapsed_s"] >= cfg.max_time_s:
             state["stopped_early"] = "max_time_s"
             log.info("%s: wall-clock budget trainer.max_time_s=%.0f s reached after %d steps", desc, cfg.max_time_s,
                      step)
             break
         idx = _batch_indices(blocks.size(0), step, global_batch, seed)  # (global_batch,)
         # This process's share, then split into micro-batches: (world*accum*mb) -> accum x (mb,)
-        mine = idx.view(world, -1)[rank].view(cfg.grad_accum_steps, cfg.micro_batch_size)
+        mine = idx.view(world, -1)[rank].view(accum, cfg.micro_batch_size)
         micro = []
         for j, m in enumerate(mine):
             batch = MicroBatch.from_blocks(blocks[m].to(accelerator.device), m)
             if batch_hook is not None:
-                batch = batch_hook(batch, step, rank * cfg.grad_accum_steps + j, raw_student)
+                batch = batch_hook(batch, step, rank * accum + j, raw_student)
             micro.append(batch)
-        # Global token count of this optimizer step (all processes, all micro-batches).
-        local_tokens = torch.tensor(0.0, device=accelerator.device)
-        losses = []
-        for batch in micro:
-            with accelerator.autocast():
-                loss_sum, n_tok = step_loss(student, teacher, batch)
-            losses.append(loss_sum)
-            local_tokens += n_tok
+        # Global token count of this optimizer step (all processes, all micro-batches), known before any backward
+        # so each micro-batch's backward runs right after its forward (DDP / DeepSpeed sync on the last one).
+        counts = [count_tokens(step_loss, b) for b in micro]
+        local_tokens = torch.tensor(float(sum(counts)), device=accelerator.device)
         global_tokens = accelerator.reduce(local_tokens.clone(), reduction="sum").clamp_min(1.0)
-        step_loss_sum = torch.stack([l.detach().float() for l in losses]).sum()
-        if not torch.isfinite(step_loss_sum):
-            raise FloatingPointError(
-                f"{desc}: loss is {step_loss_sum.item()} at step {step}; stopped. The last good checkpoint "
-                f"({ckpt if ckpt.exists() else 'none yet'}) is kept. Lower trainer.lr or check the data."
-            )
-        # DDP averages gradients over processes; scale by world so the sum over processes / global tokens results.
-        for l in losses:
-            accelerator.backward(l * world / global_tokens)
+        accelerator.step = 0  # accumulate() below syncs gradients on this step's last micro-batch
+        losses = []
+        for batch, expected in zip(micro, counts):
+            with accelerator.accumulate(student):
+                with accelerator.autocast():
+                    loss_sum, n_tok = step_loss(student, teacher, batch)
+                if n_tok != expected:
+                    raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")
+                if not torch.isfinite(loss_sum.detach()):
+                    raise FloatingPointError(
+                        f"{desc}: loss is {loss_sum.item()} at step {step}; stopped. The last good checkpoint "
+                        f"({ckpt if ckpt.exists() else 'none yet'}) is kept. Lower trainer.lr or check the data.")
+                losses.append(loss_sum.detach().float())
+                # DDP / DeepSpeed average gradients over processes and accelerator.backward divides by the
+                # accumulation steps; x world x accum turns that into sum over all micro-batches / global tokens.
+                accelerator.backward(loss_sum * (world * accum) / global_tokens)
+        step_loss_sum = torch.stack(losses).sum()
         if cfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(student.parameters(), cfg.max_grad_norm)
+            accelerator.clip_grad_norm_(student.parameters(), cfg.max_grad_norm)  # DeepSpeed: gradient_clipping
         optimizer.step()
+        if cfg.schedule_over == "time":
+            clock["elapsed_s"] = run.main_value(time.perf_counter() - clock["t0"])
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -437,25 +774,37 @@ def train(
     state["elapsed_s"] = time.perf_counter() - clock["t0"]
     accelerator.wait_for_everyone()
     save_checkpoint(accelerator, ckpt, state, best_weights)
-    if best_weights is not None:
-        raw_student.load_state_dict(best_weights)
-    raw_student.eval()
+    run.finish(state["best"] is not None, best_weights, cfg.gradient_checkpointing)
     return {"final_loss": state["final_loss"], "steps": step, "max_steps": cfg.max_steps,
             "train_time_s": state["elapsed_s"], "selection_eval_s": state.get("selection_eval_s", 0.0),
             "tokens_seen": state["tokens_seen"],
-            "global_batch_sequences": global_batch, "resumed_from_step": start_step,
+            "global_batch_sequences": global_batch, "num_processes": world, "grad_accum_steps": accum,
+            "optimizer_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer_parameters(optimizer)),
+            "resumed_from_step": start_step,
             "stopped_early": state["stopped_early"], "best": state["best"], "config": asdict(cfg)}
 
 
 def save_checkpoint(accelerator, ckpt: Path, state: dict, best_weights: dict[str, torch.Tensor] | None = None) -> None:
     """Resumable state (``state["step"]`` etc.), written atomically: a killed save leaves the previous checkpoint
-    intact. ``best_weights`` (the selected weights so far) go to ``best_model.safetensors`` beside it."""
+    intact. ``best_weights`` (the selected weights so far) go to ``best_model.safetensors`` beside it.
+
+    Collective: every process calls it. The main process picks the temporary folder; every process writes its part
+    of ``accelerator.save_state`` there (DeepSpeed: its partition; RNG state), then the main process renames it.
+    """
+    from contextlib import nullcontext
+
     from safetensors.torch import save_file
 
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        with atomic_dir(ckpt) as tmp:
-            accelerator.save_state(str(tmp), safe_serialization=True)
+    main = accelerator.is_main_process
+    with atomic_dir(ckpt) if main else nullcontext() as tmp:
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            tmp = Path(broadcast_object_list([str(tmp) if main else None], from_process=0)[0])
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()
+        if main:
             if best_weights is not None:
                 save_file(best_weights, str(tmp / "best_model.safetensors"))
             write_json_atomic(tmp / "trainer_state.json", state)

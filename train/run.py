@@ -29,8 +29,9 @@ class EventLog:
 
 
 # Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
+# trainer.strategy may change (e.g. ddp -> single); the trainer refuses DeepSpeed checkpoints on another setup.
 RESUME_FREE_KEYS = {"trainer.resume", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
-                    "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval", "decode"}
+                    "trainer.strategy", "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval", "decode"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -75,14 +76,26 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         ValueError: invalid config (before any model is loaded), bad data or checkpoints (clear messages).
     """
     rc = validate(cfg)
+    dist = _check_launch(rc)
+    if not dist.is_main_process:  # one copy of the progress log: the main process's
+        for name in ("specdraft", "distill", "data", "eval", "decode"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+    if dist.num_processes > 1:  # every process uses the main process's run directory (Hydra's name has a clock)
+        from accelerate.utils import broadcast_object_list
+
+        run_dir = broadcast_object_list([str(run_dir)], from_process=0)[0]
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    events = EventLog(run_dir / "events.jsonl")
+    events = EventLog(run_dir / "events.jsonl") if dist.is_main_process else (lambda *a, **k: None)
     check_resume_consistent(rc, run_dir)
-    write_json_atomic(run_dir / "resolved_config.json", asdict(rc))
+    dist.wait_for_everyone()  # every process checked the stored config before the main process rewrites it
+    if dist.is_main_process:
+        write_json_atomic(run_dir / "resolved_config.json", asdict(rc))
     results: dict = {}
     opts = rc.data.options()
     for stage in rc.stages:
+        if stage == "eval" and not dist.is_main_process:
+            continue  # evaluation runs on the main process; training stages run on every process
         t0 = time.perf_counter()
         events("stage_start", stage=stage)
         log.info("stage %s", stage)
@@ -95,6 +108,24 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
             raise
         events("stage_end", stage=stage, seconds=time.perf_counter() - t0)
     return results
+
+
+def _check_launch(rc: RootConfig):
+    """The distributed state, after checking that ``trainer.strategy`` and the global batch fit the launch (before
+    any model loads)."""
+    from distill.trainer import check_launch, distributed_state
+
+    dist = distributed_state()
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    stage = None
+    if deepspeed:
+        from accelerate.utils import DeepSpeedPlugin
+
+        stage = DeepSpeedPlugin().zero_stage
+    check_launch(rc.trainer, dist.num_processes, deepspeed, stage)
+    if "reference_target" in rc.stages:
+        check_launch(rc.reference.trainer, dist.num_processes, deepspeed, stage)
+    return dist
 
 
 def _run_stage(stage: str, rc: RootConfig, opts, run_dir: Path, events: EventLog) -> dict:

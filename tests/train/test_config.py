@@ -21,7 +21,7 @@ from train.schema import KNOWN_STAGES, RootConfig, validate
 CONF = PROJECT_ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 GROUP_OPTIONS = sorted(
-    f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml") if p.parent.name != "experiment"
+    f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "accelerate")
 )
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -154,3 +154,12 @@ def test_cli_invalid_value_fails_fast_before_any_model(tmp_path):
     assert seconds < 30
     run = tmp_path / "run"
     assert not (run / "resolved_config.json").exists() and not (run / "events.jsonl").exists()
+
+
+def test_cli_strategy_that_does_not_fit_the_launch_fails_before_any_model(tmp_path):
+    """trainer=deepspeed_zero2 under plain python (no DeepSpeed launch) is refused before any work, naming the fix."""
+    proc, _ = _run_train(["+experiment=smoke", "trainer=deepspeed_zero2"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "not launched with DeepSpeed" in out, out[-2000:]
+    assert "accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml" in out
+    assert not (tmp_path / "run" / "resolved_config.json").exists()

@@ -101,3 +101,44 @@ def test_resume_with_different_training_settings_is_refused(smoke_run, tmp_path)
     ok = run_train("+experiment=smoke", f"hydra.run.dir={run_dir}", "trainer.resume=true", "stages=[distill]",
                    "eval.max_prompts=1")
     assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_deepspeed_zero2_smoke_on_two_cpu_processes_matches_one_process(smoke_run, tmp_path):
+    """The smoke experiment's distill stage under ``accelerate launch`` with DeepSpeed ZeRO-2 on two CPU processes
+    (gloo, torch AdamW): micro-batch 1 x accumulation 2 x 2 processes = the smoke run's global batch of 4, so the
+    loss curve and the weights are the single-process run's; the draft loads with ``from_pretrained``."""
+    pytest.importorskip("deepspeed")
+    import socket
+
+    from transformers import AutoModelForCausalLM
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                     "MASTER_"))}
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "conf/accelerate/deepspeed_zero2.yaml",
+         "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(port),
+         "-m", "train", "+experiment=smoke", "trainer=deepspeed_zero2", "stages=[distill]",
+         "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    meta = json.loads((tmp_path / "drafts" / "distilled" / "specdraft.json").read_text())
+    assert meta["train"]["num_processes"] == 2 and meta["train"]["grad_accum_steps"] == 2
+    assert meta["train"]["global_batch_sequences"] == 4 and meta["trainer"]["strategy"] == "deepspeed_zero2"
+    assert meta["train"]["optimizer_parameters"] == meta["draft_parameters"]  # the draft's parameters, only
+
+    def curve(run_dir):
+        recs = [json.loads(l) for l in (run_dir / "train" / "distilled" / "train_log.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in recs if r["kind"] == "train"}
+
+    one, two = curve(smoke_run), curve(tmp_path)
+    assert sorted(one) == sorted(two) and len(one) >= 3
+    for step, loss in one.items():
+        assert two[step] == pytest.approx(loss, rel=1e-4), step
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "drafts" / "distilled")
+    ref = AutoModelForCausalLM.from_pretrained(smoke_run / "drafts" / "distilled").state_dict()
+    for name, w in draft.state_dict().items():
+        torch.testing.assert_close(w, ref[name], atol=5e-5, rtol=1e-4, msg=name)

@@ -12,41 +12,111 @@ class CheckpointError(ValueError):
     """A model directory that does not exist, is partial, or cannot be read."""
 
 
+def _looks_local(name_or_path: str | os.PathLike) -> bool:
+    p = Path(str(name_or_path)).expanduser()
+    return p.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1
+
+
+def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -> None:
+    """Cheap checks of a local checkpoint directory, without loading anything (a hub id passes unchecked).
+
+    Raises:
+        CheckpointError: the path does not exist, is not a readable directory, or lacks ``config.json``, the
+            weights (``*.safetensors`` / ``*.bin``) or the tokenizer files; the message names the path, what is
+            missing, and how to fix it.
+    """
+    if not _looks_local(name_or_path):
+        return
+    p = Path(str(name_or_path)).expanduser()
+    key = f"{role}.name_or_path" if role == "target" else "eval.drafts"
+    if not p.exists():
+        raise CheckpointError(
+            f"{role} path {p} does not exist. Point {key} at a Hugging Face model directory "
+            f"(config.json + *.safetensors + tokenizer files) or a hub id."
+        )
+    if not p.is_dir():
+        raise CheckpointError(f"{role} path {p} is a file, not a model directory. Point {key} at the directory "
+                              f"holding config.json, *.safetensors and the tokenizer files.")
+    try:
+        names = {q.name for q in p.iterdir()}
+    except OSError as e:
+        raise CheckpointError(f"{role} checkpoint {p} is not readable ({e.strerror}); fix its permissions or point "
+                              f"{key} elsewhere.") from None
+    missing = [n for n in ("config.json",) if n not in names]
+    if not any(n.endswith((".safetensors", ".bin")) for n in names):
+        missing.append("model weights (*.safetensors)")
+    if not names & {"tokenizer.json", "tokenizer_config.json"}:
+        missing.append("tokenizer files (tokenizer.json)")
+    if missing:
+        raise CheckpointError(
+            f"{role} checkpoint {p} is incomplete: missing {', '.join(missing)}. It may be a partial or "
+            f"interrupted save; re-run the stage that produced it or point {key} elsewhere."
+        )
+    for n in sorted(names):
+        if n.endswith(".json") or n.endswith(".safetensors"):
+            try:
+                with open(p / n, "rb") as f:
+                    f.read(1)
+            except OSError as e:
+                raise CheckpointError(f"{role} checkpoint file {p / n} is not readable ({e.strerror}); fix its "
+                                      f"permissions or point {key} elsewhere.") from None
+
+
+def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model"):
+    """The tokenizer of a checkpoint (no model weights are read), after :func:`check_checkpoint_dir`.
+
+    Raises:
+        CheckpointError: as :func:`check_checkpoint_dir`, or the tokenizer files cannot be parsed.
+    """
+    from transformers import AutoTokenizer
+
+    check_checkpoint_dir(name_or_path, role)
+    src = str(Path(str(name_or_path)).expanduser()) if _looks_local(name_or_path) else str(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(src)
+    except Exception as e:
+        raise CheckpointError(
+            f"could not load the {role} tokenizer from {name_or_path}: {type(e).__name__}: {e}. Check that the "
+            f"directory holds complete tokenizer files (tokenizer.json, tokenizer_config.json)."
+        ) from e
+
+
+def check_finite_weights(model, name_or_path: str | os.PathLike, role: str = "model") -> None:
+    """Raise :class:`CheckpointError` when any parameter or buffer of ``model`` holds NaN or inf (a diverged or
+    damaged checkpoint would otherwise be evaluated as if valid); names up to three tensors."""
+    import torch
+
+    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+           if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CheckpointError(
+            f"{role} checkpoint {name_or_path} has non-finite (NaN or inf) weights in {shown}. It comes from a "
+            f"diverged or damaged run: use an earlier checkpoint, or retrain it (e.g. with a lower trainer.lr)."
+        )
+
+
 def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: torch.dtype = torch.float32):
     """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id, in eval mode.
 
     Raises:
         CheckpointError: the path does not exist (and does not look like a hub id), lacks config/weights/tokenizer
-            files, or fails to load; the message names the path, what is missing, and how to fix it.
+            files, fails to load, or holds NaN/inf weights; the message names the path, what is wrong, and how to
+            fix it.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    p = Path(str(name_or_path)).expanduser()
-    looks_local = p.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1
-    if looks_local:
-        if not p.is_dir():
-            raise CheckpointError(
-                f"{role} path {p} does not exist. Point {role}.name_or_path at a Hugging Face model directory "
-                f"(config.json + *.safetensors + tokenizer files) or a hub id."
-            )
-        missing = [n for n in ("config.json",) if not (p / n).exists()]
-        if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-            missing.append("model weights (*.safetensors)")
-        if not any((p / n).exists() for n in ("tokenizer.json", "tokenizer_config.json")):
-            missing.append("tokenizer files (tokenizer.json)")
-        if missing:
-            raise CheckpointError(
-                f"{role} checkpoint {p} is incomplete: missing {', '.join(missing)}. It may be a partial or "
-                f"interrupted save; re-run the stage that produced it or point {role}.name_or_path elsewhere."
-            )
+    tok = load_tokenizer(name_or_path, role)
+    local = _looks_local(name_or_path)
+    src = str(Path(str(name_or_path)).expanduser()) if local else name_or_path
     try:
-        tok = AutoTokenizer.from_pretrained(str(p) if looks_local else name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(str(p) if looks_local else name_or_path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     except Exception as e:
         raise CheckpointError(
             f"could not load {role} from {name_or_path}: {type(e).__name__}: {e}. Check that the directory is a "
             f"complete Hugging Face causal-LM checkpoint (or that the hub is reachable for a hub id)."
         ) from e
+    check_finite_weights(model, name_or_path, role)
     return model.eval(), tok
 
 

@@ -39,6 +39,9 @@ class DataConfig:
             raise ValueError("data.validation_fraction and data.test_fraction must be in [0, 1) with a sum < 1")
         if self.max_train_blocks is not None and self.max_train_blocks < 1:
             raise ValueError(f"data.max_train_blocks must be >= 1 or null, got {self.max_train_blocks}")
+        from .loading import check_data_root
+
+        check_data_root(self.root, self.source)  # a data root that is set but missing: named before any work
 
     def options(self):
         from .loading import DataOptions

@@ -58,6 +58,26 @@ def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataS
     )
 
 
+def check_data_root(root: str | os.PathLike | None, source: str = "root") -> None:
+    """Raise :class:`DataSourceError` when an explicitly set data root (``data.root`` or ``$SPECDRAFT_DATA_ROOT``)
+    is not an existing folder (with ``data.source=hub`` no data root is read, so none is checked)."""
+    if source == "hub":
+        return
+    explicit = root not in (None, "", "null")
+    where = "data.root" if explicit else f"${ENV_DATA_ROOT}"
+    value = root if explicit else os.environ.get(ENV_DATA_ROOT)
+    if not value:
+        return
+    p = Path(str(value)).expanduser()
+    if not p.is_dir():
+        what = "is a file, not a folder" if p.exists() else "does not exist"
+        raise DataSourceError(
+            f"data root {p} ({where}) {what}. Set data.root=/path/to/data (or export {ENV_DATA_ROOT}=/path/to/data) "
+            f"to the folder holding the domain files (see shared/data/MANIFEST.md), or read from the hub with "
+            f"data.source=hub."
+        )
+
+
 def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
     if path.stat().st_size == 0:
         raise DataFormatError(f"{path}: the file is empty. Replace it with the published file or remove the source.")
@@ -87,9 +107,15 @@ def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any
         where = f"{origin}:{pos}" if isinstance(pos, int) else f"{origin} (record {pos})"
 
         def get(name: str, _rec=rec, _where=where):
-            if not isinstance(_rec, dict) or name not in _rec or _rec[name] is None:
-                have = sorted(_rec) if isinstance(_rec, dict) else type(_rec).__name__
-                raise DataFormatError(f"{_where}: field {name!r} is missing (record has: {have}).")
+            if not isinstance(_rec, dict):
+                raise DataFormatError(f"{_where}: expected a JSON object with field {name!r}, got "
+                                      f"{type(_rec).__name__}.")
+            if name not in _rec:
+                raise DataFormatError(f"{_where}: field {name!r} is missing (record has: {sorted(_rec)}); add it or "
+                                      f"configure the field that holds the text.")
+            if _rec[name] is None:
+                raise DataFormatError(f"{_where}: field {name!r} is null (not set); give it a value or remove the "
+                                      f"record.")
             return _rec[name]
 
         try:
@@ -121,6 +147,8 @@ def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> It
         raise ValueError(f"data.source must be one of {SOURCE_MODES}, got {opts.source!r}")
     root = resolve_data_root(opts.root)
     for source in dom.sources:
+        if not Path(source.file).is_absolute():  # user files (absolute paths) need no data root
+            check_data_root(opts.root, opts.source)
         path = _source_path(source, root)
         if opts.source == "hub" and source.hub is None and path is not None and path.exists():
             records, origin = _records_from_file(source, path), str(path)

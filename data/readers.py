@@ -9,6 +9,13 @@ from typing import Any, Iterator
 from .errors import DataFormatError
 
 csv.field_size_limit(1 << 28)
+_SHORT_ROW = object()  # csv.DictReader's filler for the fields a short row does not have
+
+
+def _json_reason(e: json.JSONDecodeError) -> str:
+    """The parser's reason and column, e.g. ``Expecting value, column 7``. Some of json's messages end in "at"
+    ("Unterminated string starting at"), so the column is never appended with another "at"."""
+    return f"{e.msg.removesuffix(' starting at').removesuffix(' at')}, column {e.colno}"
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
@@ -25,8 +32,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataFormatError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}). Each line of a .jsonl file "
-                    f"must be one JSON value; fix or remove that line."
+                    f"{path}:{lineno}: not valid JSON ({_json_reason(e)}). Each line of a .jsonl file must be one "
+                    f"JSON value; fix or remove that line."
                 ) from None
 
 
@@ -40,7 +47,8 @@ def read_json_dict(path: Path) -> Iterator[tuple[str, Any]]:
         with open(path, encoding="utf-8-sig") as f:
             obj = json.load(f)
     except json.JSONDecodeError as e:
-        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({e.msg} at column {e.colno}).") from None
+        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({_json_reason(e)}); fix the file or replace it "
+                              f"with the published one.") from None
     if not isinstance(obj, dict):
         raise DataFormatError(f"{path}: expected a JSON object mapping ids to records, got {type(obj).__name__}.")
     yield from obj.items()
@@ -54,7 +62,7 @@ def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
     """
     with open(path, encoding="utf-8-sig", newline="") as f:
         # strict: broken quoting (a stray or unterminated quote) is an error, not silently merged into one field
-        reader = csv.DictReader(f, strict=True)
+        reader = csv.DictReader(f, strict=True, restval=_SHORT_ROW)
         start = 1
         try:
             if not reader.fieldnames:
@@ -66,7 +74,8 @@ def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
                         f"{path}:{start}: row has more fields than the header ({len(reader.fieldnames)} columns); "
                         f"quote fields that contain commas."
                     )
-                yield start, row
+                # a short row lacks its last fields (reported as missing, not as null, when a field is read)
+                yield start, {k: v for k, v in row.items() if v is not _SHORT_ROW}
                 start = reader.line_num + 1
         except csv.Error as e:
             # csv's line_num lags on a failing row; report the line where the failing row starts

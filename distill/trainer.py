@@ -728,9 +728,7 @@ def train(
                 if n_tok != expected:
                     raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")
                 if not torch.isfinite(loss_sum.detach()):
-                    raise FloatingPointError(
-                        f"{desc}: loss is {loss_sum.item()} at step {step}; stopped. The last good checkpoint "
-                        f"({ckpt if ckpt.exists() else 'none yet'}) is kept. Lower trainer.lr or check the data.")
+                    raise FloatingPointError(_diverged(desc, f"loss is {loss_sum.item()}", step + 1, ckpt))
                 losses.append(loss_sum.detach().float())
                 # DDP / DeepSpeed average gradients over processes and accelerator.backward divides by the
                 # accumulation steps; x world x accum turns that into sum over all micro-batches / global tokens.
@@ -767,12 +765,14 @@ def train(
         if evaluate is not None and eval_every and done % eval_every == 0:
             run_eval(done, last_loss)
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
+            _check_finite_params(raw_student, desc, done, ckpt)  # never checkpoint diverged weights
             save_checkpoint(accelerator, ckpt, state, best_weights)
     bar.close()
     if evaluate is not None and state["last_eval_step"] not in (None, step):
         run_eval(step, last_loss)  # once selection is on, the last weights compete too
     state["elapsed_s"] = time.perf_counter() - clock["t0"]
     accelerator.wait_for_everyone()
+    _check_finite_params(raw_student, desc, step, ckpt)
     save_checkpoint(accelerator, ckpt, state, best_weights)
     run.finish(state["best"] is not None, best_weights, cfg.gradient_checkpointing)
     return {"final_loss": state["final_loss"], "steps": step, "max_steps": cfg.max_steps,
@@ -782,6 +782,29 @@ def train(
             "optimizer_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer_parameters(optimizer)),
             "resumed_from_step": start_step,
             "stopped_early": state["stopped_early"], "best": state["best"], "config": asdict(cfg)}
+
+
+def _diverged(desc: str, what: str, step: int, ckpt: Path) -> str:
+    kept = f"the last good checkpoint {ckpt} (step {_ckpt_step(ckpt)}) is kept" if ckpt.exists() else \
+        "no checkpoint was written yet"
+    return (f"{desc}: {what} at step {step}; training stopped and {kept}. Start a new run with a lower trainer.lr "
+            f"(or a larger trainer.warmup_steps / smaller trainer.max_grad_norm), or check the data; resuming "
+            f"needs the same settings.")
+
+
+def _ckpt_step(ckpt: Path):
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def _check_finite_params(model: torch.nn.Module, desc: str, step: int, ckpt: Path) -> None:
+    """Raise FloatingPointError when a parameter holds NaN/inf (an optimizer step overflowed): such weights are
+    never saved over the last good checkpoint."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise FloatingPointError(_diverged(desc, f"weights became non-finite ({', '.join(bad[:3])})", step, ckpt))
 
 
 def save_checkpoint(accelerator, ckpt: Path, state: dict, best_weights: dict[str, torch.Tensor] | None = None) -> None:

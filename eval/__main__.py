@@ -3,7 +3,13 @@ evaluate drafts against a target without training (the same implementation as th
 
 Writes into the run directory (``hydra.run.dir``; a training run's directory re-evaluates its ``drafts/``):
 ``report.md``, ``metrics.json``, ``per_prompt.csv``, ``plots/*.png``, ``events.jsonl`` and, with ``logger=wandb``,
-an offline wandb run under ``wandb/``.
+an offline wandb run under ``wandb/``. The report files are replaced as one set (a killed evaluation leaves the
+previous complete set; rerunning the command gives the same numbers). Hydra's record of the command goes to
+``.hydra-eval/`` so a training run's ``.hydra/`` is kept.
+
+The command is checked (config, draft and target checkpoints, tokenizers, write access) before Hydra touches the
+run directory; errors end in one ``error: ...`` line on stderr and exit code 2 (bad input) or 3 (an artifact
+could not be written).
 """
 from __future__ import annotations
 
@@ -16,10 +22,26 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from data.cli import exit_on_error, preflight
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 log = logging.getLogger("specdraft")
+
+
+def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
+    """The typed eval config, then the inputs (drafts, checkpoints, tokenizers, user files), without loading any
+    model. Raises ValueError with a message naming the problem and the fix."""
+    from eval.config import validate_eval
+    from eval.pipeline import check_eval_inputs
+
+    rc = validate_eval(cfg)
+    run_dir = Path(run_dir)
+    if not rc.eval.drafts and not (run_dir / "drafts").is_dir():
+        raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' "
+                         "(or hydra.run.dir pointing at a training run directory with drafts/)")
+    check_eval_inputs(rc, run_dir)
+    return rc
 
 
 def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
@@ -28,15 +50,11 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     Raises:
         ValueError: bad config (before any model loads), no drafts, unreadable checkpoints, unknown domains.
     """
-    from eval.config import validate_eval
     from eval.pipeline import evaluate_run
     from eval.tracking import EventLog
 
     run_dir = Path(run_dir)
-    rc = validate_eval(cfg)
-    if not rc.eval.drafts and not (run_dir / "drafts").is_dir():
-        raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' "
-                         "(or hydra.run.dir pointing at a training run directory with drafts/)")
+    rc = check_before_eval(cfg, run_dir)
     events = EventLog(run_dir / "events.jsonl")
     events("stage_start", stage="eval", entry="python -m eval")
     t0 = time.perf_counter()
@@ -50,19 +68,27 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         out = run(cfg, run_dir)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except Exception as e:
+        exit_on_error(e)
+        raise
     for domain, (draft, g) in out["recommendation"].items():
         print(f"{domain}: use {draft} with num_draft_tokens={g}")
     print(f"report: {out['report']}")
     print(f"run directory: {run_dir}")
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    preflight(argv, PROJECT_ROOT / "conf", check_before_eval)
+    if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
+        sys.argv.append("hydra.output_subdir=.hydra-eval")  # keep a training run's .hydra/ as it was
+    hydra_main()
 
 
 if __name__ == "__main__":

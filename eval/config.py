@@ -25,7 +25,8 @@ class EvalConfig:
     drafts: dict[str, str] | None = None  # name -> HF dir; null: the run directory's drafts/
     max_prompts: int = 16  # prompts per domain
     max_new_tokens: int = 64  # tokens generated per prompt
-    max_prompt_tokens: int = 192  # longer prompts are truncated from the left (with a warning)
+    max_prompt_tokens: int = 192  # longer prompts: see prompt_overflow
+    prompt_overflow: str = "truncate_left"  # truncate_left (keep the last max_prompt_tokens, warn) | error
     check_lossless: bool = True  # compare speculative greedy output with target-only greedy output
     cost_ratio_trials: int = 20  # forwards timed per model to measure the cost ratio c
     num_draft_tokens: list[int] | None = None  # sweep of gamma values; null: just decode.num_draft_tokens
@@ -38,6 +39,8 @@ class EvalConfig:
     def __post_init__(self):
         if self.max_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 2:
             raise ValueError("eval.max_prompts and eval.max_new_tokens must be >= 1, eval.max_prompt_tokens >= 2")
+        if self.prompt_overflow not in ("truncate_left", "error"):
+            raise ValueError(f"eval.prompt_overflow must be truncate_left or error, got {self.prompt_overflow!r}")
         if self.cost_ratio_trials < 1:
             raise ValueError(f"eval.cost_ratio_trials must be >= 1, got {self.cost_ratio_trials}")
         if not self.domains and not self.extra_domains:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from data.io import atomic_file_set
 from data.loading import DataOptions, eval_prompts, user_domain
 
 from .evaluate import Prompt, evaluate_drafts
@@ -94,21 +95,17 @@ def _torch_threads(n: int | None):
         torch.set_num_threads(old)
 
 
-def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
-    """Evaluate every draft (``eval.drafts``, else ``<run_dir>/drafts/*``) on the configured domains; write the
-    report files into ``run_dir``. ``events(name, **fields)``: the run's event log (optional).
+class PromptTooLongError(ValueError):
+    """A prompt longer than ``eval.max_prompt_tokens`` with ``eval.prompt_overflow=error``."""
+
+
+def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
+    """name -> draft directory: ``eval.drafts``, else ``<run_dir>/drafts/*``.
 
     Raises:
-        ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
-            missing data (``DataSourceError``), each with a message saying what to fix.
+        ValueError: no drafts at all (says how to give some).
     """
-    from data.checkpoints import (check_context_fits, check_vocab_covers_tokenizer, load_causal_lm,
-                                  read_specdraft_meta)
-    from data.tokenizer_check import check_tokenizers_compatible
-
-    run_dir = Path(run_dir)
-    ev = events or (lambda *a, **k: None)
-    drafts_dir = run_dir / "drafts"
+    drafts_dir = Path(run_dir) / "drafts"
     if rc.eval.drafts:
         paths = {n: Path(p).expanduser() for n, p in rc.eval.drafts.items()}
     else:
@@ -117,20 +114,99 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     if not paths:
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
+    return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
+
+
+def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
+    """Everything about the evaluation's inputs that can be checked without loading a model: the drafts exist,
+    every checkpoint directory is complete and readable, the user domain files exist, and every draft's tokenizer
+    is the target's (vocabulary, merges, special tokens and their ids, added tokens).
+
+    Returns:
+        (draft paths, domain objects, target tokenizer); ``need_drafts=False`` (a training run whose drafts are
+        made by earlier stages) returns ``{}`` for the drafts when there are none yet.
+
+    Raises:
+        ValueError: no drafts; ``CheckpointError`` (missing / partial / unreadable checkpoint);
+            ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
+    """
+    from data.checkpoints import check_checkpoint_dir, load_tokenizer
+    from data.tokenizer_check import check_tokenizers_compatible
+
+    try:
+        paths = draft_paths(rc, run_dir)
+    except ValueError:
+        if need_drafts:
+            raise
+        paths = {}
     domains = _domain_objects(rc)  # user files are checked before any model loads
+    check_checkpoint_dir(rc.target.name_or_path, role="target")
+    for n, path in paths.items():
+        check_checkpoint_dir(path, role=f"draft {n!r}")
+    tokenizer = load_tokenizer(rc.target.name_or_path, role="target")
+    for n, path in paths.items():
+        check_tokenizers_compatible(tokenizer, load_tokenizer(path, role=f"draft {n!r}"), draft_name=f"draft {n!r}")
+    return paths, domains, tokenizer
+
+
+def check_prompt_lengths(prompts: dict[str, list[Prompt]], tokenizer, max_prompt_tokens: int, policy: str) -> int:
+    """Number of prompts longer than ``max_prompt_tokens`` (they are truncated from the left, with a warning).
+
+    Raises:
+        PromptTooLongError: ``policy == "error"`` and some prompt is longer (names the domain, the prompt id and
+            its length, and both fixes).
+    """
+    long = []
+    for domain, ps in prompts.items():
+        for p in ps:
+            n = len(tokenizer(p.text, add_special_tokens=True)["input_ids"])
+            if n > max_prompt_tokens:
+                long.append((domain, p.id, n))
+    if long and policy == "error":
+        shown = "; ".join(f"{d} prompt {pid}: {n} tokens" for d, pid, n in long[:3])
+        raise PromptTooLongError(
+            f"{len(long)} prompt(s) are longer than eval.max_prompt_tokens={max_prompt_tokens} ({shown}"
+            f"{'; ...' if len(long) > 3 else ''}) and eval.prompt_overflow=error. Raise eval.max_prompt_tokens "
+            f"(prompt + eval.max_new_tokens must fit the models' context), or set eval.prompt_overflow=truncate_left "
+            f"to keep the last {max_prompt_tokens} tokens of each.")
+    if long:
+        log.warning("%d prompt(s) longer than eval.max_prompt_tokens=%d will be truncated from the left (first: %s "
+                    "prompt %s, %d tokens); eval.prompt_overflow=error makes this an error", len(long),
+                    max_prompt_tokens, *long[0])
+    return len(long)
+
+
+def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+    """Evaluate every draft (``eval.drafts``, else ``<run_dir>/drafts/*``) on the configured domains; write the
+    report files into ``run_dir`` as one set (:func:`data.io.atomic_file_set`: a killed evaluation leaves the
+    previous complete report set, and rerunning the command produces the same numbers).
+    ``events(name, **fields)``: the run's event log (optional).
+
+    Raises:
+        ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
+            missing data (``DataSourceError``), a prompt too long with ``eval.prompt_overflow=error``, each with a
+            message saying what to fix; all of them before any model is loaded.
+        ArtifactWriteError: the report could not be written (full disk, read-only folder); the previous report
+            set is intact.
+    """
+    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
+
+    run_dir = Path(run_dir)
+    ev = events or (lambda *a, **k: None)
+    paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
+    prompts = load_prompts(domains, opts, rc.eval.max_prompts)
+    check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
     need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
     what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
     check_context_fits(target, need, "target", what)
     drafts, meta = {}, {}
-    for n in sorted(paths, key=lambda n: (n != "distilled", n)):
-        model, tok = load_causal_lm(paths[n], role=f"draft {n!r}")
-        check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft {n!r}")
+    for n in paths:
+        model, _ = load_causal_lm(paths[n], role=f"draft {n!r}")
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
         drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
-    prompts = load_prompts(domains, opts, rc.eval.max_prompts)
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
        prompts={d: len(p) for d, p in prompts.items()})
@@ -143,11 +219,12 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts}
     sections = [training_section(meta)] if meta and all(m.get("train") for m in meta.values()) else []
-    doc = write_report(run_dir, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
-                       bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
-                       check_lossless=rc.eval.check_lossless,
-                       alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
-                       sources=domain_sources(domains))
+    with atomic_file_set(run_dir, "report") as staging:
+        doc = write_report(staging, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
+                           bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
+                           check_lossless=rc.eval.check_lossless,
+                           alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
+                           sources=domain_sources(domains))
     for domain, r in doc["recommendation"].items():
         ev("eval_recommendation", domain=domain, recommendation=r)
     out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),

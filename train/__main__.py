@@ -1,4 +1,9 @@
-"""``python -m train +experiment=NAME``: compose the Hydra config and run the configured stages."""
+"""``python -m train +experiment=NAME``: compose the Hydra config and run the configured stages.
+
+The command is checked (config, target path, run-directory policy, write access) before Hydra creates or writes
+anything in the run directory (:func:`data.cli.preflight`); errors end in one ``error: ...`` line on stderr and an
+exit code: 2 bad input, 3 an artifact could not be written, 4 the training loss diverged, 130 interrupted.
+"""
 from __future__ import annotations
 
 import logging
@@ -7,6 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from data.cli import EXIT_INTERRUPTED, exit_on_error, preflight
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -15,8 +21,14 @@ for noisy in ("accelerate", "datasets", "httpx", "deepspeed"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _check(cfg, run_dir) -> None:
+    from train.run import check_before_run
+
+    check_before_run(cfg, run_dir)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from train.run import run
@@ -24,15 +36,19 @@ def main(cfg: DictConfig) -> None:
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         run(cfg, run_dir)
-    except (ValueError, FileNotFoundError, FloatingPointError, OSError) as e:
-        log.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     except KeyboardInterrupt:
         print(f"interrupted: rerun with hydra.run.dir={run_dir} trainer.resume=true to continue from the last "
               f"checkpoint", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as e:
+        exit_on_error(e)
+        raise
     print(f"run directory: {run_dir}")
+
+
+def main() -> None:
+    preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check)
+    hydra_main()
 
 
 if __name__ == "__main__":

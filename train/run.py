@@ -30,8 +30,9 @@ class EventLog:
 
 # Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
 # trainer.strategy may change (e.g. ddp -> single); the trainer refuses DeepSpeed checkpoints on another setup.
-RESUME_FREE_KEYS = {"trainer.resume", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
-                    "trainer.strategy", "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval", "decode"}
+RESUME_FREE_KEYS = {"trainer.resume", "overwrite", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
+                    "trainer.strategy", "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval",
+                    "decode"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -69,11 +70,63 @@ def check_resume_consistent(rc: RootConfig, run_dir: Path) -> None:
                          f"new run directory.")
 
 
+class RunDirInUseError(ValueError):
+    """The run directory already holds another run's artifacts and neither resume nor overwrite was asked for."""
+
+
+def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
+    """A run never replaces another run's artifacts unless told to: a run directory that already holds a run
+    (its ``resolved_config.json``) needs ``trainer.resume=true`` (continue it) or ``overwrite=true`` (replace it).
+
+    Raises:
+        RunDirInUseError: naming the directory, what is in it, and the three ways on.
+    """
+    if rc.trainer.resume or rc.overwrite or not (run_dir / "resolved_config.json").exists():
+        return
+    held = [n for n in ("drafts", "report.md", "train", "reference_train") if (run_dir / n).exists()]
+    raise RunDirInUseError(
+        f"run directory {run_dir} already holds a run (resolved_config.json{', ' if held else ''}{', '.join(held)}); "
+        f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
+        f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
+        f"only, use python -m eval hydra.run.dir={run_dir}."
+    )
+
+
+def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:
+    """Every check that needs no model weights, in the order a user would fix them: the typed config, cross-section
+    settings, the target path, the run-directory policy and resume consistency, and (with an eval stage) the eval
+    inputs (``eval.drafts`` checkpoints and tokenizers, user domain files). ``python -m train`` runs it before
+    Hydra touches the run directory, :func:`run` again before any work.
+
+    Raises:
+        ValueError: the first problem found, with a message naming it and the fix.
+    """
+    from data.checkpoints import check_checkpoint_dir
+    from distill.pipeline import check_draft_config
+
+    rc = validate(cfg)
+    run_dir = Path(run_dir)
+    check_draft_config(rc)
+    builds_target = "reference_target" in rc.stages
+    if not builds_target:
+        check_checkpoint_dir(rc.target.name_or_path, role="target")
+    check_run_dir_free(rc, run_dir)
+    check_resume_consistent(rc, run_dir)
+    if "eval" in rc.stages and not builds_target:
+        from eval.pipeline import check_eval_inputs
+
+        check_eval_inputs(rc, run_dir, need_drafts=False)
+    return rc
+
+
 def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     """Validate ``cfg`` and run its stages in ``run_dir``; returns each stage's summary keyed by stage name.
 
     Raises:
-        ValueError: invalid config (before any model is loaded), bad data or checkpoints (clear messages).
+        ValueError: invalid config, missing target, a run directory holding another run (see
+            :func:`check_run_dir_free`), all before any model is loaded; bad data or checkpoints (clear messages).
+        FloatingPointError: the training loss became NaN/inf (the last good checkpoint is kept).
+        ArtifactWriteError: an artifact could not be written (full disk, read-only folder).
     """
     rc = validate(cfg)
     dist = _check_launch(rc)
@@ -85,9 +138,9 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
 
         run_dir = broadcast_object_list([str(run_dir)], from_process=0)[0]
     run_dir = Path(run_dir)
+    rc = check_before_run(cfg, run_dir)  # run-dir policy, resume consistency, paths (every process)
     run_dir.mkdir(parents=True, exist_ok=True)
     events = EventLog(run_dir / "events.jsonl") if dist.is_main_process else (lambda *a, **k: None)
-    check_resume_consistent(rc, run_dir)
     dist.wait_for_everyone()  # every process checked the stored config before the main process rewrites it
     if dist.is_main_process:
         write_json_atomic(run_dir / "resolved_config.json", asdict(rc))

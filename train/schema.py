@@ -23,6 +23,7 @@ class RootConfig(EvalRootConfig):
     """The whole tree: the sections ``python -m eval`` reads (:class:`eval.config.EvalRootConfig`) plus training."""
 
     experiment_name: str = "default"
+    overwrite: bool = False  # replace the artifacts of a run already in hydra.run.dir (else: refuse, or resume)
     stages: list[str] = field(default_factory=lambda: ["distill", "baseline", "eval"])
     draft: DraftConfig = field(default_factory=DraftConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)

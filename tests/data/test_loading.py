@@ -153,12 +153,25 @@ def _assert_names_both_ways(msg: str):
     assert "data.root" in msg and ENV_DATA_ROOT in msg, msg
 
 
-def test_missing_data_root_names_file_and_both_ways(tmp_path):
+def test_missing_data_root_is_named_as_a_folder_not_a_file(tmp_path, monkeypatch):
     root = tmp_path / "does_not_exist"
     with pytest.raises(DataSourceError) as ei:
         list(iter_examples("medical", DataOptions(root=str(root))))
     msg = str(ei.value)
-    assert PUBMEDQA.file in msg and str(root) in msg
+    assert f"data root {root} (data.root) does not exist" in msg and "missing data file" not in msg, msg
+    _assert_names_both_ways(msg)
+    assert "data.source=hub" in msg
+    (tmp_path / "a_file").write_text("x")
+    monkeypatch.setenv(ENV_DATA_ROOT, str(tmp_path / "a_file"))
+    with pytest.raises(DataSourceError, match=rf"\${ENV_DATA_ROOT}\) is a file, not a folder"):
+        list(iter_examples("medical", DataOptions()))
+
+
+def test_missing_file_in_an_existing_root_names_file_and_both_ways(tmp_path):
+    with pytest.raises(DataSourceError) as ei:
+        list(iter_examples("medical", DataOptions(root=str(tmp_path))))
+    msg = str(ei.value)
+    assert PUBMEDQA.file in msg and str(tmp_path) in msg
     _assert_names_both_ways(msg)
     assert "data.source=hub" in msg and "qiaojin/PubMedQA" in msg  # PubMedQA has a hub copy
 
@@ -219,6 +232,20 @@ def test_invalid_jsonl_line_names_file_and_line(tmp_path, write_jsonl, medquad_r
     assert f"{path}:4:" in str(ei.value)
 
 
+@pytest.mark.parametrize("line, reason", [('{"q": "unterminated', "Unterminated string, column 7"),
+                                          ('{"q": "tab\there"}', "Invalid control character, column 11"),
+                                          ('{"q": }', "Expecting value, column 7"), ('{"q": 1} x', "Extra data, column 10")])
+def test_json_error_wording_gives_reason_and_column(tmp_path, line, reason):
+    """json's messages may end in "at" ("Unterminated string starting at"): never printed as "at at column"."""
+    path = tmp_path / MEDQUAD_A.file
+    path.parent.mkdir(parents=True)
+    path.write_text(line)
+    with pytest.raises(DataFormatError) as ei:
+        list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
+    msg = str(ei.value)
+    assert f"{path}:1: not valid JSON ({reason})" in msg and " at," not in msg and "at at" not in msg, msg
+
+
 def test_invalid_json_dict_names_file_and_line(tmp_path):
     path = tmp_path / PUBMEDQA.file
     path.parent.mkdir(parents=True)
@@ -258,7 +285,7 @@ def test_csv_row_missing_a_field_names_file_line_and_field(tmp_path):
     path.write_text(HEADER + "0,GENHX,ok,x\n1,GENHX,short\n")
     with pytest.raises(DataFormatError) as ei:
         list(iter_examples(Domain("medical", "", (MTS_VALIDATION,)), DataOptions(root=str(tmp_path))))
-    assert f"{path}:3:" in str(ei.value) and "'dialogue'" in str(ei.value)
+    assert f"{path}:3:" in str(ei.value) and "'dialogue' is missing" in str(ei.value)
 
 
 def test_record_missing_a_field_names_file_line_and_field(tmp_path, write_jsonl, medquad_record):
@@ -269,9 +296,9 @@ def test_record_missing_a_field_names_file_line_and_field(tmp_path, write_jsonl,
         list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
     msg = str(ei.value)
     assert f"{path}:2:" in msg and "'answer'" in msg
-    # a null value counts as missing too
+    # a null value is reported as null, not as missing
     write_jsonl(path, [medquad_record(0, question=None)])
-    with pytest.raises(DataFormatError, match=r":1: field 'question' is missing"):
+    with pytest.raises(DataFormatError, match=r":1: field 'question' is null \(not set\)"):
         list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
 
 

@@ -73,9 +73,7 @@ def test_tokenizer_mismatch_is_a_clear_error(models, tmp_path):
         run(cfg, tmp_path)
     msg = str(ei.value).lower()
     assert "tokenizer" in msg and "vocabulary" in msg, msg
-    assert not (tmp_path / "metrics.json").exists()
-    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["stage_start", "stage_failed"]
+    assert list(tmp_path.iterdir()) == []  # checked before any model loads or anything is written
 
 
 @pytest.fixture(scope="module")

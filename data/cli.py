@@ -1,0 +1,155 @@
+"""What the entry points (``python -m train``, ``python -m eval``) share around Hydra: checking a command before
+Hydra creates or touches the run directory, and turning errors into one clear line and an exit code.
+
+Hydra writes ``.hydra/*.yaml`` and its log file into the run directory before the task function runs, so a bad
+value rejected only inside the task would still have rewritten files of an existing run. :func:`preflight`
+composes the same config with Hydra's compose API from the command line, runs the entry point's checks (typed
+config, paths, tokenizers, the run-directory policy) and a write probe, and exits with the message before
+``@hydra.main`` starts. The task function checks everything again (library users call ``run`` directly).
+
+Exit codes (README, "Bad input and faults"):
+
+* 2 (:data:`EXIT_BAD_INPUT`): bad config, data, checkpoint, tokenizer or run directory.
+* 3 (:data:`EXIT_WRITE_FAULT`): an artifact could not be written (full disk, read-only folder); earlier ones intact.
+* 4 (:data:`EXIT_DIVERGED`): training loss became NaN/inf; the last good checkpoint is kept.
+* 130: interrupted (Ctrl-C); rerun with ``trainer.resume=true``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+EXIT_BAD_INPUT = 2
+EXIT_WRITE_FAULT = 3
+EXIT_DIVERGED = 4
+EXIT_INTERRUPTED = 130
+
+log = logging.getLogger("specdraft")
+
+
+def classify(e: BaseException) -> tuple[int, str] | None:
+    """``(exit code, message)`` for an error the user can act on, ``None`` for a bug (left as a traceback)."""
+    from .io import write_error
+
+    if isinstance(e, FloatingPointError):
+        return EXIT_DIVERGED, str(e)
+    if isinstance(e, ValueError):  # bad config / data / checkpoint / tokenizer (their messages say what to fix)
+        return EXIT_BAD_INPUT, str(e)
+    from hydra.errors import HydraException
+
+    if isinstance(e, HydraException):  # unknown experiment / group option, bad override (some are OSErrors)
+        return EXIT_BAD_INPUT, _one_line_hydra(str(e))
+    err = write_error(e, getattr(e, "filename", None) or "an artifact") if isinstance(e, Exception) else None
+    if err is not None:
+        return EXIT_WRITE_FAULT, err.strerror or str(err)
+    if isinstance(e, OSError):
+        return EXIT_BAD_INPUT, str(e)
+    return None
+
+
+def _one_line_hydra(msg: str) -> str:
+    """Hydra's multi-line composition error as one line: the problem and the available options, without the
+    config search path."""
+    msg = msg.split("Config search path:")[0].strip()
+    head, _, options = msg.partition("\n\n")
+    opts = [o.strip() for o in options.splitlines()[1:] if o.strip()] if options.startswith("Available") else []
+    head = " ".join(line.strip() for line in head.splitlines())
+    if opts:
+        return f"{head}. {options.splitlines()[0].strip().rstrip(':')}: {', '.join(opts)}"
+    return " ".join(line.strip() for line in msg.splitlines() if line.strip())
+
+
+def fail(code: int, message: str) -> NoReturn:
+    """Print ``error: <message>`` as the last thing on stderr (and log it to the run's log file when Hydra's
+    logging is set up), then exit with ``code``."""
+    try:  # close progress bars first: an open tqdm bar redraws itself on exit, after our message
+        from tqdm import tqdm
+
+        for bar in list(getattr(tqdm, "_instances", ())):
+            bar.close()
+    except Exception:  # noqa: BLE001  (cosmetic only)
+        pass
+    if logging.getLogger().handlers:
+        log.error("%s", message)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def exit_on_error(e: BaseException) -> None:
+    """Exit with the classified code and message; return (so the caller re-raises) for an unexpected error."""
+    known = classify(e)
+    if known is not None:
+        fail(*known)
+
+
+def _overrides(argv: list[str]) -> list[str] | None:
+    """The Hydra overrides of a plain ``KEY=VALUE ...`` command line; ``None`` when it uses Hydra flags
+    (``--multirun``, ``--cfg``, ``--help``, ...), which are left to Hydra itself."""
+    if any(a.startswith("-") for a in argv):
+        return None
+    return list(argv)
+
+
+def compose(argv: list[str], config_dir: str | os.PathLike, config_name: str = "config"):
+    """``(cfg without the hydra node, run directory)`` composed exactly as ``@hydra.main`` will, or ``None`` when
+    ``argv`` uses Hydra flags.
+
+    Raises:
+        hydra.errors.HydraException: an unknown config group option (e.g. experiment) or a bad override.
+    """
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from omegaconf import open_dict
+
+    overrides = _overrides(argv)
+    if overrides is None:
+        return None
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = hydra_compose(config_name, overrides=overrides, return_hydra_config=True)
+    run_dir = Path(str(cfg.hydra.run.dir)).expanduser()
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, run_dir
+
+
+def probe_writable(run_dir: Path) -> None:
+    """Create ``run_dir`` (as Hydra would) and a temporary file in it.
+
+    Raises:
+        ArtifactWriteError: the folder cannot be created or written (read-only, full disk, a parent is a file).
+    """
+    from .io import ArtifactWriteError, write_error
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".write-probe-")
+        try:
+            os.write(fd, b"x")
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        err = write_error(e, run_dir)
+        raise err if err is not None else ArtifactWriteError(
+            e.errno, f"cannot write the run directory {run_dir}: {e.strerror}; choose a writable "
+                     f"hydra.run.dir") from e
+
+
+def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None]) -> None:
+    """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
+    exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked."""
+    try:
+        composed = compose(argv, config_dir)
+        if composed is None:
+            return
+        cfg, run_dir = composed
+        check(cfg, run_dir)
+        probe_writable(run_dir)
+    except Exception as e:  # noqa: BLE001  (classified; anything else keeps its traceback)
+        exit_on_error(e)
+        raise

@@ -1,0 +1,183 @@
+"""Bad input through the command line (``python -m train`` / ``python -m eval`` as subprocesses): a non-zero exit
+code, the last stderr line is our one-line ``error: ...`` message (never a traceback), and a run directory that
+already holds a finished run is left byte-identical (Hydra's ``.hydra/`` and log file included: commands are
+checked before Hydra touches the run directory).
+
+The README table "Bad input and faults: what you see" names these tests; tests/test_readme.py checks that every
+row points at a test that exists.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinymodels import tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
+        "User: hello there\nAssistant: hi, how can I help?"] * 20
+
+
+def cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """Exit ``code``; stderr ends with our ``error: ...`` message (one line, or a few for a tokenizer mismatch that
+    lists each difference) holding every needle; no traceback anywhere. Returns the message."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    start = proc.stderr.rfind("\nerror: ") + 1 if not proc.stderr.startswith("error: ") else 0
+    message = proc.stderr[start:].strip()
+    assert message.startswith("error: "), proc.stderr[-3000:]
+    assert len(message.splitlines()) <= 12, message  # a message, not a dump
+    for n in needles:
+        assert n in message, (n, message)
+    return message
+
+
+def snapshot(folder: Path) -> dict[str, bytes | None]:
+    """Every path under ``folder`` (hidden ones too) -> its bytes (None for folders)."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else None) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from data.tokenization import train_bpe_tokenizer
+
+    tmp = tmp_path_factory.mktemp("models")
+    tok = train_bpe_tokenizer(iter(TEXT), vocab_size=300, min_frequency=1)
+    other_tok = train_bpe_tokenizer(iter([t.upper() for t in TEXT]), vocab_size=300, min_frequency=1)
+    out = {}
+    for name, t, seed in (("target", tok, 0), ("draft", tok, 1), ("other", other_tok, 2)):
+        m = tiny_llama(vocab_size=len(t), seed=seed, eos_token_id=t.eos_token_id)
+        m.save_pretrained(tmp / name)
+        t.save_pretrained(tmp / name)
+        out[name] = tmp / name
+    partial = tmp / "partial"  # an interrupted save: config and tokenizer, no weights
+    partial.mkdir()
+    (partial / "config.json").write_text((tmp / "draft" / "config.json").read_text())
+    AutoTokenizer.from_pretrained(tmp / "draft").save_pretrained(partial)
+    out["partial"] = partial
+    return out
+
+
+@pytest.fixture
+def finished_run(tmp_path) -> Path:
+    """A run directory as a finished run leaves it (the files that matter here)."""
+    run = tmp_path / "finished"
+    (run / "drafts" / "distilled").mkdir(parents=True)
+    (run / "drafts" / "distilled" / "config.json").write_text("{}")
+    (run / ".hydra").mkdir()
+    (run / ".hydra" / "config.yaml").write_text("seed: 0\n")
+    (run / "__main__.log").write_text("old log\n")
+    (run / "resolved_config.json").write_text(json.dumps({"seed": 0}))
+    (run / "report.md").write_text("# the old report\n")
+    (run / "metrics.json").write_text("{}")
+    return run
+
+
+TRAIN_CASES = {
+    "unknown_loss": (["distill.loss=bogus"], "distill.loss"),
+    "unknown_experiment": (["+experiment=does_not_exist"], "experiment/does_not_exist", "smoke"),
+    "missing_target": (["target.name_or_path=/nonexistent/target"], "target path /nonexistent/target does not exist"),
+    "missing_data_root": (["data.root=/nonexistent/data"], "data root /nonexistent/data (data.root) does not exist"),
+    "existing_run_without_resume": ([], "already holds a run", "trainer.resume=true", "overwrite=true"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_CASES))
+def test_train_cli_rejects_bad_input_and_leaves_the_run_dir_untouched(case, finished_run):
+    args, *needles = TRAIN_CASES[case]
+    before = snapshot(finished_run)
+    proc = cli("train", *args, f"hydra.run.dir={finished_run}")
+    assert_clean_error(proc, 2, *needles)
+    assert snapshot(finished_run) == before
+
+
+def _eval_args(models, **over) -> list[str]:
+    base = {"target.name_or_path": str(models["target"]), "eval.drafts": f"{{mine: {models['draft']}}}",
+            "eval.domains": "[chat]", "eval.max_prompts": "1", "eval.max_new_tokens": "4"}
+    base.update(over)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+EVAL_CASES = {
+    "negative_temperature": (dict(**{"decode.temperature": "-1"}), "decode.temperature"),
+    "top_p_0": (dict(**{"decode.top_p": "0"}), "decode.top_p must be in (0, 1]"),
+    "unknown_eval_domain": (dict(**{"eval.domains": "[nope]"}), "nope", "chat"),
+    "tokenizer_mismatch": (dict(**{"eval.drafts": "{bad: OTHER}"}), "tokenizer", "vocabulary differs"),
+    "partial_checkpoint": (dict(**{"eval.drafts": "{broken: PARTIAL}"}), "incomplete", "model weights"),
+}
+
+
+@pytest.mark.parametrize("case", list(EVAL_CASES))
+def test_eval_cli_rejects_bad_input_before_any_model_and_leaves_the_run_dir_untouched(case, models, finished_run):
+    over, *needles = EVAL_CASES[case]
+    over = {k: v.replace("OTHER", str(models["other"])).replace("PARTIAL", str(models["partial"]))
+            for k, v in over.items()}
+    before = snapshot(finished_run)
+    proc = cli("eval", *_eval_args(models, **over), f"hydra.run.dir={finished_run}")
+    message = assert_clean_error(proc, 2, *needles)
+    if case == "tokenizer_mismatch":  # every difference is listed, and the fix
+        assert "special token" in message or "merges" in message or "in 'draft 'bad'' but missing" in message
+        assert message.splitlines()[-1].startswith("Fix: ")
+    assert snapshot(finished_run) == before
+
+
+def test_unwritable_output_dir_is_a_clear_error(models, tmp_path):
+    """A real unwritable location that works as root too: the run directory's parent is a regular file."""
+    (tmp_path / "a_file").write_text("x")
+    proc = cli("eval", *_eval_args(models), f"hydra.run.dir={tmp_path / 'a_file' / 'run'}")
+    assert_clean_error(proc, 3, "cannot write", "not a folder", "hydra.run.dir")
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    """End to end: a learning rate that makes training diverge. The run stops with exit code 4 naming the step;
+    checkpoint-last holds an earlier step with finite weights; nothing is saved as a draft."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    proc = cli("train", "+experiment=smoke", "stages=[baseline]", "trainer.lr=1e6", "trainer.max_grad_norm=0",
+               "trainer.warmup_steps=0", "trainer.save_every=1", "trainer.max_steps=6", "distill.eval_every=0",
+               f"hydra.run.dir={run}")
+    last = assert_clean_error(proc, 4, "at step", "the last good checkpoint", "trainer.lr")
+    failed_at = int(last.split("at step ")[1].split(";")[0])
+    state = json.loads((run / "train" / "baseline" / "checkpoint-last" / "trainer_state.json").read_text())
+    assert 1 <= state["step"] < failed_at <= 6
+    assert f"(step {state['step']}) is kept" in last
+    weights = load_file(str(run / "train" / "baseline" / "checkpoint-last" / "model.safetensors"))
+    assert weights and all(bool(torch.isfinite(t).all()) for t in weights.values())
+    assert not (run / "drafts" / "baseline").exists()
+    events = [json.loads(l) for l in (run / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "stage_failed" and "FloatingPointError" in events[-1]["error"]
+
+
+def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
+    """The refusal above has two ways on, checked in-process (no training needed)."""
+    from hydra import compose, initialize_config_dir
+
+    import train.__main__  # noqa: F401  (registers the specdraft_root resolver)
+    from train.run import RunDirInUseError, check_run_dir_free
+    from train.schema import validate
+
+    def rc(*overrides):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return validate(compose("config", overrides=list(overrides)))
+
+    with pytest.raises(RunDirInUseError):
+        check_run_dir_free(rc(), finished_run)
+    check_run_dir_free(rc("overwrite=true"), finished_run)
+    check_run_dir_free(rc("trainer.resume=true"), finished_run)
+    check_run_dir_free(rc(), finished_run.parent / "fresh")

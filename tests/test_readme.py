@@ -18,3 +18,25 @@ def test_ci_runs_the_readme_commands():
     assert setup in readme, f"README lacks the setup command {setup!r}"
     assert test in readme, f"README lacks the test command {test!r}"
     assert "torch==2.13.0" in setup
+
+
+def test_bad_input_table_rows_name_existing_tests():
+    """Every row of the README's "Bad input and faults: what you see" names at least one test, and each named test
+    (and parametrized case) exists, so the table stays a list of tested behaviour."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Bad input and faults: what you see", 1)[1].split("\n## ", 1)[0]
+    rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| bad input or fault")]
+    assert len(rows) >= 25
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 4, row
+        assert cells[2] in {"0", "2", "3", "4", "0 / 2", "-"}, row
+        refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[(\w+)\])?`", cells[3])
+        assert refs, f"row names no test: {row}"
+        for path, name, case in refs:
+            text = (ROOT / path).read_text()
+            assert f"def {name}(" in text, f"{path}::{name} does not exist"
+            if case:
+                assert f'"{case}"' in text, f"{path}::{name}[{case}] is not a parametrized case"

@@ -55,20 +55,20 @@ def models(tmp_path_factory):
     return target, draft, prompts
 
 
-def _args(models, run_dir: Path, *extra: str) -> list[str]:
+def _args(models, run_dir: Path, *extra: str, drafts: str | None = None) -> list[str]:
     target, draft, prompts = models
-    return [f"target.name_or_path={target}", f"eval.drafts={{mine: {draft}}}", "eval.domains=[chat]",
+    return [f"target.name_or_path={target}", f"eval.drafts={drafts or f'{{mine: {draft}}}'}", "eval.domains=[chat]",
             f"eval.extra_domains=[{{name: mine_file, path: {prompts}, text_field: q}}]", "eval.max_prompts=3",
             "eval.max_new_tokens=12", "eval.cost_ratio_trials=2", "eval.bootstrap_samples=50", "eval.plots=false",
             "eval.num_draft_tokens=[1,3]", f"hydra.run.dir={run_dir}", *extra]
 
 
-def _run_in_process(models, run_dir: Path, *extra: str) -> dict:
+def _run_in_process(models, run_dir: Path, *extra: str, drafts: str | None = None) -> dict:
     from hydra import compose, initialize_config_dir
 
     import eval.__main__ as em
 
-    overrides = [a for a in _args(models, run_dir, *extra) if not a.startswith("hydra.")]
+    overrides = [a for a in _args(models, run_dir, *extra, drafts=drafts) if not a.startswith("hydra.")]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     return em.run(cfg, run_dir)
@@ -158,8 +158,7 @@ def test_draft_with_nan_weights_is_refused(models, tmp_path):
         m.lm_head.weight[1, 1] = float("inf")
     m.save_pretrained(bad)
     AutoTokenizer.from_pretrained(draft).save_pretrained(bad)
-    args = [a if not a.startswith("eval.drafts=") else f"eval.drafts={{diverged: {bad}}}"
-            for a in _args(models, tmp_path / "run")]
+    args = _args(models, tmp_path / "run", drafts=f"{{diverged: {bad}}}")
     proc = subprocess.run([sys.executable, "-m", "eval", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     last = proc.stderr.strip().splitlines()[-1]
@@ -192,3 +191,21 @@ def test_long_prompts_are_truncated_with_a_warning_or_refused(models, tmp_path, 
     msg = str(ei.value)
     assert "long prompt" in msg and "eval.max_prompt_tokens=32" in msg and "truncate_left" in msg, msg
     assert not (tmp_path / "err" / "metrics.json").exists()
+
+
+def test_truncated_weights_file_is_a_clear_error(models, tmp_path):
+    """A checkpoint whose weights file was cut short (a killed copy): the error names the draft and the folder."""
+    import shutil
+
+    from data.checkpoints import CheckpointError
+
+    _, draft, _ = models
+    bad = tmp_path / "cut"
+    shutil.copytree(draft, bad)
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(CheckpointError) as ei:
+        _run_in_process(models, tmp_path / "run", drafts=f"{{cut: {bad}}}")
+    msg = str(ei.value)
+    assert msg.startswith(f"could not load draft 'cut' from {bad}") and "complete Hugging Face" in msg, msg
+    assert not (tmp_path / "run" / "metrics.json").exists()

@@ -118,16 +118,25 @@ def compose(argv: list[str], config_dir: str | os.PathLike, config_name: str = "
 
 
 def probe_writable(run_dir: Path) -> None:
-    """Create ``run_dir`` (as Hydra would) and a temporary file in it.
+    """Check that ``run_dir`` can be written without leaving anything behind: a temporary file is created and
+    removed in ``run_dir`` when it exists, else in its nearest existing parent (Hydra creates the folder itself,
+    possibly under another timestamp, so none is created here).
 
     Raises:
-        ArtifactWriteError: the folder cannot be created or written (read-only, full disk, a parent is a file).
+        ArtifactWriteError: the folder (or the parent it would be created in) is read-only, full, not writable,
+            or a parent is a regular file.
     """
+    import errno
+
     from .io import ArtifactWriteError, write_error
 
+    where = Path(os.path.abspath(run_dir))
+    while not where.exists() and where != where.parent:
+        where = where.parent
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=run_dir, prefix=".write-probe-")
+        if not where.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(where))
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".specdraft-write-probe-")
         try:
             os.write(fd, b"x")
         finally:

@@ -22,7 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import exit_on_error, preflight
+from data.cli import EXIT_INTERRUPTED, exit_on_error, preflight
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -74,6 +74,10 @@ def hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
         out = run(cfg, run_dir)
+    except KeyboardInterrupt:
+        print("interrupted: the previous report set (if any) is intact; rerun the same command to evaluate again",
+              file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as e:
         exit_on_error(e)
         raise

@@ -35,6 +35,8 @@ def collect_runs(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
     """(runs, skipped): one dict per job folder with a ``metrics.json`` (sorted by folder name)."""
     runs, skipped = [], []
     for metrics_path in sorted(sweep_dir.rglob("metrics.json")):
+        if any(part.startswith(".") for part in metrics_path.relative_to(sweep_dir).parts):
+            continue  # a stored report version (.report/<version>/) or Hydra's folders: the job's link is enough
         job = metrics_path.parent
         try:
             metrics = json.loads(metrics_path.read_text())

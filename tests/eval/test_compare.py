@@ -30,6 +30,10 @@ def test_sweep_comparison(tmp_path):
     _job(tmp_path, "0_distill.loss=forward_kl", "forward_kl", {"medical": 2.6, "code": 1.8}, base, step=250)
     _job(tmp_path, "1_distill.loss=total_variation", "total_variation", {"medical": 2.8, "code": 1.6}, base)
     (tmp_path / "2_distill.loss=skew_kl").mkdir()  # a job that died before writing metrics: ignored
+    # eval keeps each report version under .report/<version>/ (metrics.json is a link into it): counted once
+    stored = tmp_path / "0_distill.loss=forward_kl" / ".report" / "v1"
+    stored.mkdir(parents=True)
+    (stored / "metrics.json").write_text((tmp_path / "0_distill.loss=forward_kl" / "metrics.json").read_text())
     _job(tmp_path, "3_distill.loss=reverse_kl", "reverse_kl", {"medical": 2.2}, {"medical": 2.0})
     assert compare_runs.main([str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "comparison.json").read_text())

@@ -10,10 +10,10 @@ Every job folder under SWEEP_DIR that holds a ``metrics.json`` is one run; its l
 Writes, atomically, into SWEEP_DIR:
 
 * ``comparison.json``: ``{"sweep_dir", "domains", "num_draft_tokens", "runs": [{"label", "job", "loss",
-  "data_source", "teacher_signal", "selected_step", "mean_accepted_length": {domain: tau}, "acceptance_rate":
+  "data_source", "teacher_signal", "selected_step", "mean_accepted_length": {domain: tau}, "mean_accepted_length_ci": {domain: [lo, hi]}, "acceptance_rate":
   {domain: alpha}, "vs_baseline": {domain: tau / tau_baseline}}], "baseline": {"mean_accepted_length": {domain: tau},
   "jobs": n, "spread": {domain: max - min over jobs}}, "skipped": [{"job", "reason"}]}``
-* ``comparison.md``: the same as a loss x domain table of mean accepted length (distilled draft; in brackets the
+* ``comparison.md``: the same as a loss x domain table of mean accepted length (distilled draft, its interval; in parentheses the
   ratio to the cross-entropy baseline), with the baseline as the last row.
 
 The baseline row is the mean over the jobs' baseline drafts (every job of a loss sweep trains the same baseline;
@@ -87,6 +87,7 @@ def compare(runs: list[dict], sweep_dir: str = "") -> dict:
             "job": r["job"], "loss": r["loss"], "data_source": r["data_source"],
             "teacher_signal": r["teacher_signal"], "selected_step": r["selected_step"],
             "mean_accepted_length": tau,
+            "mean_accepted_length_ci": {d: _field(r["metrics"], DRAFT, d, "mean_accepted_length_ci") for d in domains},
             "acceptance_rate": {d: _field(r["metrics"], DRAFT, d, "acceptance_rate") for d in domains},
             "vs_baseline": {d: (tau[d] / base[d] if tau[d] is not None and base[d] else None) for d in domains},
         })
@@ -95,10 +96,11 @@ def compare(runs: list[dict], sweep_dir: str = "") -> dict:
             "runs": out_runs, "baseline": baseline}
 
 
-def _cell(v, ratio=None) -> str:
+def _cell(v, ratio=None, ci=None) -> str:
     if v is None:
         return "-"
-    return f"{v:.3f}" + (f" ({ratio:.2f}x)" if ratio is not None else "")
+    return (f"{v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+            + (f" ({ratio:.2f}x)" if ratio is not None else ""))
 
 
 def render_markdown(doc: dict) -> str:
@@ -106,12 +108,13 @@ def render_markdown(doc: dict) -> str:
     domains = doc["domains"]
     lines = [f"# Sweep comparison: {doc['sweep_dir']}", "",
              f"Mean accepted length tau (tokens per verify step, bonus included; gamma = {doc['num_draft_tokens']}) "
-             f"of the distilled draft per domain; in brackets tau / tau of the cross-entropy baseline (when jobs "
-             f"trained one).", "",
+             f"of the distilled draft per domain with its bootstrap interval over prompts; in parentheses tau / tau "
+             f"of the cross-entropy baseline (when jobs trained one).", "",
              "| loss | " + " | ".join(domains) + " | selected step |",
              "|---|" + "---|" * (len(domains) + 1)]
     for r in doc["runs"]:
-        cells = [_cell(r["mean_accepted_length"][d], r["vs_baseline"][d]) for d in domains]
+        cis = r.get("mean_accepted_length_ci", {})
+        cells = [_cell(r["mean_accepted_length"][d], r["vs_baseline"][d], cis.get(d)) for d in domains]
         step = r["selected_step"] if r["selected_step"] is not None else "-"
         lines.append(f"| {r['label']} | " + " | ".join(cells) + f" | {step} |")
     b = doc["baseline"]

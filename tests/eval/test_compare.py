@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _job(sweep: Path, name: str, loss: str, tau: dict, base: dict, step: int = 100) -> None:
     job = sweep / name
     (job / "drafts" / "distilled").mkdir(parents=True)
-    drafts = {"distilled": {d: {"mean_accepted_length": v, "acceptance_rate": (v - 1) / 4} for d, v in tau.items()},
+    drafts = {"distilled": {d: {"mean_accepted_length": v, "acceptance_rate": (v - 1) / 4,
+                                "mean_accepted_length_ci": [v - 0.25, v + 0.25]} for d, v in tau.items()},
               "baseline": {d: {"mean_accepted_length": v, "acceptance_rate": (v - 1) / 4} for d, v in base.items()}}
     (job / "metrics.json").write_text(json.dumps({"num_draft_tokens": 4, "drafts": drafts}))
     (job / "resolved_config.json").write_text(json.dumps({"distill": {"loss": loss, "data_source": "dataset",
@@ -45,8 +46,9 @@ def test_sweep_comparison(tmp_path):
     assert doc["baseline"]["mean_accepted_length"] == {"medical": 2.0, "code": 1.5}
     assert doc["baseline"]["spread"]["medical"] == 0.0
     md = (tmp_path / "comparison.md").read_text()
-    assert "| forward_kl | 2.600 (1.30x) | 1.800 (1.20x) | 250 |" in md
-    assert "| baseline (cross-entropy) | 2.000 | 1.500 | - |" in md
+    assert "| forward_kl | 2.60 [2.35, 2.85] (1.30x) | 1.80 [1.55, 2.05] (1.20x) | 250 |" in md
+    assert doc["runs"][0]["mean_accepted_length_ci"]["medical"] == pytest.approx([2.35, 2.85])
+    assert "| baseline (cross-entropy) | 2.00 | 1.50 | - |" in md
 
 
 def test_duplicate_losses_are_labelled_by_job_and_empty_sweep_fails(tmp_path):

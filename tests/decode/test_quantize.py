@@ -93,3 +93,10 @@ def test_bad_modes_and_devices_are_clear_errors():
         quantize_draft(meta)
     with pytest.raises(ValueError, match="no nn.Linear"):
         quantize_draft(torch.nn.Embedding(4, 4))
+
+
+@pytest.mark.gpu
+def test_int8_refuses_a_draft_on_cuda_with_the_reason():
+    with pytest.raises(ValueError, match=r"CPU only; the draft is on \['cuda'\]"):
+        quantize_draft(DRAFT.to("cuda"))
+    DRAFT.to("cpu")

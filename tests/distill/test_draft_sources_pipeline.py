@@ -154,10 +154,11 @@ def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):
     cases = [(_pretrained(tiny, tmp_path / "a", tokenizer=other), TokenizerMismatchError, "not compatible"),
              (_pretrained(tiny, tmp_path / "b", vocab=200), VocabMismatchError, "fewer output rows"),
              (tmp_path / "missing", ValueError, "does not exist")]
-    for path, err, msg in cases:
+    for i, (path, err, msg) in enumerate(cases):
+        run_dir = tmp_path / f"r{i}"
         with pytest.raises(err, match=msg):
-            run(_cfg(tiny["target"], ["distill"], {"init": "pretrained", "name_or_path": str(path)}), tmp_path / "r")
-        assert not (tmp_path / "r" / "drafts").exists() and not (tmp_path / "r" / "train").exists()
+            run(_cfg(tiny["target"], ["distill"], {"init": "pretrained", "name_or_path": str(path)}), run_dir)
+        assert not (run_dir / "drafts").exists() and not (run_dir / "train").exists()
     with pytest.raises(ValueError, match="draft.init=pretrained needs draft.name_or_path"):
         validate({"draft": {"init": "pretrained"}})
     with pytest.raises(ValueError, match="stage draft_init needs draft.init=layer_pruned or pretrained"):

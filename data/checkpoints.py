@@ -147,7 +147,8 @@ def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:
     n_tok = len(tokenizer)
     n_in = model.get_input_embeddings().num_embeddings
     out = model.get_output_embeddings()
-    n_out = out.weight.shape[0] if out is not None else n_in
+    n_out = n_in if out is None else out.out_features if isinstance(getattr(out, "out_features", None), int) \
+        else out.weight.shape[0]  # out_features: nn.Linear and int8 dynamic Linear (whose weight is a method)
     if min(n_in, n_out) < n_tok:
         raise CheckpointError(
             f"{role} has {n_in} input / {n_out} output embedding rows but the tokenizer has {n_tok} tokens; it cannot "

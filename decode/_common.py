@@ -34,7 +34,9 @@ def model_device(model: torch.nn.Module) -> torch.device:
 def output_vocab_size(model: torch.nn.Module) -> int:
     """Number of logits the model produces (embedding rows may be padded beyond the tokenizer's vocabulary)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and getattr(head, "weight", None) is not None:
+    if isinstance(getattr(head, "out_features", None), int):  # nn.Linear and quantized Linear (weight() is a method)
+        return int(head.out_features)
+    if head is not None and isinstance(getattr(head, "weight", None), torch.Tensor):
         return int(head.weight.shape[0])
     return int(model.config.vocab_size)
 

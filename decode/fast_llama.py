@@ -53,6 +53,8 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "pretraining_tp > 1"
     if len(base.layers) != cfg.num_hidden_layers:
         return "layer count differs from the config"
+    if type(model.lm_head) is not torch.nn.Linear:  # e.g. int8 dynamic Linear (decode/quantize.py): HF forward
+        return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
     for layer in base.layers:

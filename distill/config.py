@@ -4,16 +4,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .models import LlamaArch
+from .selfdraft import LayerChoice
+
+
+DRAFT_INITS = ("config", "layer_pruned", "pretrained")
 
 
 @dataclass
 class DraftConfig:
-    init: str = "config"  # config: a fresh Llama of `arch` sharing the target tokenizer
+    # Where the draft starts (distill/draft_init.py): config (a fresh Llama of `arch` sharing the target tokenizer),
+    # layer_pruned (a self-draft of some of the target's own layers, `layers`), pretrained (`name_or_path`).
+    init: str = "config"
     arch: LlamaArch = field(default_factory=LlamaArch)
+    layers: LayerChoice = field(default_factory=LayerChoice)  # layer_pruned only
+    name_or_path: str | None = None  # pretrained only: HF directory or hub id (tokenizer must match the target's)
+    quantize: str = "none"  # none | int8: also save <draft>_int8, quantized at load time (decode/quantize.py)
 
     def __post_init__(self):
-        if self.init not in ("config",):
-            raise ValueError(f"draft.init must be 'config', got {self.init!r}")
+        from decode.quantize import QUANTIZE_MODES
+
+        if self.init not in DRAFT_INITS:
+            raise ValueError(f"draft.init must be one of {', '.join(DRAFT_INITS)}, got {self.init!r}")
+        if self.init == "pretrained" and not self.name_or_path:
+            raise ValueError("draft.init=pretrained needs draft.name_or_path=<HF model dir or hub id> (a causal LM "
+                             "that uses the target's tokenizer)")
+        if self.init != "pretrained" and self.name_or_path:
+            raise ValueError(f"draft.name_or_path is only read with draft.init=pretrained (draft.init={self.init}); "
+                             f"set draft=pretrained or drop draft.name_or_path")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"draft.quantize must be one of {', '.join(QUANTIZE_MODES)}, got {self.quantize!r}")
 
 
 @dataclass

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from data.io import save_hf_atomic
 from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks, encode_prompt
 
@@ -104,8 +103,14 @@ def check_draft_config(rc) -> None:
                          f"first block_size - max_new_tokens tokens are the prompt the draft continues")
 
 
+DISTILLED_KINDS = ("distilled", "small_distilled")
+
+
 def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
-    """Train one draft (``kind`` = ``distilled`` or ``baseline``) and save it to ``<run_dir>/drafts/<kind>``.
+    """Train one draft and save it to ``<run_dir>/drafts/<kind>``: ``distilled`` / ``baseline`` start from
+    ``draft.init`` (:mod:`distill.draft_init`); ``small_distilled`` is a fresh ``draft.arch`` draft distilled the
+    same way (stage ``distill_small``: the small-config comparison next to a self-draft or pretrained draft).
+    With ``draft.quantize=int8``, ``distilled`` / ``baseline`` are also saved as ``<kind>_int8``.
 
     Runs with ``trainer.num_threads`` torch threads (the one-off teacher passes too).
 
@@ -127,6 +132,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
 
     from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
     from .teacher import build_teacher_cache, make_cached_distill_step
+    from .draft_init import initial_draft, save_draft
     from .vocab import shared_vocab_size
 
     dc = rc.distill
@@ -139,7 +145,10 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
 
     dist = distributed_state()
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
-    draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
+    if kind == "small_distilled":  # the small config draft next to a self-draft / pretrained draft (same run)
+        draft, init_info = build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
+    else:
+        draft, init_info = initial_draft(rc, opts, run_dir, target, tokenizer, events)
     for model, role in ((target, "target"), (draft, "draft")):
         check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
@@ -149,12 +158,13 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         train_blocks = domain_blocks(rc.data.domain, "train", tokenizer, rc.data.block_size, opts,
                                      rc.data.max_train_blocks)
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-    one_off_passes = kind == "distilled" and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
+    distilled = kind in DISTILLED_KINDS
+    one_off_passes = distilled and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
     if one_off_passes and torch.cuda.is_available():
         target.to("cuda")  # the one-off teacher passes run where training will (accelerate picks the GPU too)
     passes: dict = {}
     hook = None
-    if kind == "distilled":
+    if distilled:
         if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
             dist.wait_for_everyone()
         if dc.data_source == "teacher":
@@ -207,11 +217,12 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     best = stats.get("best")
     meta = {
         "kind": kind, "target": str(rc.target.name_or_path), "domain": rc.data.domain,
-        "loss": dc.loss if kind == "distilled" else "cross_entropy",
-        "temperature": dc.temperature if kind == "distilled" else None,
-        "data_source": dc.data_source if kind == "distilled" else "dataset",
-        "teacher_signal": dc.teacher_signal if kind == "distilled" else None,
-        "on_policy_fraction": dc.on_policy_fraction if kind == "distilled" and dc.data_source == "on_policy" else None,
+        "loss": dc.loss if distilled else "cross_entropy",
+        "temperature": dc.temperature if distilled else None,
+        "data_source": dc.data_source if distilled else "dataset",
+        "teacher_signal": dc.teacher_signal if distilled else None,
+        "on_policy_fraction": dc.on_policy_fraction if distilled and dc.data_source == "on_policy" else None,
+        **init_info, "distilled": distilled,
         "selected_step": best["step"] if best else stats["steps"],
         "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
         "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
@@ -225,9 +236,10 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     }
     if hook is not None:
         meta["on_policy_generated_batches"] = hook.generated_batches
+    written: dict = {}
     if dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
-        save_hf_atomic(draft, tokenizer, out, extra=meta)
+        written = save_draft(draft, tokenizer, out, meta, "none" if kind == "small_distilled" else rc.draft.quantize)
     dist.wait_for_everyone()
     log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", kind, out, meta["selected_step"],
              val_loss, target_val_loss)
-    return {**meta, "path": str(out)}
+    return {**meta, "path": str(out), "written": written}

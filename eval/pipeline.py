@@ -53,8 +53,8 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
             "nats/token) |", "|---|---|---|---|---|---|---|"]
     notes = []
     for name, m in drafts_meta.items():
-        if not all(k in m for k in ("draft_parameters", "target_parameters", "validation_loss_nats_per_token",
-                                    "target_validation_loss_nats_per_token")):
+        if not all(k in m for k in ("train", "draft_parameters", "target_parameters",
+                                    "validation_loss_nats_per_token", "target_validation_loss_nats_per_token")):
             continue  # not a draft trained by this pipeline (e.g. a reference target used as a draft)
         tr = m["train"]
         selected = m.get("selected_step", tr["steps"])
@@ -189,11 +189,15 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
         ArtifactWriteError: the report could not be written (full disk, read-only folder); the previous report
             set is intact.
     """
-    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
+    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
+    from decode.fast_llama import fast_path_supported
+    from decode.quantize import check_quantize_meta, load_draft
 
     run_dir = Path(run_dir)
     ev = events or (lambda *a, **k: None)
     paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
+    for path in paths.values():
+        check_quantize_meta(path)  # an unknown "quantize" in a specdraft.json fails before any model loads
     prompts = load_prompts(domains, opts, rc.eval.max_prompts)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
@@ -203,10 +207,11 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     check_context_fits(target, need, "target", what)
     drafts, meta = {}, {}
     for n in paths:
-        model, _ = load_causal_lm(paths[n], role=f"draft {n!r}")
+        model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}")  # int8 drafts are quantized here
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
-        drafts[n], meta[n] = model, read_specdraft_meta(paths[n])
+        drafts[n] = model
+        meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
        prompts={d: len(p) for d, p in prompts.items()})
@@ -218,7 +223,11 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
             events=ev)
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts}
-    sections = [training_section(meta)] if meta and all(m.get("train") for m in meta.values()) else []
+    sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []
+    if any(m.get("init") or m.get("quantize", "none") != "none" for m in meta.values()):
+        from .draft_sources import draft_sources_section
+
+        sections.append(draft_sources_section(meta))
     with atomic_file_set(run_dir, "report") as staging:
         doc = write_report(staging, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
                            bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,

@@ -245,11 +245,15 @@ def write_report(out_dir: str | Path, results: dict, context: dict, extra_sectio
                  alert_mean_accepted_length: float = 2.0, plots: bool = True,
                  sources: dict[str, list[tuple[str, str]]] | None = None) -> dict:
     """Write ``per_prompt.csv``, ``metrics.json``, ``plots/*.png`` and ``report.md`` into ``out_dir`` (each
-    atomically); returns the metrics document (with ``plots``: name -> path relative to ``out_dir``)."""
+    atomically); returns the metrics document (with ``plots``: name -> path relative to ``out_dir``).
+
+    ``extra_sections``: Markdown strings, or callables ``f(doc) -> str`` called on the metrics document before it
+    is written (they may add keys to it, which then appear in ``metrics.json``)."""
     out_dir = Path(out_dir)
     doc = metrics_document(results, context, primary_num_draft_tokens=primary_num_draft_tokens,
                            bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed,
                            check_lossless=check_lossless, alert_mean_accepted_length=alert_mean_accepted_length)
+    extra_sections = [s(doc) if callable(s) else s for s in extra_sections or []]
     # The numbers first: a failure while drawing plots must never lose the measurements.
     write_per_prompt_csv(out_dir / "per_prompt.csv", results["rows"])
     doc["plots"] = {}

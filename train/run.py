@@ -187,10 +187,15 @@ def _run_stage(stage: str, rc: RootConfig, opts, run_dir: Path, events: EventLog
 
         rc.reference.trainer.resume = rc.reference.trainer.resume or rc.trainer.resume
         return build_reference_target(rc.reference, opts, run_dir / "reference_train", seed=rc.seed)
-    if stage in ("distill", "baseline"):
+    if stage == "draft_init":
+        from distill.draft_init import run_draft_init
+
+        return run_draft_init(rc, opts, run_dir, events=events)
+    if stage in ("distill", "baseline", "distill_small"):
         from distill.pipeline import train_draft
 
-        return train_draft(rc, opts, run_dir, kind="distilled" if stage == "distill" else "baseline", events=events)
+        kind = {"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}[stage]
+        return train_draft(rc, opts, run_dir, kind=kind, events=events)
     from eval.pipeline import evaluate_run
 
     return evaluate_run(rc, opts, run_dir, events=events)

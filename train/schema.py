@@ -15,7 +15,7 @@ from distill.reference import ReferenceConfig
 from distill.trainer import TrainerConfig
 from eval.config import EvalRootConfig
 
-KNOWN_STAGES = ("reference_target", "distill", "baseline", "eval")
+KNOWN_STAGES = ("reference_target", "draft_init", "distill", "baseline", "distill_small", "eval")
 
 
 @dataclass
@@ -39,6 +39,9 @@ class RootConfig(EvalRootConfig):
         from data.registry import get_domain
 
         get_domain(self.data.domain)
+        if "draft_init" in self.stages and self.draft.init == "config":
+            raise ValueError("stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
+                             "draft=pretrained), or remove draft_init from stages")
 
 
 def validate(cfg: Any) -> RootConfig:

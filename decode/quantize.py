@@ -1,0 +1,96 @@
+"""INT8 drafts: dynamic int8 quantization of a draft's ``nn.Linear`` layers with PyTorch's own quantization
+(in ``decode`` so that evaluation and training both reach it).
+
+``draft.quantize=int8`` applies :func:`torch.ao.quantization.quantize_dynamic` (weights int8 per tensor, stored
+once; activations quantized per batch at run time; Jacob et al. 2018, "Quantization and Training of Neural Networks
+for Efficient Integer-Arithmetic-Only Inference", affine scheme r = S (q - Z)) to every ``nn.Linear`` of the draft,
+the LM head included; embeddings and norms stay fp32.
+
+How it is stored: a quantized module is not a ``from_pretrained``-able Hugging Face checkpoint, so an INT8 draft
+directory holds the **fp32** Hugging Face checkpoint (config, safetensors, tokenizer) plus ``"quantize": "int8"`` in
+its ``specdraft.json``. ``AutoModelForCausalLM.from_pretrained`` (and transformers' ``assistant_model``) gets the
+fp32 draft; :func:`load_draft` (our evaluation and decoder) rebuilds the INT8 draft from it at load time, which is
+deterministic (same fp32 weights -> same int8 weights).
+
+Device: ``quantize_dynamic`` kernels (fbgemm / x86 / qnnpack) run on CPU only. On CUDA there is no int8 dynamic
+path in PyTorch core, so :func:`quantize_draft` raises a clear error for a model on a GPU (decode on CPU, or use
+``draft.quantize=none``). ``torch.ao.quantization`` is marked deprecated in favour of torchao; it still ships with
+the installed torch and is the library the project uses until torchao is a dependency.
+
+The lean decoder forward (``decode/fast_llama.py``) only handles plain ``nn.Linear`` projections; quantized
+modules make :func:`decode._common.new_kv_state` fall back to the Hugging Face forward, which calls the quantized
+modules (greedy speculative decoding stays lossless: the target alone decides every emitted token).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = ["QUANTIZE_MODES", "quantize_draft", "is_quantized", "check_quantize_meta", "load_draft"]
+
+QUANTIZE_MODES = ("none", "int8")
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    """True when ``model`` holds a dynamically quantized Linear module."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    return any(isinstance(m, QLinear) for m in model.modules())
+
+
+def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Module:
+    """A copy of ``model`` (eval mode, CPU) whose ``nn.Linear`` layers are dynamic int8 (``mode="int8"``); the
+    model itself when ``mode="none"``. The input model is not modified.
+
+    Raises:
+        ValueError: an unknown ``mode``; a model with parameters on a non-CPU device (dynamic int8 kernels are
+            CPU-only in PyTorch); a model without any ``nn.Linear``.
+    """
+    if mode not in QUANTIZE_MODES:
+        raise ValueError(f"draft.quantize must be one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    devices = {p.device.type for p in model.parameters()}
+    if devices != {"cpu"}:
+        raise ValueError(f"draft.quantize=int8 uses torch.ao dynamic int8 quantization, whose kernels run on CPU only; "
+                         f"the draft is on {sorted(devices)}. Decode on CPU, or set draft.quantize=none on a GPU.")
+    if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
+        raise ValueError(f"draft.quantize=int8: {type(model).__name__} has no nn.Linear layer to quantize")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.ao -> torchao migration notice
+        warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
+        return torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8,
+                                                      inplace=False).eval()
+
+
+def check_quantize_meta(path: str | os.PathLike) -> str:
+    """The ``quantize`` mode recorded in ``<path>/specdraft.json`` (``"none"`` when absent), checked without
+    loading the model.
+
+    Raises:
+        data.checkpoints.CheckpointError: an unknown mode (names the file and the supported modes).
+    """
+    from data.checkpoints import CheckpointError, read_specdraft_meta
+
+    mode = read_specdraft_meta(path).get("quantize") or "none"
+    if mode not in QUANTIZE_MODES:
+        raise CheckpointError(f"{path}/specdraft.json has quantize={mode!r}; supported: {', '.join(QUANTIZE_MODES)}")
+    return mode
+
+
+def load_draft(path: str | os.PathLike, role: str = "draft"):
+    """``(model, tokenizer, meta)`` of a draft directory: the Hugging Face checkpoint, quantized at load time when
+    its ``specdraft.json`` says ``"quantize": "int8"`` (see the module doc); ``meta`` is that ``specdraft.json``.
+
+    Raises:
+        data.checkpoints.CheckpointError: unreadable checkpoint or ``specdraft.json``, or an unknown ``quantize``
+            value in it (names the file).
+    """
+    from data.checkpoints import load_causal_lm, read_specdraft_meta
+
+    mode = check_quantize_meta(path)
+    meta = read_specdraft_meta(path)
+    model, tok = load_causal_lm(path, role=role)
+    return quantize_draft(model, mode), tok, meta

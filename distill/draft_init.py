@@ -1,0 +1,197 @@
+"""Where a draft starts (``draft.init``) and the ``draft_init`` stage that saves it before any training.
+
+* ``config``: a fresh Llama of ``draft.arch`` sharing the target tokenizer (:func:`distill.models.build_llama`).
+* ``layer_pruned``: a self-draft made of some of the target's own layers (:mod:`distill.selfdraft`), chosen by
+  ``draft.layers`` (fixed rule or measured search).
+* ``pretrained``: any causal LM (``draft.name_or_path``: HF directory or hub id) whose tokenizer passes
+  :func:`data.tokenizer_check.check_tokenizers_compatible` against the target's and whose output vocabulary passes
+  :func:`distill.vocab.shared_vocab_size`.
+
+The ``draft_init`` stage saves a layer-pruned or pretrained draft as it starts to ``<run>/drafts/<init>`` (the
+"before distillation" draft of the report); ``distill`` / ``baseline`` then start from that saved draft when its
+recorded settings match, so the layer search runs once per run. With ``draft.quantize=int8`` every draft built from
+``draft`` is also saved as ``<name>_int8`` (fp32 weights + ``"quantize": "int8"``; see :mod:`decode.quantize`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from data.io import save_hf_atomic
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_initial_draft", "load_pretrained_draft", "save_draft", "run_draft_init", "init_dir"]
+
+
+def init_dir(rc, run_dir: Path) -> Path:
+    """``<run>/drafts/<draft.init>``: where the ``draft_init`` stage saves the undistilled draft."""
+    return Path(run_dir) / "drafts" / rc.draft.init
+
+
+def _init_settings(rc) -> dict:
+    """What determines the initial draft (compared before reusing a saved one)."""
+    d = asdict(rc.draft)
+    d.pop("quantize", None)
+    if rc.draft.init != "config":
+        d.pop("arch", None)
+    if rc.draft.init != "layer_pruned":
+        d.pop("layers", None)
+    settings = {"draft": d, "target": str(rc.target.name_or_path), "seed": rc.seed}
+    if rc.draft.init == "layer_pruned" and rc.draft.layers.method == "search":
+        settings.update(domain=rc.data.domain, num_draft_tokens=rc.decode.num_draft_tokens,
+                        max_prompt_tokens=rc.eval.max_prompt_tokens)
+    return json.loads(json.dumps(settings, default=str))
+
+
+def load_pretrained_draft(name_or_path: str, target, tokenizer):
+    """``(draft, draft_tokenizer)`` from a Hugging Face directory or hub id, checked against the target.
+
+    Raises:
+        data.checkpoints.CheckpointError: the checkpoint cannot be loaded (names the path).
+        data.tokenizer_check.TokenizerMismatchError: its tokenizer maps some token to another id than the target's.
+        distill.vocab.VocabMismatchError: it has fewer output rows than the tokenizer has tokens.
+    """
+    from data.checkpoints import check_vocab_covers_tokenizer, load_causal_lm
+    from data.tokenizer_check import check_tokenizers_compatible
+    from decode._common import output_vocab_size
+
+    from .vocab import shared_vocab_size
+
+    draft, tok = load_causal_lm(name_or_path, role="draft")
+    check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft.name_or_path {name_or_path!r}")
+    shared_vocab_size(output_vocab_size(target), output_vocab_size(draft), len(tokenizer))
+    check_vocab_covers_tokenizer(draft, tokenizer, role=f"draft {name_or_path!r}")
+    return draft, tok
+
+
+def _search_score_fn(rc, opts, target, tokenizer):
+    """Mean accepted length of greedy speculative decoding on ``draft.layers.search.prompts`` validation prompts
+    of ``data.domain`` (the score the layer search maximises)."""
+    from data.tokenization import encode_prompt
+    from decode._common import output_vocab_size
+
+    from .generation import make_acceptance_eval
+    from .pipeline import domain_prompts
+
+    s = rc.draft.layers.search
+    texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts)
+    evaluate = make_acceptance_eval(
+        target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
+        num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=s.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=output_vocab_size(target))
+    return lambda draft: evaluate(draft)["mean_accepted_length"]
+
+
+def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch.nn.Module, dict]:
+    """The draft before training, per ``draft.init``, and a description of how it was made (for
+    ``specdraft.json``: ``init``, plus ``layers`` / ``layer_search`` or ``pretrained_from``).
+
+    Raises:
+        ValueError: see :func:`distill.selfdraft.build_layer_pruned`, :func:`distill.selfdraft.search_layers`,
+            :func:`load_pretrained_draft`.
+    """
+    from .models import build_llama
+    from .selfdraft import build_layer_pruned, resolve_layers, search_layers
+
+    init = rc.draft.init
+    if init == "config":
+        return build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
+    if init == "pretrained":
+        draft, _ = load_pretrained_draft(rc.draft.name_or_path, target, tokenizer)
+        return draft, {"init": "pretrained", "pretrained_from": str(rc.draft.name_or_path)}
+    choice = rc.draft.layers
+    n = target.config.num_hidden_layers
+    info: dict = {"init": "layer_pruned", "layer_method": choice.method, "target_layers": n}
+    if choice.method == "search":
+        on = (lambda layers, score: events("layer_search_candidate", layers=layers, mean_accepted_length=score)) \
+            if events else None
+        found = search_layers(target, _search_score_fn(rc, opts, target, tokenizer), choice.k, choice.search, on)
+        layers = found["layers"]
+        info["layer_search"] = {**found, "strategy": choice.search.strategy, "beam_width": choice.search.width,
+                                "max_evaluations": choice.search.max_evaluations, "prompts": choice.search.prompts,
+                                "max_new_tokens": choice.search.max_new_tokens, "split": "validation",
+                                "metric": "mean_accepted_length",
+                                "source": "Draft & Verify (Zhang et al., ACL 2024), greedy/beam variant"}
+    else:
+        layers = resolve_layers(choice, n)
+    info["layers"] = layers
+    log.info("layer-pruned self-draft keeps target layers %s of %d", layers, n)
+    return build_layer_pruned(target, layers), info
+
+
+def save_draft(model, tokenizer, out: Path, meta: dict, quantize: str = "none") -> dict[str, str]:
+    """Save ``model`` (fp32 HF checkpoint + ``specdraft.json`` = ``meta``) to ``out``; with ``quantize="int8"``
+    also to ``<out>_int8`` with ``"quantize": "int8"`` and ``"fp32_draft": <out name>`` in its ``specdraft.json``.
+    Returns name -> path of what was written."""
+    out = Path(out)
+    save_hf_atomic(model, tokenizer, out, extra={**meta, "quantize": "none"})
+    written = {out.name: str(out)}
+    if quantize != "none":
+        q = out.with_name(f"{out.name}_{quantize}")
+        save_hf_atomic(model, tokenizer, q, extra={**meta, "quantize": quantize, "fp32_draft": out.name})
+        written[q.name] = str(q)
+    return written
+
+
+def reuse_initial_draft(rc, run_dir: Path):
+    """The saved ``draft_init`` draft when its recorded settings equal the current ones, else ``None``."""
+    from data.checkpoints import load_causal_lm, read_specdraft_meta
+
+    d = init_dir(rc, run_dir)
+    meta = read_specdraft_meta(d)
+    if not meta or meta.get("init_settings") != _init_settings(rc):
+        return None
+    model, _ = load_causal_lm(d, role=f"draft ({rc.draft.init}, saved by draft_init)")
+    return model, {k: meta[k] for k in ("init", "layers", "layer_method", "target_layers", "layer_search",
+                                        "pretrained_from") if k in meta}
+
+
+def initial_draft(rc, opts, run_dir: Path, target, tokenizer, events=None) -> tuple[torch.nn.Module, dict]:
+    """The saved initial draft of this run when it matches the config, else a new one (see
+    :func:`build_initial_draft`)."""
+    if rc.draft.init != "config":
+        reused = reuse_initial_draft(rc, run_dir)
+        if reused is not None:
+            log.info("starting from the %s draft saved in %s", rc.draft.init, init_dir(rc, run_dir))
+            return reused
+    return build_initial_draft(rc, opts, target, tokenizer, events)
+
+
+def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
+    """The ``draft_init`` stage: build the ``draft.init`` draft and save it (undistilled) to ``<run>/drafts/<init>``.
+
+    Raises:
+        ValueError: ``draft.init=config`` (a fresh random draft is not worth evaluating; use the distill stage).
+    """
+    from data.checkpoints import load_causal_lm
+    from data.loading import files_fingerprint
+
+    from .models import count_parameters
+    from .trainer import evaluate_loss, torch_threads
+
+    if rc.draft.init == "config":
+        raise ValueError("stage draft_init needs draft.init=layer_pruned or draft.init=pretrained (a fresh "
+                         "draft.init=config draft is random); remove draft_init from stages or pick another draft")
+    out = init_dir(rc, run_dir)
+    with torch_threads(rc.trainer.num_threads):
+        target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
+        draft, info = build_initial_draft(rc, opts, target, tokenizer, events)
+        from .pipeline import domain_blocks
+
+        val = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
+        meta = {"kind": rc.draft.init, **info, "target": str(rc.target.name_or_path), "domain": rc.data.domain,
+                "distilled": False, "draft_parameters": count_parameters(draft),
+                "target_parameters": count_parameters(target),
+                "validation_loss_nats_per_token": evaluate_loss(draft, val),
+                "target_validation_loss_nats_per_token": evaluate_loss(target, val),
+                "data_fingerprint_sha256": files_fingerprint(rc.data.domain, opts),
+                "init_settings": _init_settings(rc)}
+    written = save_draft(draft, tokenizer, out, meta, rc.draft.quantize)
+    log.info("%s draft saved to %s", rc.draft.init, out)
+    return {**meta, "path": str(out), "written": written}

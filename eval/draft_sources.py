@@ -1,0 +1,117 @@
+"""Report sections comparing drafts by where they came from: initialisation (config, layer-pruned self-draft,
+pretrained), before / after distillation, and INT8 against the fp32 draft it was quantized from.
+
+:func:`draft_sources_section` is passed to :func:`eval.report.write_report` as an extra section; it adds
+``draft_sources`` (per draft: how it was made) and ``int8_vs_fp32`` (per INT8 draft and domain: acceptance, tau,
+draft tokens/s and its speedup against the fp32 draft, all measured in this evaluation) to ``metrics.json``.
+"""
+from __future__ import annotations
+
+from .metrics import json_clean
+
+__all__ = ["draft_sources_section", "draft_tokens_per_s"]
+
+
+def draft_tokens_per_s(entry: dict) -> float | None:
+    """Drafted tokens per second of draft time, pooled over the domain's prompts: ``stats.drafted_tokens /
+    stats.draft_time_s`` of a metrics entry (the draft's own forwards inside speculative decoding), ``None`` when
+    nothing was drafted."""
+    st = entry.get("stats") or {}
+    t, n = st.get("draft_time_s"), st.get("drafted_tokens")
+    return n / t if t and n else None
+
+
+def _describe(m: dict) -> dict:
+    return {"init": m.get("init", "config" if m.get("kind") in ("distilled", "baseline") else None),
+            "layers": m.get("layers"), "pretrained_from": m.get("pretrained_from"),
+            "distilled": m.get("distilled", m.get("kind") in ("distilled", "small_distilled") or None),
+            "training": m.get("loss"), "steps": (m.get("train") or {}).get("steps"),
+            "quantize": m.get("quantize", "none"), "fp32_draft": m.get("fp32_draft"),
+            "draft_parameters": m.get("draft_parameters"), "decoder_forward": m.get("decoder_forward")}
+
+
+def _f(x, digits: int = 2) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def draft_sources_section(meta: dict[str, dict]):
+    """A callable ``f(doc) -> str`` (see :func:`eval.report.write_report`) rendering, from each draft's
+    ``specdraft.json`` (``meta``: name -> dict) and the metrics document:
+
+    * **Draft sources**: init, kept layers (self-drafts), distilled or not, quantization, parameters;
+    * **Mean accepted length by draft**: tau per domain, one column per draft (before / after distillation and the
+      small-config draft side by side);
+    * **INT8 vs fp32**: per INT8 draft whose fp32 draft was evaluated too, per domain: acceptance rate, tau, draft
+      tokens/s (:func:`draft_tokens_per_s`) of both and the INT8 draft-speed speedup, plus the end-to-end measured
+      speedup of each. Nothing is estimated: every number comes from this evaluation's decodes.
+    """
+
+    def section(doc: dict) -> str:
+        from .report import domains_of
+
+        names = list(doc["drafts"])
+        domains = domains_of(doc)
+        src = {n: _describe(meta.get(n) or {}) for n in names}
+        lines = ["## Draft sources", "", "| draft | init | layers kept | distilled | quantize | parameters |",
+                 "|---|---|---|---|---|---|"]
+        for n in names:
+            s = src[n]
+            init = s["init"] or "n/a"
+            if s["pretrained_from"]:
+                init += f" (`{s['pretrained_from']}`)"
+            layers = "-" if s["layers"] is None else str(s["layers"])
+            distilled = {True: "yes", False: "no"}.get(s["distilled"], "n/a")
+            if s["distilled"] and s["steps"]:
+                distilled += f" ({s['steps']} steps)"
+            params = f"{s['draft_parameters']:,}" if s["draft_parameters"] else "n/a"
+            lines.append(f"| {n} | {init} | {layers} | {distilled} | {s['quantize']} | {params} |")
+        lines += ["", f"### Mean accepted length by draft (gamma = {doc['num_draft_tokens']})", "",
+                  "| domain | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+        for d in domains:
+            lines.append(f"| {d} | " + " | ".join(
+                _f(doc["drafts"][n][d]["mean_accepted_length"]) if d in doc["drafts"][n] else "n/a"
+                for n in names) + " |")
+        int8: dict = {}
+        for n in names:
+            fp = src[n]["fp32_draft"]
+            if src[n]["quantize"] == "int8" and fp in doc["drafts"]:
+                rows = {}
+                for d in domains:
+                    q, f = doc["drafts"][n].get(d), doc["drafts"][fp].get(d)
+                    if q is None or f is None:
+                        continue
+                    tq, tf = draft_tokens_per_s(q), draft_tokens_per_s(f)
+                    rows[d] = {"acceptance_rate": {"fp32": f["acceptance_rate"], "int8": q["acceptance_rate"]},
+                               "mean_accepted_length": {"fp32": f["mean_accepted_length"],
+                                                        "int8": q["mean_accepted_length"]},
+                               "draft_tokens_per_s": {"fp32": tf, "int8": tq},
+                               "draft_speedup": tq / tf if tq and tf else None,
+                               "measured_speedup": {"fp32": f["measured_speedup"], "int8": q["measured_speedup"]}}
+                cq, cf = doc["cost_ratio"].get(n), doc["cost_ratio"].get(fp)
+                int8[n] = {"fp32_draft": fp, "domains": rows,
+                           "draft_forward_s": {"fp32": cf and cf["draft_forward_s"], "int8": cq and cq["draft_forward_s"]}}
+        doc["draft_sources"] = json_clean(src)
+        doc["int8_vs_fp32"] = json_clean(int8)
+        for n, r in int8.items():
+            fw = r["draft_forward_s"]
+            lines += ["", f"### INT8 vs fp32: `{n}` against `{r['fp32_draft']}` (measured, same prompts)", ""]
+            paths = {k: src[x]["decoder_forward"] for k, x in (("fp32", r["fp32_draft"]), ("int8", n))}
+            if fw["fp32"] and fw["int8"]:
+                note = (" The two ran through different forwards (the lean forward covers plain nn.Linear only), so "
+                        "the int8 figures include the Hugging Face forward's Python overhead."
+                        if paths["fp32"] != paths["int8"] else "")
+                lines += [f"One cached draft forward: fp32 {fw['fp32'] * 1e3:.2f} ms ({paths['fp32']} forward), int8 "
+                          f"{fw['int8'] * 1e3:.2f} ms ({paths['int8']} forward): the int8 draft runs at "
+                          f"{fw['fp32'] / fw['int8']:.2f}x the fp32 draft's speed.{note}", ""]
+            lines += ["| domain | acceptance rate fp32 / int8 | tau fp32 / int8 | draft tok/s fp32 / int8 | "
+                      "draft speedup | measured speedup fp32 / int8 |", "|---|---|---|---|---|---|"]
+            for d, x in r["domains"].items():
+                lines.append(
+                    f"| {d} | {_f(x['acceptance_rate']['fp32'], 3)} / {_f(x['acceptance_rate']['int8'], 3)} | "
+                    f"{_f(x['mean_accepted_length']['fp32'])} / {_f(x['mean_accepted_length']['int8'])} | "
+                    f"{_f(x['draft_tokens_per_s']['fp32'], 0)} / {_f(x['draft_tokens_per_s']['int8'], 0)} | "
+                    f"{_f(x['draft_speedup'])}x | {_f(x['measured_speedup']['fp32'])}x / "
+                    f"{_f(x['measured_speedup']['int8'])}x |")
+        return "\n".join(lines)
+
+    return section

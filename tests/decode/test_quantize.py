@@ -1,0 +1,102 @@
+"""decode.quantize: INT8 drafts (torch.ao dynamic quantization). The decoder falls back from the lean forward to the
+Hugging Face forward for quantized Linear layers, speculative greedy with an INT8 draft equals target greedy, and an
+INT8 draft directory is an fp32 HF checkpoint that our loader quantizes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decode import autoregressive_generate, speculative_generate
+from decode._common import new_kv_state, output_vocab_size
+from decode.fast_llama import FastKVState, _unsupported_reason
+from decode.quantize import is_quantized, load_draft, quantize_draft
+from decode_testutils import left_pad, make_pair, random_prompts
+
+TARGET, DRAFT = make_pair(seed=5, noise=0.3)
+QDRAFT = quantize_draft(DRAFT)
+
+
+def test_quantize_replaces_every_linear_and_leaves_the_input_alone():
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    assert is_quantized(QDRAFT) and not is_quantized(DRAFT)
+    assert not any(type(m) is torch.nn.Linear for m in QDRAFT.modules())
+    assert sum(isinstance(m, QLinear) for m in QDRAFT.modules()) == 2 * 7 + 1  # 7 projections per layer + LM head
+    assert any(type(m) is torch.nn.Linear for m in DRAFT.modules())
+    assert output_vocab_size(QDRAFT) == output_vocab_size(DRAFT) == 64
+    ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = DRAFT(ids).logits, QDRAFT(ids).logits
+    assert not torch.equal(a, b)  # really quantized
+    assert (a - b).abs().max() < 0.1 * a.abs().max()  # ... and still close to fp32
+
+
+def test_decoder_falls_back_to_the_hf_forward_and_matches_it():
+    assert "quantized" in _unsupported_reason(QDRAFT)
+    assert new_kv_state(DRAFT, 1, torch.device("cpu"), 32).fast
+    state = new_kv_state(QDRAFT, 1, torch.device("cpu"), 32)
+    assert not isinstance(state, FastKVState) and not state.fast
+    with pytest.raises(ValueError, match="quantized"):
+        new_kv_state(QDRAFT, 1, torch.device("cpu"), 32, fast_path=True)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        got = state.forward(ids, logits_to_keep=9)
+        ref = QDRAFT(ids).logits
+    torch.testing.assert_close(got[:, -9:], ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=3, deadline=None)
+@given(gamma=st.integers(1, 6), seed=st.integers(0, 2 ** 16), batch=st.integers(1, 3))
+def test_speculative_greedy_with_int8_draft_equals_target_greedy(gamma, seed, batch):
+    prompts = random_prompts([int(n) for n in torch.randint(3, 12, (batch,), generator=torch.Generator()
+                                                             .manual_seed(seed))], 64, seed)
+    ids, mask = left_pad(prompts)
+    ref = autoregressive_generate(TARGET, ids, mask, max_new_tokens=12, eos_token_id=7, pad_token_id=0)
+    out = speculative_generate(TARGET, QDRAFT, ids, mask, max_new_tokens=12, num_draft_tokens=gamma,
+                               eos_token_id=7, pad_token_id=0)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0
+
+
+def test_int8_directory_is_an_fp32_checkpoint_that_load_draft_quantizes(tmp_path):
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(64)}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                  unk_token="t0", pad_token="t1")
+    DRAFT.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "specdraft.json").write_text(json.dumps({"quantize": "int8"}))
+    fp32 = AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers sees the fp32 draft
+    assert not is_quantized(fp32)
+    model, _, meta = load_draft(tmp_path)
+    assert is_quantized(model) and meta["quantize"] == "int8"
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():  # rebuilt at load time: the same int8 model as quantizing the in-memory draft
+        torch.testing.assert_close(model(ids).logits, QDRAFT(ids).logits, rtol=0, atol=0)
+    (tmp_path / "specdraft.json").write_text(json.dumps({"quantize": "int4"}))
+    with pytest.raises(ValueError, match="quantize='int4'; supported: none, int8"):
+        load_draft(tmp_path)
+
+
+def test_bad_modes_and_devices_are_clear_errors():
+    with pytest.raises(ValueError, match="draft.quantize must be one of none, int8"):
+        quantize_draft(DRAFT, "fp8")
+    assert quantize_draft(DRAFT, "none") is DRAFT
+    meta = torch.nn.Linear(4, 4, device="meta")
+    with pytest.raises(ValueError, match="CPU only; the draft is on \\['meta'\\]"):
+        quantize_draft(meta)
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        quantize_draft(torch.nn.Embedding(4, 4))
+
+
+@pytest.mark.gpu
+def test_int8_refuses_a_draft_on_cuda_with_the_reason():
+    with pytest.raises(ValueError, match=r"CPU only; the draft is on \['cuda'\]"):
+        quantize_draft(DRAFT.to("cuda"))
+    DRAFT.to("cpu")

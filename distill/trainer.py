@@ -694,7 +694,9 @@ def train(
     window_loss, window_tokens = 0.0, 0
     clock["t0"] = time.perf_counter() - float(state["elapsed_s"])  # the budget counts every resumed part
     last_loss: float | None = None
-    bar = tqdm(total=cfg.max_steps, desc=desc, initial=start_step, disable=not accelerator.is_main_process,
+    # A budgeted run says so: its step total is only a cap, the budget usually ends it first.
+    bar_desc = f"{desc} (stops at {cfg.max_time_s:.0f} s of training)" if cfg.max_time_s else desc
+    bar = tqdm(total=cfg.max_steps, desc=bar_desc, initial=start_step, disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     step = start_step
     while step < cfg.max_steps:

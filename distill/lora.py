@@ -46,7 +46,7 @@ class LoraSectionConfig:
     base: str = "drafts/distilled"  # draft to adapt: HF dir; a relative path is looked up in the run dir first
     domain: str | None = None  # domain adapted to (null: data.domain)
     name: str | None = None  # output name under drafts/ and adapters/ (null: lora_<domain>)
-    lr: float = 2e-3  # adapter learning rate (AdamW, cosine with warmup as the trainer)
+    lr: float = 5e-3  # adapter learning rate (AdamW, cosine with warmup as the trainer)
     max_steps: int = 150  # optimizer steps per adapted domain
     micro_batch_size: int = 16  # blocks of data.block_size tokens per micro-batch
     warmup_steps: int = 10

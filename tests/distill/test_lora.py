@@ -122,3 +122,54 @@ def test_adapt_stage_writes_adapter_and_merged_draft_and_resumes(tmp_path):
     rc = validate({**cfg, "lora": {**cfg["lora"], "base": str(tmp_path / "missing"), "name": "x"}})
     with pytest.raises(LoraError, match="no draft checkpoint"):
         adapt_draft(rc, rc.data.options(), tmp_path)
+
+
+def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
+    """The adapt stage on real data with tiny sizes: a domain below the threshold is adapted, a test-only one is
+    reported as not adaptable, the routing table loads, and a resumed run reuses every finished part."""
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from decode.routing import load_routing
+    from distill.models import LlamaArch, build_llama
+    from train.adapt import adapt_domains
+    from train.schema import validate
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / "drafts" / "distilled")
+    cfg = {"stages": ["adapt"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "lora": {"enabled": True, "rank": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 0,
+                    "save_every": 0, "eval_every": 0},
+           "adapt": {"draft": "drafts/distilled", "min_mean_accepted_length": 5.0},  # tau <= gamma + 1 = 5
+           "eval": {"domains": ["medical", "specbench_qa"], "max_prompts": 1, "max_new_tokens": 4,
+                    "max_prompt_tokens": 32, "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": False}}
+    rc = validate(cfg)
+    s = adapt_domains(rc, rc.data.options(), tmp_path)
+    assert s["domains"]["medical"]["action"] == "adapted"
+    assert s["domains"]["specbench_qa"]["action"].startswith("not adaptable")
+    assert set(s["drafts"]) == {"distilled", "lora_medical"}
+    table = load_routing(tmp_path / "routing.json")
+    assert set(table.routes) == {"medical", "specbench_qa"}
+    assert table.draft_for("medical").draft in {"distilled", "lora_medical"}
+    after = json.loads((tmp_path / "adapt" / "after" / "metrics.json").read_text())
+    assert set(after["drafts"]) == {"distilled", "lora_medical"}  # every draft on every domain
+    report = (tmp_path / "adapt_report.md").read_text()
+    assert "| medical |" in report and "adapted" in report
+    rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
+    again = adapt_domains(rc, rc.data.options(), tmp_path)
+    assert again["domains"]["medical"]["reused"] is True
+
+
+def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
+    from train.run import run
+
+    cfg = {"stages": ["lora", "eval"], "lora": {"enabled": True, "base": "drafts/distilled"}}
+    with pytest.raises(LoraError, match="drafts/distilled.*distill / baseline stage earlier"):
+        run(cfg, tmp_path)
+    assert not (tmp_path / "events.jsonl").exists()  # nothing ran
+    bad = tmp_path / "routing.json"
+    bad.write_text("[]")
+    from decode.routing import RoutingError
+
+    with pytest.raises(RoutingError, match="JSON object"):
+        run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)

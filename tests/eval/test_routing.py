@@ -122,9 +122,10 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
                                             "code": {"draft": "b", "path": str(b)}}}))
     cfg = {"target": {"name_or_path": "distill/reference_target"}, "decode": {"draft_routing": str(table)},
            "eval": {"domains": ["medical", "code"], "max_prompts": 1, "max_new_tokens": 4, "max_prompt_tokens": 32,
-                    "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": False}}
+                    "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": True}}  # plots of a sparse doc
     rc = validate(cfg)
     out = evaluate_run(rc, rc.data.options(), tmp_path / "run")
+    assert len(out["plots"]) == 4
     rows = (tmp_path / "run" / "per_prompt.csv").read_text().splitlines()[1:]
     assert sorted({(r.split(",")[0], r.split(",")[1]) for r in rows}) == [("a", "medical"), ("b", "code")]
     assert out["routed"] == {"medical": "a", "code": "b"}
@@ -133,6 +134,7 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     assert doc["context"]["draft_routing"]["routes"] == {"medical": "a", "code": "b"}
 
     # a domain without a route (and no default) fails before any model loads
+    cfg["eval"]["plots"] = False
     rc = validate({**cfg, "eval": {**cfg["eval"], "domains": ["medical", "math"]}})
     with pytest.raises(RoutingError, match="no route for domain 'math'"):
         evaluate_run(rc, rc.data.options(), tmp_path / "run2")

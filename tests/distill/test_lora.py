@@ -173,3 +173,44 @@ def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
 
     with pytest.raises(RoutingError, match="JSON object"):
         run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)
+
+
+def test_interrupted_adaptation_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """Killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's weights."""
+    import distill.trainer as trainer_mod
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from distill.models import LlamaArch, build_llama
+    from train.schema import validate
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    for run in ("full", "killed"):
+        save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / run / "drafts" / "distilled")
+    cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 4, "micro_batch_size": 2,
+                    "warmup_steps": 0, "save_every": 2, "eval_every": 0}}
+    rc = validate(cfg)
+    adapt_draft(rc, rc.data.options(), tmp_path / "full")
+
+    class Killed(Exception):
+        pass
+
+    save = trainer_mod.save_checkpoint
+
+    def save_then_die(acc, ckpt, state, best=None):
+        save(acc, ckpt, state, best)
+        if state["step"] == 2:
+            raise Killed
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        adapt_draft(rc, rc.data.options(), tmp_path / "killed")
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save)
+    assert not (tmp_path / "killed" / "drafts" / "lora_medical").exists()  # nothing half-written
+    rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
+    out = adapt_draft(rc, rc.data.options(), tmp_path / "killed")
+    assert out["train"]["resumed_from_step"] == 2
+    want = load_causal_lm(tmp_path / "full" / "drafts" / "lora_medical")[0].state_dict()
+    got = load_causal_lm(tmp_path / "killed" / "drafts" / "lora_medical")[0].state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

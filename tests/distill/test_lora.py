@@ -87,43 +87,6 @@ def test_config_and_module_errors():
         wrap_lora(tiny_llama(), LoraSectionConfig(target_modules=["q_proj", "qkv"]))
 
 
-def test_adapt_stage_writes_adapter_and_merged_draft_and_resumes(tmp_path):
-    """The stage itself on real data (reference target, a small config-built draft sharing its tokenizer)."""
-    from transformers import AutoModelForCausalLM
-
-    from data.checkpoints import load_causal_lm
-    from data.io import save_hf_atomic
-    from distill.models import LlamaArch, build_llama
-    from train.schema import validate
-
-    _, tok = load_causal_lm("distill/reference_target", role="target")
-    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
-    save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / "drafts" / "distilled")
-    cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 16},
-           "trainer": {"num_threads": 1},
-           "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 2, "micro_batch_size": 2,
-                    "warmup_steps": 0, "save_every": 1, "eval_every": 2, "eval_prompts": 1,
-                    "eval_max_new_tokens": 4}}
-    rc = validate(cfg)
-    out = adapt_draft(rc, rc.data.options(), tmp_path)
-    assert out["path"] == str(tmp_path / "drafts" / "lora_medical")
-    meta = json.loads((tmp_path / "drafts" / "lora_medical" / "specdraft.json").read_text())
-    assert meta["kind"] == "lora" and meta["domain"] == "medical" and meta["lora"]["rank"] == 2
-    assert meta["trainable_parameters"] > 0 and meta["train"]["steps"] == 2
-    assert (tmp_path / "adapters" / "lora_medical" / "adapter_model.safetensors").is_file()
-    assert not list(tmp_path.rglob(".*tmp-*"))
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "drafts" / "lora_medical")
-    assert type(model).__name__ == "LlamaForCausalLM"
-    # resume: the completed adaptation is reused, not retrained
-    rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
-    again = adapt_draft(rc, rc.data.options(), tmp_path)
-    assert again["reused"] is True
-    # a base draft that does not exist is a clear error before any model loads
-    rc = validate({**cfg, "lora": {**cfg["lora"], "base": str(tmp_path / "missing"), "name": "x"}})
-    with pytest.raises(LoraError, match="no draft checkpoint"):
-        adapt_draft(rc, rc.data.options(), tmp_path)
-
-
 def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
     """The adapt stage on real data with tiny sizes: a domain below the threshold is adapted, a test-only one is
     reported as not adaptable, the routing table loads, and a resumed run reuses every finished part."""
@@ -175,8 +138,10 @@ def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
         run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)
 
 
-def test_interrupted_adaptation_resumes_to_the_same_weights(tmp_path, monkeypatch):
-    """Killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's weights."""
+def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_path, monkeypatch):
+    """The lora stage on real data (reference target, a small config-built draft sharing its tokenizer) writes both
+    artifacts; killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's
+    weights."""
     import distill.trainer as trainer_mod
     from data.checkpoints import load_causal_lm
     from data.io import save_hf_atomic
@@ -191,7 +156,21 @@ def test_interrupted_adaptation_resumes_to_the_same_weights(tmp_path, monkeypatc
            "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 4, "micro_batch_size": 2,
                     "warmup_steps": 0, "save_every": 2, "eval_every": 0}}
     rc = validate(cfg)
-    adapt_draft(rc, rc.data.options(), tmp_path / "full")
+    out = adapt_draft(rc, rc.data.options(), tmp_path / "full")
+    # the stage's artifacts: merged standalone draft + peft adapter, both complete, nothing temporary left
+    assert out["path"] == str(tmp_path / "full" / "drafts" / "lora_medical")
+    meta = json.loads((tmp_path / "full" / "drafts" / "lora_medical" / "specdraft.json").read_text())
+    assert meta["kind"] == "lora" and meta["domain"] == "medical" and meta["lora"]["rank"] == 2
+    assert meta["trainable_parameters"] > 0 and meta["train"]["steps"] == 4
+    assert (tmp_path / "full" / "adapters" / "lora_medical" / "adapter_model.safetensors").is_file()
+    assert not list(tmp_path.rglob(".*tmp-*"))
+    from transformers import AutoModelForCausalLM
+
+    assert type(AutoModelForCausalLM.from_pretrained(out["path"])).__name__ == "LlamaForCausalLM"
+    # a base draft that does not exist is a clear error before any model loads
+    bad = validate({**cfg, "lora": {**cfg["lora"], "base": str(tmp_path / "missing"), "name": "x"}})
+    with pytest.raises(LoraError, match="no draft checkpoint"):
+        adapt_draft(bad, bad.data.options(), tmp_path / "full")
 
     class Killed(Exception):
         pass

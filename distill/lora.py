@@ -104,7 +104,7 @@ def resolve_base(base: str, run_dir: Path) -> Path:
     return in_run if in_run.exists() or not p.exists() else p
 
 
-def check_base_available(base: str, run_dir: Path, produced: set[str]) -> None:
+def check_base_available(base: str, run_dir: Path, produced: set[str], key: str = "lora.base") -> None:
     """Before any model loads: the base draft exists, or is ``drafts/<kind>`` made by an earlier stage.
 
     Raises:
@@ -115,9 +115,10 @@ def check_base_available(base: str, run_dir: Path, produced: set[str]) -> None:
         return
     found = resolve_base(base, run_dir)
     if not (found / "config.json").is_file():
-        raise LoraError(f"lora.base / adapt.draft {base!r}: no draft checkpoint at {found} (nor at {Path(run_dir) / p}"
-                        f"). Point it at a Hugging Face model directory, or at drafts/distilled / drafts/baseline "
-                        f"with the distill / baseline stage earlier in `stages`.")
+        where = str(found) if p.is_absolute() else f"{Path(run_dir) / p} nor {p.resolve()}"
+        raise LoraError(f"{key} {base!r}: no draft checkpoint at {where}. Point it at a Hugging Face model "
+                        f"directory, or at drafts/distilled / drafts/baseline with the distill / baseline stage "
+                        f"earlier in `stages`.")
 
 
 def linear_module_names(model: torch.nn.Module) -> list[str]:

@@ -108,7 +108,7 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
             check_base_available(rc.lora.base, run_dir, produced)
             produced.add(rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}")
         elif stage == "adapt":
-            check_base_available(rc.adapt.draft, run_dir, produced)
+            check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
         elif stage == "draft_init":
             produced.add(rc.draft.init)  # drafts/layer_pruned or drafts/pretrained
         elif stage in ("distill", "baseline", "distill_small"):

@@ -282,8 +282,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
         if routed is None:  # a routed evaluation measures one draft per domain: nothing to choose, no new table
             routing_path = run_dir / "routing.json"
             table = write_routing(staging / "routing.json", doc, {n: paths[n] for n in drafts})
+            rendered = [f(doc) if callable(f) else f for f in sections]  # as write_report renders them
             write_text_atomic(staging / "report.md", render_markdown(
-                doc, sections + [routing_section(table, str(routing_path))], doc["plots"], sources))
+                doc, rendered + [routing_section(table, str(routing_path))], doc["plots"], sources))
             ev("eval_routing", path=str(routing_path), routes={d: r["draft"] for d, r in table["routes"].items()})
     for domain, r in doc["recommendation"].items():
         ev("eval_recommendation", domain=domain, recommendation=r)

@@ -11,6 +11,8 @@ class DecodeConfig:
     temperature: float = 1.0  # sampling only; > 0
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # in (0, 1]; 1 disables
+    # Routing table (routing.json written by an evaluation): each domain is decoded with its routed draft.
+    draft_routing: str | None = None
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -21,6 +23,8 @@ class DecodeConfig:
             raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"decode.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.draft_routing is not None and not str(self.draft_routing).strip():
+            raise ValueError("decode.draft_routing must be null or the path of a routing.json")
 
     def sampling_kwargs(self) -> dict:
         """Keyword arguments for ``speculative_generate`` / ``autoregressive_generate``."""

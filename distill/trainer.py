@@ -470,15 +470,19 @@ def _prepare_run(student: torch.nn.Module, teacher: Any, cfg: TrainerConfig,
         else:
             teacher.to(accelerator.device)  # replicated on every process
     student.train()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    trainable = [p for p in student.parameters() if p.requires_grad]  # e.g. only the LoRA adapters of a PeftModel
+    if not trainable:
+        raise ValueError("the student has no parameter that requires grad; nothing to train")
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if lr_lambda is None:
         lr_lambda = lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     engine, optimizer, scheduler = accelerator.prepare(student, optimizer, scheduler)
     raw_student = accelerator.unwrap_model(engine)
     held = {id(p) for p in optimizer_parameters(optimizer)}
-    if held != {id(p) for p in raw_student.parameters()} or held & teacher_params:
-        raise RuntimeError("the optimizer must hold exactly the student's parameters (and none of the teacher's)")
+    if held != {id(p) for p in raw_student.parameters() if p.requires_grad} or held & teacher_params:
+        raise RuntimeError("the optimizer must hold exactly the student's trainable parameters (and none of the "
+                           "teacher's)")
     if teacher_zero3:
         # The teacher's own ZeRO-3 inference engine (no optimizer); the student's engine stays the one that
         # accelerator.backward steps. It is frozen, so it is left out of the resumable state.
@@ -575,7 +579,8 @@ def train(
     fraction of that budget (see :func:`cosine_with_warmup`), so a budget-stopped run still anneals.
 
     Args:
-        student: the model to train (all its parameters, and only them, go into the optimizer). Under ZeRO-3 a
+        student: the model to train (its parameters that require grad, and only them, go into the optimizer: all of a plain
+            model, the adapters of a peft LoRA model). Under ZeRO-3 a
             copy is trained and ``student`` stays unpartitioned; it ends with the gathered weights on the main
             process (the one that saves).
         blocks: LongTensor (N, T) of packed token blocks.
@@ -606,7 +611,7 @@ def train(
         FloatingPointError: the loss became NaN/inf; the message names the step, the last good checkpoint stays.
         ValueError: ``eval_every < 0``, ``evaluate`` did not return ``select_key``, a launch that does not match
             ``cfg.strategy`` or the global batch (:func:`check_launch`), a checkpoint that cannot resume here
-            (:func:`_check_resumable`).
+            (:func:`_check_resumable`), a student without a parameter that requires grad.
     """
     from accelerate.utils import set_seed
     from safetensors.torch import load_file

@@ -37,8 +37,9 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
 
     rc = validate_eval(cfg)
     run_dir = Path(run_dir)
-    if not rc.eval.drafts and not (run_dir / "drafts").is_dir():
-        raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' "
+    if not rc.eval.drafts and not rc.decode.draft_routing and not (run_dir / "drafts").is_dir():
+        raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' or "
+                         "decode.draft_routing=/path/to/routing.json "
                          "(or hydra.run.dir pointing at a training run directory with drafts/)")
     check_eval_inputs(rc, run_dir)
     return rc

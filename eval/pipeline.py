@@ -3,7 +3,9 @@
 ``evaluate_run(rc, opts, run_dir, events=events)`` is the one implementation both entry points call. It loads the
 target and the drafts (``eval.drafts`` or ``<run_dir>/drafts/*``), the prompts of ``eval.domains`` (+
 ``eval.extra_domains``), decodes (:mod:`eval.evaluate`), aggregates (:mod:`eval.metrics`), writes ``report.md``,
-``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`) and, with ``logger=wandb``, a wandb run.
+``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`), ``routing.json`` (domain -> the draft
+with the best measured speedup, :mod:`eval.routing`) and, with ``logger=wandb``, a wandb run.
+With ``decode.draft_routing=PATH`` each domain is decoded only with the draft the table routes it to.
 """
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import logging
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from data.io import atomic_file_set
+from data.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
 
 from .evaluate import Prompt, evaluate_drafts
-from .report import write_report
+from .report import render_markdown, write_report
+from .routing import routing_section, write_routing
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +83,32 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
+def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None) -> tuple[dict, dict]:
+    """``decode.draft_routing``: (draft name -> path, domain -> draft name) for ``domains``, checked before any
+    model loads.
+
+    Raises:
+        RoutingError (a ValueError): missing / invalid table, a domain without a route and no ``default``, or
+            ``eval.drafts`` given as well (the table decides the drafts).
+    """
+    from decode.routing import RoutingError, load_routing
+
+    if eval_drafts:
+        raise RoutingError("decode.draft_routing and eval.drafts both name drafts; with a routing table the table "
+                           "decides which draft decodes each domain. Drop one of them.")
+    table = load_routing(table_path)
+    paths: dict[str, Path] = {}
+    routed: dict[str, str] = {}
+    for d in domains:
+        r = table.draft_for(d)
+        name = r.draft
+        if name in paths and paths[name] != Path(r.path):  # two different checkpoints share a name
+            name = f"{r.draft}@{Path(r.path).parent.name}/{Path(r.path).name}"
+        paths[name] = Path(r.path)
+        routed[d] = name
+    return paths, routed
+
+
 @contextlib.contextmanager
 def _torch_threads(n: int | None):
     import torch
@@ -106,7 +135,9 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
         ValueError: no drafts at all (says how to give some).
     """
     drafts_dir = Path(run_dir) / "drafts"
-    if rc.eval.drafts:
+    if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
+        paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
+    elif rc.eval.drafts:
         paths = {n: Path(p).expanduser() for n, p in rc.eval.drafts.items()}
     else:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
@@ -213,32 +244,54 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
+    routed = None  # domain -> draft name, with decode.draft_routing
+    if rc.decode.draft_routing:
+        routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
-       prompts={d: len(p) for d, p in prompts.items()})
+       prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
+    # Without routing every draft decodes every domain; with routing each domain only its routed draft.
+    groups = [(drafts, prompts)] if routed is None else [
+        ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts]
     with _torch_threads(rc.eval.num_threads):
-        results = evaluate_drafts(
-            target, tokenizer, drafts, prompts, num_draft_tokens=gammas, max_new_tokens=rc.eval.max_new_tokens,
-            max_prompt_tokens=rc.eval.max_prompt_tokens, check_lossless=rc.eval.check_lossless,
-            cost_ratio_trials=rc.eval.cost_ratio_trials, decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed,
-            events=ev)
+        parts = [evaluate_drafts(
+            target, tokenizer, group_drafts, group_prompts, num_draft_tokens=gammas,
+            max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
+            check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
+            decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev)
+            for group_drafts, group_prompts in groups if group_prompts]
+    results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
+               "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
+               "truncated_prompts": sum(p["truncated_prompts"] for p in parts)}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts}
+    if routed is not None:
+        context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed}
     sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []
     if any(m.get("init") or m.get("quantize", "none") != "none" for m in meta.values()):
         from .draft_sources import draft_sources_section
 
         sections.append(draft_sources_section(meta))
+    sources = domain_sources(domains)
+    routing_path = None
     with atomic_file_set(run_dir, "report") as staging:
         doc = write_report(staging, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
                            bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
                            check_lossless=rc.eval.check_lossless,
                            alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
-                           sources=domain_sources(domains))
+                           sources=sources)
+        if routed is None:  # a routed evaluation measures one draft per domain: nothing to choose, no new table
+            routing_path = run_dir / "routing.json"
+            table = write_routing(staging / "routing.json", doc, {n: paths[n] for n in drafts})
+            rendered = [f(doc) if callable(f) else f for f in sections]  # as write_report renders them
+            write_text_atomic(staging / "report.md", render_markdown(
+                doc, rendered + [routing_section(table, str(routing_path))], doc["plots"], sources))
+            ev("eval_routing", path=str(routing_path), routes={d: r["draft"] for d, r in table["routes"].items()})
     for domain, r in doc["recommendation"].items():
         ev("eval_recommendation", domain=domain, recommendation=r)
     out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
            "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
-           "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()}}
+           "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
+           "routing": str(routing_path) if routing_path else None, "routed": routed}
     if rc.logger.name == "wandb":
         from .tracking import log_to_wandb
 

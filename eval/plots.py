@@ -111,7 +111,7 @@ def accepted_length_histograms(doc: dict, path: Path) -> Path:
             total = sum(hist) or 1
             ax.bar([k + (j - (len(drafts) - 1) / 2) * width for k in range(len(hist))], [h / total for h in hist],
                    width * 0.95, color=COLORS[j % len(COLORS)], label=f"{draft} ($\\tau$={_v(e['mean_accepted_length']):.2f})")
-        ax.set_title(f"{dom} (gamma = {e['num_draft_tokens']})", fontsize=9)
+        ax.set_title(f"{dom} (gamma = {doc['num_draft_tokens']})", fontsize=9)  # e may be None (routed eval)
         ax.set_xlabel("draft tokens accepted in a verify step", fontsize=8)
         ax.set_ylabel("share of verify steps", fontsize=8)
         ax.set_xticks(range(0, max(len(doc["drafts"][d].get(dom, {}).get("accepted_length_histogram", [0]))

@@ -92,6 +92,33 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
     )
 
 
+def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
+    """Before any model loads: the draft a ``lora`` / ``adapt`` stage starts from exists, or an earlier stage of
+    this run writes it (``drafts/distilled``, ``drafts/baseline``, a ``lora`` stage's output), and a routing table
+    given with an ``eval`` stage loads.
+
+    Raises:
+        ValueError: naming the missing draft / table and how to supply it.
+    """
+    from distill.lora import check_base_available
+
+    produced: set[str] = set()
+    for stage in rc.stages:
+        if stage == "lora":
+            check_base_available(rc.lora.base, run_dir, produced)
+            produced.add(rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}")
+        elif stage == "adapt":
+            check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
+        elif stage == "draft_init":
+            produced.add(rc.draft.init)  # drafts/layer_pruned or drafts/pretrained
+        elif stage in ("distill", "baseline", "distill_small"):
+            produced.add({"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}[stage])
+        elif stage == "eval" and rc.decode.draft_routing:
+            from decode.routing import load_routing
+
+            load_routing(rc.decode.draft_routing)
+
+
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:
     """Every check that needs no model weights, in the order a user would fix them: the typed config, cross-section
     settings, the target path, the run-directory policy and resume consistency, and (with an eval stage) the eval
@@ -112,6 +139,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
         check_checkpoint_dir(rc.target.name_or_path, role="target")
     check_run_dir_free(rc, run_dir)
     check_resume_consistent(rc, run_dir)
+    check_stage_inputs(rc, run_dir)
     if "eval" in rc.stages and not builds_target:
         from eval.pipeline import check_eval_inputs
 
@@ -178,6 +206,11 @@ def _check_launch(rc: RootConfig):
     check_launch(rc.trainer, dist.num_processes, deepspeed, stage)
     if "reference_target" in rc.stages:
         check_launch(rc.reference.trainer, dist.num_processes, deepspeed, stage)
+    lora_stages = [s for s in rc.stages if s in ("lora", "adapt")]
+    if lora_stages and dist.num_processes > 1:
+        raise ValueError(f"stages {lora_stages} run in one process (LoRA drafts are small); launched with "
+                         f"{dist.num_processes} processes. Run them with plain `python -m train`, e.g. "
+                         f"stages='{lora_stages}' in the same run directory after the multi-process stages.")
     return dist
 
 
@@ -196,6 +229,14 @@ def _run_stage(stage: str, rc: RootConfig, opts, run_dir: Path, events: EventLog
 
         kind = {"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}[stage]
         return train_draft(rc, opts, run_dir, kind=kind, events=events)
+    if stage == "lora":
+        from distill.lora import adapt_draft
+
+        return adapt_draft(rc, opts, run_dir, events=events)
+    if stage == "adapt":
+        from .adapt import adapt_domains
+
+        return adapt_domains(rc, opts, run_dir, events=events)
     from eval.pipeline import evaluate_run
 
     return evaluate_run(rc, opts, run_dir, events=events)

@@ -11,11 +11,14 @@ from typing import Any
 
 from data.config import validate_structured
 from distill.config import DistillConfig, DraftConfig
+from distill.lora import LoraSectionConfig
 from distill.reference import ReferenceConfig
 from distill.trainer import TrainerConfig
 from eval.config import EvalRootConfig
 
-KNOWN_STAGES = ("reference_target", "draft_init", "distill", "baseline", "distill_small", "eval")
+from .adapt import AdaptConfig
+
+KNOWN_STAGES = ("reference_target", "draft_init", "distill", "baseline", "distill_small", "lora", "adapt", "eval")
 
 
 @dataclass
@@ -29,6 +32,8 @@ class RootConfig(EvalRootConfig):
     distill: DistillConfig = field(default_factory=DistillConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    lora: LoraSectionConfig = field(default_factory=LoraSectionConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
 
     def __post_init__(self):
         bad = [s for s in self.stages if s not in KNOWN_STAGES]
@@ -42,6 +47,17 @@ class RootConfig(EvalRootConfig):
         if "draft_init" in self.stages and self.draft.init == "config":
             raise ValueError("stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
                              "draft=pretrained), or remove draft_init from stages")
+        uses_lora = [s for s in self.stages if s in ("lora", "adapt")]
+        if uses_lora and not self.lora.enabled:
+            raise ValueError(f"stages {uses_lora} LoRA-adapt drafts but lora=none: add `lora=default` to the command "
+                             f"(conf/lora/default.yaml holds rank, alpha, dropout, target modules and steps)")
+        if "lora" in self.stages:
+            dom = self.lora.domain or self.data.domain
+            from .adapt import trainable_domain
+
+            if not trainable_domain(dom):
+                raise ValueError(f"lora.domain {dom!r} has no training split (a test-only benchmark); adapt to a "
+                                 f"domain with training text (medical, code, chat, math, ...)")
 
 
 def validate(cfg: Any) -> RootConfig:

@@ -112,6 +112,15 @@ def test_every_group_option_with_every_experiment():
         _check(compose_cfg([f"+experiment={name}", *(o for o in GROUP_OPTIONS if o.split("=")[0] not in fixed)]))
 
 
+def test_lora_stages_need_the_lora_settings():
+    for stages in ("[distill,lora,eval]", "[distill,adapt]"):
+        with pytest.raises(ValueError, match="lora=default"):
+            validate(compose_cfg([f"stages={stages}"]))
+        _check(compose_cfg([f"stages={stages}", "lora=default"]))
+    with pytest.raises(ValueError, match="lora.domain 'specbench_qa' has no training split"):
+        validate(compose_cfg(["stages=[lora]", "lora=default", "lora.domain=specbench_qa"]))
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -133,10 +142,16 @@ def test_every_group_option_with_every_experiment():
         ("+trainer.bogus=1", "trainer.bogus"),
         ("+bogus_top_level=1", "bogus_top_level"),
         ("decode.num_draft_tokens=abc", "decode.num_draft_tokens"),
+        ("lora=default lora.rank=0", "lora.rank"),
+        ("lora=default lora.dropout=1.0", "lora.dropout"),
+        ("lora=default lora.target_modules=[]", "lora.target_modules"),
+        ("lora=default lora.domain=nope", "nope"),
+        ("lora=default lora.max_steps=0", "lora.max_steps"),
+        ("adapt.min_mean_accepted_length=0.5", "adapt.min_mean_accepted_length"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(override, key):
-    cfg = compose_cfg([override])  # composing succeeds: the checks live in the typed schema
+    cfg = compose_cfg(override.split(" "))  # composing succeeds: the checks live in the typed schema
     with pytest.raises(ValueError) as ei:
         validate(cfg)
     msg = str(ei.value)

@@ -1,0 +1,287 @@
+"""LoRA domain adaptation of an existing draft (the ``lora`` stage, ``lora=default``), through peft.
+
+An existing draft (a Hugging Face directory, or ``drafts/<name>`` produced earlier in the same run) gets low-rank
+adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so the
+adapted draft starts equal to the base) on ``lora.target_modules``; only the adapter parameters train, by
+distillation from the target with the ``distill`` section's divergence and temperature (the same step loss and
+training loop as the ``distill`` stage, :func:`distill.trainer.make_distill_step` / :func:`distill.trainer.train`),
+on the training split of one domain. Checkpoint selection is by the pooled mean accepted length on the domain's
+validation prompts (as for the distilled draft; ``lora.eval_every``).
+
+Two artifacts, each written atomically:
+
+* ``adapters/<name>/``: the peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
+  ``peft.PeftModel.from_pretrained(base, path)``) plus the tokenizer and ``specdraft.json``;
+* ``drafts/<name>/``: the merged standalone checkpoint (``merge_and_unload``: W <- W + (alpha / r) B A), a plain
+  Hugging Face causal LM that loads with ``AutoModelForCausalLM.from_pretrained`` and works as our decoder's draft
+  and as transformers' ``assistant_model``. The evaluation stage picks it up like any other draft.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from data.io import atomic_dir, save_hf_atomic
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class LoraSectionConfig:
+    """The ``lora`` config group (``conf/lora/{none,default}.yaml``). ``enabled`` is false in ``lora=none``; the
+    ``lora`` and ``adapt`` stages need ``lora=default`` (or ``lora.enabled=true``)."""
+
+    enabled: bool = False
+    rank: int = 8  # r: rank of the update B A
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter input while training, in [0, 1)
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))  # module name suffixes
+    base: str = "drafts/distilled"  # draft to adapt: HF dir; a relative path is looked up in the run dir first
+    domain: str | None = None  # domain adapted to (null: data.domain)
+    name: str | None = None  # output name under drafts/ and adapters/ (null: lora_<domain>)
+    lr: float = 5e-3  # adapter learning rate (AdamW, cosine with warmup as the trainer)
+    max_steps: int = 150  # optimizer steps per adapted domain
+    micro_batch_size: int = 16  # blocks of data.block_size tokens per micro-batch
+    warmup_steps: int = 10
+    save_every: int = 50  # steps between resumable checkpoints (0: only at the end)
+    eval_every: int = 50  # steps between acceptance evaluations for checkpoint selection (0: keep the last)
+    eval_prompts: int = 8  # validation prompts of the adapted domain used for selection
+    eval_max_new_tokens: int = 32  # tokens generated per selection prompt
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"lora.rank must be >= 1, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules or any(not isinstance(m, str) or not m for m in self.target_modules):
+            raise ValueError(f"lora.target_modules must be a non-empty list of module names (e.g. "
+                             f"{DEFAULT_TARGET_MODULES}), got {self.target_modules}")
+        if not self.lr > 0:
+            raise ValueError(f"lora.lr must be > 0, got {self.lr}")
+        if self.max_steps < 1 or self.micro_batch_size < 1:
+            raise ValueError("lora.max_steps and lora.micro_batch_size must be >= 1")
+        if self.warmup_steps < 0 or self.save_every < 0 or self.eval_every < 0:
+            raise ValueError("lora.warmup_steps, lora.save_every and lora.eval_every must be >= 0")
+        if self.eval_prompts < 1 or self.eval_max_new_tokens < 1:
+            raise ValueError("lora.eval_prompts and lora.eval_max_new_tokens must be >= 1")
+        if not self.base:
+            raise ValueError("lora.base must name the draft to adapt (an HF directory or drafts/<name> of this run)")
+        if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
+            raise ValueError(f"lora.name must be a plain folder name (no '/', not hidden), got {self.name!r}")
+        if self.domain is not None:
+            from data.registry import get_domain
+
+            get_domain(self.domain)
+
+    def trainer_config(self, base):
+        """A :class:`distill.trainer.TrainerConfig` for the adapter: ``base`` (the ``trainer`` section) with this
+        section's steps, learning rate, batch, warmup and checkpoint interval (no wall-clock budget)."""
+        return replace(base, max_steps=self.max_steps, lr=self.lr, micro_batch_size=self.micro_batch_size,
+                       warmup_steps=self.warmup_steps, save_every=self.save_every, max_time_s=0.0,
+                       schedule_over="steps")
+
+
+class LoraError(ValueError):
+    """Bad LoRA input: target modules absent from the draft, a base draft that cannot be found."""
+
+
+def resolve_base(base: str, run_dir: Path) -> Path:
+    """The draft directory named by ``lora.base``: absolute as given; relative first under ``run_dir`` (so
+    ``drafts/distilled`` is the draft an earlier stage of the run wrote), else relative to the working directory."""
+    p = Path(base).expanduser()
+    if p.is_absolute():
+        return p
+    in_run = Path(run_dir) / p
+    return in_run if in_run.exists() or not p.exists() else p
+
+
+def check_base_available(base: str, run_dir: Path, produced: set[str], key: str = "lora.base") -> None:
+    """Before any model loads: the base draft exists, or is ``drafts/<kind>`` made by an earlier stage.
+
+    Raises:
+        LoraError: naming the path looked up and how to fix it.
+    """
+    p = Path(base)
+    if not p.is_absolute() and p.parts[:1] == ("drafts",) and len(p.parts) == 2 and p.parts[1] in produced:
+        return
+    found = resolve_base(base, run_dir)
+    if not (found / "config.json").is_file():
+        where = str(found) if p.is_absolute() else f"{Path(run_dir) / p} nor {p.resolve()}"
+        raise LoraError(f"{key} {base!r}: no draft checkpoint at {where}. Point it at a Hugging Face model "
+                        f"directory, or at drafts/distilled / drafts/baseline with the distill / baseline stage "
+                        f"earlier in `stages`.")
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """Sorted distinct last name components of the model's ``nn.Linear`` modules (what ``target_modules`` can
+    name)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def wrap_lora(draft: torch.nn.Module, cfg: LoraSectionConfig, seed: int = 0):
+    """A peft ``PeftModel`` of ``draft`` with LoRA adapters on ``cfg.target_modules`` (base weights frozen, only
+    the adapter parameters require grad). The A matrices are seeded from ``seed``; B starts at 0.
+
+    Raises:
+        LoraError: a target module name matches no ``nn.Linear`` of the draft (lists the names it has).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    have = linear_module_names(draft)
+    missing = [m for m in cfg.target_modules if m not in have]
+    if missing:
+        raise LoraError(f"lora.target_modules {missing} match no linear layer of the draft; it has {have}. "
+                        f"Set lora.target_modules to some of those.")
+    pc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                    target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(draft, pc)
+    return model
+
+
+def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def merge_lora(peft_model) -> torch.nn.Module:
+    """The standalone model with the adapters merged into the base weights (peft ``merge_and_unload``; modifies
+    and unwraps ``peft_model``): the same class as the base draft, eval mode."""
+    merged = peft_model.merge_and_unload()
+    return merged.eval()
+
+
+def adapted_output_complete(run_dir: Path, name: str) -> bool:
+    """Both artifacts of an adapted draft exist (a completed adaptation, skipped on resume)."""
+    return ((run_dir / "drafts" / name / "specdraft.json").is_file()
+            and (run_dir / "adapters" / name / "adapter_config.json").is_file())
+
+
+def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
+                name: str | None = None, events=None) -> dict:
+    """LoRA-adapt the draft ``base`` (default ``lora.base``) to ``domain`` (default ``lora.domain`` or
+    ``data.domain``) by distillation from the target; save ``adapters/<name>`` and the merged ``drafts/<name>``
+    (``name`` default ``lora.name`` or ``lora_<domain>``) in ``run_dir``.
+
+    With ``trainer.resume=true`` a completed adaptation (both folders present) is reused, and an interrupted one
+    continues from ``train/<name>/checkpoint-last``.
+
+    Returns:
+        the summary also stored in ``specdraft.json`` (kind ``lora``, base path, domain, LoRA settings, trainable /
+        total parameters, training stats, selected step, validation mean accepted length of the base and of the
+        adapted draft, validation cross-entropy before / after) plus ``path`` and ``adapter_path``.
+
+    Raises:
+        LoraError / CheckpointError / ValueError: missing base draft, tokenizer mismatch, bad target modules,
+        a domain without text.
+    """
+    from .trainer import torch_threads
+
+    with torch_threads(rc.trainer.num_threads):
+        return _adapt_draft(rc, opts, Path(run_dir), base, domain, name, events)
+
+
+def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
+    from data.checkpoints import (check_context_fits, check_vocab_covers_tokenizer, load_causal_lm,
+                                  read_specdraft_meta)
+    from data.tokenization import encode_prompt
+    from data.tokenizer_check import check_tokenizers_compatible
+
+    from .generation import make_acceptance_eval
+    from .losses import get_loss
+    from .pipeline import domain_blocks, domain_prompts
+    from .trainer import evaluate_loss, make_distill_step, train
+    from .vocab import shared_vocab_size
+
+    lc, dc = rc.lora, rc.distill
+    if not lc.enabled:
+        raise LoraError("LoRA adaptation needs the LoRA settings: add `lora=default` (conf/lora/default.yaml) to "
+                        "the command, or set lora.enabled=true.")
+    base = base or lc.base
+    domain = domain or lc.domain or rc.data.domain
+    name = name or lc.name or f"lora_{domain}"
+    out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
+    if rc.trainer.resume and adapted_output_complete(run_dir, name):
+        log.info("LoRA draft %s already complete in %s; reusing it (trainer.resume=true)", name, out)
+        return {**read_specdraft_meta(out), "path": str(out), "adapter_path": str(adapter_out), "reused": True}
+    base_path = resolve_base(base, run_dir)
+    check_base_available(str(base_path), run_dir, set())
+    if base_path.resolve() == out.resolve():
+        raise LoraError(f"lora.base {base_path} is the output folder of this adaptation ({out}); name the output "
+                        f"differently (lora.name) or adapt another draft.")
+    target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
+    draft, draft_tok = load_causal_lm(base_path, role="lora.base draft")
+    check_tokenizers_compatible(tokenizer, draft_tok, draft_name=f"lora.base draft {str(base_path)!r}")
+    check_vocab_covers_tokenizer(draft, tokenizer, role="lora.base draft")
+    for model, role in ((target, "target"), (draft, "lora.base draft")):
+        check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
+    shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
+    cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
+    train_blocks = domain_blocks(domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
+    val_blocks = domain_blocks(domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
+    evaluate = None
+    base_score = None
+    if lc.eval_every:
+        texts = domain_prompts(domain, "validation", opts, lc.eval_prompts)
+        evaluate = make_acceptance_eval(
+            target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
+            num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=lc.eval_max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+        with torch.no_grad():
+            base_score = evaluate(draft.eval())["mean_accepted_length"]
+    base_val_loss = evaluate_loss(draft, val_blocks)
+    model = wrap_lora(draft, lc, seed=rc.seed)
+    n_train, n_total = trainable_parameters(model)
+    log.info("LoRA %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks", name, base_path,
+             domain, n_train, n_total, train_blocks.size(0))
+    step = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs())
+    tcfg = lc.trainer_config(rc.trainer)
+    stats = train(model, train_blocks, run_dir / "train" / name, tcfg, step, teacher=target, seed=rc.seed,
+                  desc=f"LoRA {name}", evaluate=evaluate, eval_every=lc.eval_every,
+                  on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
+                  on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
+    val_loss = evaluate_loss(model, val_blocks)
+    best = stats.get("best")
+    base_meta = read_specdraft_meta(base_path)
+    meta = {
+        "kind": "lora", "target": str(rc.target.name_or_path), "base": str(base_path), "domain": domain,
+        "base_kind": base_meta.get("kind"), "base_domain": base_meta.get("domain"),
+        "loss": dc.loss, "temperature": dc.temperature, "data_source": "dataset", "teacher_signal": "online",
+        "lora": {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": list(lc.target_modules)},
+        "trainable_parameters": n_train, "draft_parameters": count_merged(n_total, n_train),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "selected_step": best["step"] if best else stats["steps"],
+        "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
+        "base_mean_accepted_length": base_score,
+        "selection": {"metric": "mean_accepted_length", "eval_every": lc.eval_every, "eval_prompts": lc.eval_prompts,
+                      "eval_max_new_tokens": lc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
+                      "split": "validation", "best": best} if best else None,
+        "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": val_loss,
+        "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
+        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
+    }
+    with atomic_dir(adapter_out) as tmp:  # the adapter first: merging modifies the model in place
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "specdraft.json").write_text(json.dumps({**meta, "artifact": "adapter"}, indent=2, default=str) + "\n")
+    merged = merge_lora(model)
+    save_hf_atomic(merged, tokenizer, out, extra={**meta, "artifact": "merged", "adapter": str(adapter_out)})
+    log.info("LoRA draft %s saved: merged %s, adapter %s (validation tau %s -> %s)", name, out, adapter_out,
+             base_score, meta["selected_mean_accepted_length"])
+    return {**meta, "path": str(out), "adapter_path": str(adapter_out)}
+
+
+def count_merged(total_with_adapters: int, adapter: int) -> int:
+    """Parameters of the merged draft: the adapters fold into the base weights."""
+    return total_with_adapters - adapter

@@ -1,0 +1,97 @@
+"""Writing the draft routing table (``routing.json``) from an evaluation's metrics; the decoder reads it with
+:func:`decode.routing.load_routing` (``decode.draft_routing=PATH``).
+
+Route of a domain = the draft (and gamma) with the highest **measured speedup** on that domain (the evaluation's
+``recommendation.<domain>``: pooled speculative tokens/s over target-only tokens/s, each prompt decoded both ways in
+alternation). Beside it the table keeps the numbers behind the choice: for every candidate draft its measured
+speedup (with interval), mean accepted length, acceptance rate and expected speedup at its best gamma.
+``default`` (the fallback for a domain without a route) is the draft with the highest geometric mean of measured
+speedup over the domains it was measured on, among the drafts measured on every domain.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from data.io import write_json_atomic
+from decode.routing import DEFAULT_KEY, SCHEMA
+
+
+def _entry(doc: dict, draft: str, domain: str, gamma: int | None = None) -> dict:
+    e = doc["drafts"][draft][domain]
+    g = gamma if gamma is not None else e.get("best_num_draft_tokens", e["num_draft_tokens"])
+    s = e["sweep"].get(str(g), e)
+    return {"num_draft_tokens": int(s["num_draft_tokens"]), "measured_speedup": s["measured_speedup"],
+            "measured_speedup_ci": s.get("measured_speedup_ci"), "mean_accepted_length": s["mean_accepted_length"],
+            "mean_accepted_length_ci": s.get("mean_accepted_length_ci"), "acceptance_rate": s["acceptance_rate"],
+            "expected_speedup": s["expected_speedup"], "num_prompts": s.get("num_prompts")}
+
+
+def _finite(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else -math.inf
+
+
+def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
+    """The routing document for a ``metrics.json`` document ``doc`` and the drafts' directories.
+
+    Returns:
+        ``{"schema", "metric": "measured_speedup", "num_draft_tokens_swept", "target", "routes": {domain: {"draft",
+        "path", "num_draft_tokens", "measured_speedup", ..., "candidates": {draft: numbers}}}, "default": {...}}``.
+
+    Raises:
+        ValueError: a recommended draft has no path in ``draft_paths``.
+    """
+    missing = [n for n in doc["drafts"] if n not in draft_paths]
+    if missing:
+        raise ValueError(f"routing table: no checkpoint path for draft(s) {missing}")
+    routes = {}
+    for domain, rec in doc["recommendation"].items():
+        name = rec["draft"]
+        cands = {n: _entry(doc, n, domain) for n in doc["drafts"] if domain in doc["drafts"][n]}
+        routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
+                          **_entry(doc, name, domain, rec["num_draft_tokens"]), "candidates": cands}
+    domains = list(routes)
+    default = None
+    full = [n for n in doc["drafts"] if all(d in doc["drafts"][n] for d in domains)]
+    if full and domains:
+        def geo(n: str) -> float:
+            vals = [_finite(_entry(doc, n, d)["measured_speedup"]) for d in domains]
+            return -math.inf if any(v <= 0 for v in vals) else sum(math.log(v) for v in vals) / len(vals)
+
+        best = max(full, key=lambda n: (geo(n), n == doc["recommendation"][domains[0]]["draft"]))
+        g = geo(best)
+        default = {"draft": best, "path": str(Path(draft_paths[best]).resolve()),
+                   "geometric_mean_measured_speedup": math.exp(g) if math.isfinite(g) else None,
+                   "num_draft_tokens": int(doc["num_draft_tokens"]), "over_domains": domains}
+    return {"schema": SCHEMA, "metric": "measured_speedup", "num_draft_tokens_swept": doc["num_draft_tokens_swept"],
+            "decoding": doc.get("decoding"), "target": doc.get("context", {}).get("target"),
+            "routes": routes, DEFAULT_KEY: default}
+
+
+def write_routing(path: str | Path, doc: dict, draft_paths: dict[str, str | Path]) -> dict:
+    """Build :func:`routing_table` and write it to ``path`` atomically; returns it."""
+    table = routing_table(doc, draft_paths)
+    write_json_atomic(path, table)
+    return table
+
+
+def routing_section(table: dict, path: str) -> str:
+    """Markdown section of the report: the route of each domain and the numbers of every candidate."""
+    def f(x, d=2):
+        return "n/a" if x is None else f"{x:.{d}f}"
+
+    lines = ["## Routing", "", f"Routing table `{path}` (load it with `decode.draft_routing=PATH`): each domain goes "
+             f"to the draft with the highest measured speedup.", "",
+             "| domain | routed draft | gamma | measured speedup | tau | other drafts (tau, speedup) |",
+             "|---|---|---|---|---|---|"]
+    for d, r in table["routes"].items():
+        others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {f(c['measured_speedup'])}x"
+                           for n, c in r["candidates"].items() if n != r["draft"]) or "-"
+        lines.append(f"| {d} | `{r['draft']}` | {r['num_draft_tokens']} | {f(r['measured_speedup'])}x | "
+                     f"{f(r['mean_accepted_length'])} | {others} |")
+    if table.get(DEFAULT_KEY):
+        dflt = table[DEFAULT_KEY]
+        lines += ["", f"Fallback (`{DEFAULT_KEY}`) for other domains: `{dflt['draft']}` (geometric-mean measured "
+                      f"speedup {f(dflt['geometric_mean_measured_speedup'])}x over {len(dflt['over_domains'])} "
+                      f"domains)."]
+    return "\n".join(lines)

@@ -1,0 +1,195 @@
+"""LoRA domain adaptation (distill/lora.py): only the adapters train, the merged checkpoint equals the unmerged
+PEFT model (fp32, 1e-5), every saved checkpoint loads with AutoModelForCausalLM and works as transformers'
+assistant_model, and the stage writes both artifacts atomically and reuses them on resume."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tinymodels import tiny_llama
+
+from distill.losses import get_loss
+from distill.lora import LoraError, LoraSectionConfig, adapt_draft, merge_lora, wrap_lora
+from distill.trainer import TrainerConfig, make_distill_step, train
+
+
+def _adapt_tiny(tmp_path, rank=4, dropout=0.0, modules=None, steps=4, seed=0):
+    target = tiny_llama(seed=100, num_layers=3, hidden_size=48, num_heads=4)
+    draft = tiny_llama(seed=seed)
+    base = copy.deepcopy(draft)
+    cfg = LoraSectionConfig(enabled=True, rank=rank, alpha=2.0 * rank, dropout=dropout,
+                            target_modules=modules or ["q_proj", "v_proj", "down_proj"])
+    model = wrap_lora(draft, cfg, seed=seed)
+    blocks = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(seed))  # (N, T)
+    tcfg = TrainerConfig(max_steps=steps, micro_batch_size=4, lr=5e-2, warmup_steps=0, save_every=0, log_every=1)
+    train(model, blocks, tmp_path / "train", tcfg, make_distill_step(get_loss("forward_kl"), 1.0), teacher=target,
+          seed=seed)
+    return target, base, model.eval()
+
+
+@pytest.mark.parametrize("rank,dropout,seed", [(1, 0.0, 0), (4, 0.1, 1), (8, 0.0, 2)])
+def test_merged_outputs_equal_the_unmerged_peft_model_fp32(tmp_path, rank, dropout, seed):
+    target, base, peft_model = _adapt_tiny(tmp_path, rank=rank, dropout=dropout, seed=seed)
+    ids = torch.randint(0, 64, (3, 20), generator=torch.Generator().manual_seed(seed + 7))  # (B, T)
+    with torch.no_grad():
+        unmerged = peft_model(input_ids=ids).logits  # (B, T, V)
+        before = base(input_ids=ids).logits
+    # only the adapters trained: the base weights are untouched and the adapted outputs moved
+    original = dict(base.named_parameters())
+    frozen = {n.replace(".base_layer", ""): p for n, p in peft_model.get_base_model().named_parameters()
+              if "lora_" not in n}
+    assert frozen.keys() == original.keys()
+    for n, p in frozen.items():
+        assert torch.equal(p, original[n]) and not p.requires_grad, n
+    assert (unmerged - before).abs().max() > 1e-3
+    merged = merge_lora(copy.deepcopy(peft_model))
+    assert type(merged).__name__ == "LlamaForCausalLM" and not any("lora" in n for n, _ in merged.named_modules())
+    with torch.no_grad():
+        out = merged(input_ids=ids).logits
+    torch.testing.assert_close(out, unmerged, atol=1e-5, rtol=0)
+
+
+def test_saved_merged_checkpoint_loads_and_works_as_assistant_model(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from data.io import save_hf_atomic
+    from decode import autoregressive_generate, speculative_generate
+
+    target, base, peft_model = _adapt_tiny(tmp_path)
+    ids = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        unmerged = peft_model(input_ids=ids).logits
+    peft_model.save_pretrained(tmp_path / "adapter")
+    save_hf_atomic(merge_lora(peft_model), None, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    reloaded = PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, unmerged, atol=1e-5, rtol=0)
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, unmerged, atol=1e-5, rtol=0)
+        assisted = target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=merged,
+                                   do_sample=False, max_new_tokens=12, pad_token_id=0)
+    ours = autoregressive_generate(target, ids, max_new_tokens=12)
+    assert torch.equal(assisted, ours.sequences[:, : assisted.size(1)])
+    spec = speculative_generate(target, merged, ids, max_new_tokens=12, num_draft_tokens=3)
+    assert torch.equal(spec.sequences, ours.sequences)
+
+
+def test_config_and_module_errors():
+    for bad in ({"rank": 0}, {"alpha": 0}, {"dropout": 1.0}, {"target_modules": []}, {"lr": 0},
+                {"name": "a/b"}, {"domain": "nope"}):
+        with pytest.raises(ValueError):
+            LoraSectionConfig(**bad)
+    with pytest.raises(LoraError, match=r"\['qkv'\] match no linear layer.*q_proj"):
+        wrap_lora(tiny_llama(), LoraSectionConfig(target_modules=["q_proj", "qkv"]))
+
+
+def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
+    """The adapt stage on real data with tiny sizes: a domain below the threshold is adapted, a test-only one is
+    reported as not adaptable, the routing table loads, and a resumed run reuses every finished part."""
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from decode.routing import load_routing
+    from distill.models import LlamaArch, build_llama
+    from train.adapt import adapt_domains
+    from train.schema import validate
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / "drafts" / "distilled")
+    cfg = {"stages": ["adapt"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "lora": {"enabled": True, "rank": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 0,
+                    "save_every": 0, "eval_every": 0},
+           "adapt": {"draft": "drafts/distilled", "min_mean_accepted_length": 5.0},  # tau <= gamma + 1 = 5
+           "eval": {"domains": ["medical", "specbench_qa"], "max_prompts": 1, "max_new_tokens": 4,
+                    "max_prompt_tokens": 32, "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": False}}
+    rc = validate(cfg)
+    s = adapt_domains(rc, rc.data.options(), tmp_path)
+    assert s["domains"]["medical"]["action"] == "adapted"
+    assert s["domains"]["specbench_qa"]["action"].startswith("not adaptable")
+    assert set(s["drafts"]) == {"distilled", "lora_medical"}
+    table = load_routing(tmp_path / "routing.json")
+    assert set(table.routes) == {"medical", "specbench_qa"}
+    assert table.draft_for("medical").draft in {"distilled", "lora_medical"}
+    after = json.loads((tmp_path / "adapt" / "after" / "metrics.json").read_text())
+    assert set(after["drafts"]) == {"distilled", "lora_medical"}  # every draft on every domain
+    report = (tmp_path / "adapt_report.md").read_text()
+    assert "| medical |" in report and "adapted" in report
+    rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
+    again = adapt_domains(rc, rc.data.options(), tmp_path)
+    assert again["domains"]["medical"]["reused"] is True
+
+
+def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
+    from train.run import run
+
+    cfg = {"stages": ["lora", "eval"], "lora": {"enabled": True, "base": "drafts/distilled"}}
+    with pytest.raises(LoraError, match="drafts/distilled.*distill / baseline stage earlier"):
+        run(cfg, tmp_path)
+    assert not (tmp_path / "events.jsonl").exists()  # nothing ran
+    bad = tmp_path / "routing.json"
+    bad.write_text("[]")
+    from decode.routing import RoutingError
+
+    with pytest.raises(RoutingError, match="JSON object"):
+        run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)
+
+
+def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_path, monkeypatch):
+    """The lora stage on real data (reference target, a small config-built draft sharing its tokenizer) writes both
+    artifacts; killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's
+    weights."""
+    import distill.trainer as trainer_mod
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from distill.models import LlamaArch, build_llama
+    from train.schema import validate
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    for run in ("full", "killed"):
+        save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / run / "drafts" / "distilled")
+    cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 4, "micro_batch_size": 2,
+                    "warmup_steps": 0, "save_every": 2, "eval_every": 0}}
+    rc = validate(cfg)
+    out = adapt_draft(rc, rc.data.options(), tmp_path / "full")
+    # the stage's artifacts: merged standalone draft + peft adapter, both complete, nothing temporary left
+    assert out["path"] == str(tmp_path / "full" / "drafts" / "lora_medical")
+    meta = json.loads((tmp_path / "full" / "drafts" / "lora_medical" / "specdraft.json").read_text())
+    assert meta["kind"] == "lora" and meta["domain"] == "medical" and meta["lora"]["rank"] == 2
+    assert meta["trainable_parameters"] > 0 and meta["train"]["steps"] == 4
+    assert (tmp_path / "full" / "adapters" / "lora_medical" / "adapter_model.safetensors").is_file()
+    assert not list(tmp_path.rglob(".*tmp-*"))
+    from transformers import AutoModelForCausalLM
+
+    assert type(AutoModelForCausalLM.from_pretrained(out["path"])).__name__ == "LlamaForCausalLM"
+    # a base draft that does not exist is a clear error before any model loads
+    bad = validate({**cfg, "lora": {**cfg["lora"], "base": str(tmp_path / "missing"), "name": "x"}})
+    with pytest.raises(LoraError, match="no draft checkpoint"):
+        adapt_draft(bad, bad.data.options(), tmp_path / "full")
+
+    class Killed(Exception):
+        pass
+
+    save = trainer_mod.save_checkpoint
+
+    def save_then_die(acc, ckpt, state, best=None):
+        save(acc, ckpt, state, best)
+        if state["step"] == 2:
+            raise Killed
+
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        adapt_draft(rc, rc.data.options(), tmp_path / "killed")
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save)
+    assert not (tmp_path / "killed" / "drafts" / "lora_medical").exists()  # nothing half-written
+    rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
+    out = adapt_draft(rc, rc.data.options(), tmp_path / "killed")
+    assert out["train"]["resumed_from_step"] == 2
+    want = load_causal_lm(tmp_path / "full" / "drafts" / "lora_medical")[0].state_dict()
+    got = load_causal_lm(tmp_path / "killed" / "drafts" / "lora_medical")[0].state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -1,0 +1,143 @@
+"""The routing table: written from measured numbers (best measured speedup per domain), loaded by the decoder side
+(decode.routing.load_routing) with clear errors, and used by the evaluation (each domain decoded with its draft)."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from decode.routing import DEFAULT_KEY, RoutingError, load_routing
+from eval.report import metrics_document
+from eval.routing import routing_table, write_routing
+
+
+def _row(draft, domain, pid, g, spec_t, emitted, steps):
+    return {"draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
+            "truncated": False, "new_tokens": 16, "verify_steps": steps, "drafted_tokens": steps * g,
+            "accepted_tokens": emitted - steps, "emitted_tokens": emitted, "draft_time_s": 0.2 * spec_t,
+            "verify_time_s": 0.6 * spec_t, "speculative_time_s": spec_t, "target_new_tokens": 16,
+            "target_time_s": 1.0, "greedy_equal": True, "per_position_drafted": [steps],
+            "per_position_accepted": [min(steps, emitted - steps)], "accepted_length_histogram": [steps]}
+
+
+def _fake_drafts(tmp_path: Path, names) -> dict[str, Path]:
+    out = {}
+    for n in names:
+        d = tmp_path / "drafts" / n
+        d.mkdir(parents=True)
+        (d / "config.json").write_text("{}")
+        out[n] = d
+    return out
+
+
+def _doc(rng: random.Random, drafts, domains, gammas=(2, 4)):
+    rows = []
+    for dr in drafts:
+        for dom in domains:
+            for g in gammas:
+                for p in range(3):
+                    steps = rng.randint(4, 16)
+                    rows.append(_row(dr, dom, f"p{p}", g, rng.uniform(0.2, 2.0), rng.randint(steps, steps * (g + 1)),
+                                     steps))
+    results = {"rows": rows, "cost_ratio": {d: {"cost_ratio": 0.3} for d in drafts}, "num_draft_tokens": list(gammas),
+               "max_new_tokens": 16, "sampling": {}, "truncated_prompts": 0}
+    return metrics_document(results, {"target": "t"}, primary_num_draft_tokens=4, bootstrap_samples=0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_each_domain_routes_to_the_draft_with_the_best_measured_speedup(tmp_path, seed):
+    rng = random.Random(seed)
+    drafts, domains = ["a", "b", "c"][: rng.randint(1, 3)], ["medical", "code", "chat"]
+    doc = _doc(rng, drafts, domains)
+    paths = _fake_drafts(tmp_path, drafts)
+    table = write_routing(tmp_path / "routing.json", doc, paths)
+    for dom in domains:
+        best = max(((dr, g) for dr in drafts for g in ("2", "4")),
+                   key=lambda k: doc["drafts"][k[0]][dom]["sweep"][k[1]]["measured_speedup"])
+        r = table["routes"][dom]
+        assert (r["draft"], str(r["num_draft_tokens"])) == best
+        assert r["measured_speedup"] == doc["drafts"][best[0]][dom]["sweep"][best[1]]["measured_speedup"]
+        assert set(r["candidates"]) == set(drafts)  # the numbers behind the choice
+    loaded = load_routing(tmp_path / "routing.json")
+    assert {d: r.path for d, r in loaded.routes.items()} == {d: str(paths[table["routes"][d]["draft"]].resolve())
+                                                              for d in domains}
+    # the fallback is the draft with the best geometric-mean speedup over the domains
+    import math
+
+    geo = {dr: sum(math.log(routing_table(doc, paths)["routes"][d]["candidates"][dr]["measured_speedup"])
+                   for d in domains) for dr in drafts}
+    assert loaded.default.draft == max(geo, key=geo.get)
+    assert loaded.draft_for("math") == loaded.default  # unrouted domain -> default
+
+
+def test_loader_errors_name_the_problem(tmp_path):
+    with pytest.raises(RoutingError, match="does not exist"):
+        load_routing(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(RoutingError, match="not valid JSON"):
+        load_routing(bad)
+    bad.write_text(json.dumps({"routes": {"medical": {"draft": "x"}}}))
+    with pytest.raises(RoutingError, match="routes.medical.*path"):
+        load_routing(bad)
+    bad.write_text(json.dumps({"routes": {"medical": {"path": str(tmp_path / "missing")}}}))
+    with pytest.raises(RoutingError, match="no config.json"):
+        load_routing(bad)
+    bad.write_text(json.dumps({"schema": "other/9", "routes": {}}))
+    with pytest.raises(RoutingError, match="schema"):
+        load_routing(bad)
+    paths = _fake_drafts(tmp_path, ["a"])
+    bad.write_text(json.dumps({"routes": {"medical": {"path": "drafts/a"}}}))  # relative to the table's folder
+    table = load_routing(bad)
+    assert table.draft_for("medical").path == str(paths["a"]) and table.default is None
+    with pytest.raises(RoutingError, match="no route for domain 'code'.*default"):
+        table.draft_for("code")
+    assert table.as_paths() == {"medical": str(paths["a"])}
+    bad.write_text(json.dumps({"routes": {}, DEFAULT_KEY: {"path": "drafts/a"}}))
+    assert load_routing(bad).draft_for("anything").path == str(paths["a"])
+
+
+def _save_tiny_draft(out: Path, seed: int):
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from distill.models import LlamaArch, build_llama
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
+    save_hf_atomic(build_llama(arch, tok, seed=seed), tok, out)
+    return out
+
+
+def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_path):
+    from train.schema import validate
+
+    from eval.pipeline import evaluate_run
+
+    a = _save_tiny_draft(tmp_path / "drafts" / "a", 0)
+    b = _save_tiny_draft(tmp_path / "drafts" / "b", 1)
+    table = tmp_path / "routing.json"
+    table.write_text(json.dumps({"routes": {"medical": {"draft": "a", "path": str(a)},
+                                            "code": {"draft": "b", "path": str(b)}}}))
+    cfg = {"target": {"name_or_path": "distill/reference_target"}, "decode": {"draft_routing": str(table)},
+           "eval": {"domains": ["medical", "code"], "max_prompts": 1, "max_new_tokens": 4, "max_prompt_tokens": 32,
+                    "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": True}}  # plots of a sparse doc
+    rc = validate(cfg)
+    out = evaluate_run(rc, rc.data.options(), tmp_path / "run")
+    assert len(out["plots"]) == 4
+    rows = (tmp_path / "run" / "per_prompt.csv").read_text().splitlines()[1:]
+    assert sorted({(r.split(",")[0], r.split(",")[1]) for r in rows}) == [("a", "medical"), ("b", "code")]
+    assert out["routed"] == {"medical": "a", "code": "b"}
+    assert not (tmp_path / "run" / "routing.json").exists()  # the input table is never overwritten
+    doc = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert doc["context"]["draft_routing"]["routes"] == {"medical": "a", "code": "b"}
+
+    # a domain without a route (and no default) fails before any model loads
+    cfg["eval"]["plots"] = False
+    rc = validate({**cfg, "eval": {**cfg["eval"], "domains": ["medical", "math"]}})
+    with pytest.raises(RoutingError, match="no route for domain 'math'"):
+        evaluate_run(rc, rc.data.options(), tmp_path / "run2")
+    rc = validate({**cfg, "eval": {**cfg["eval"], "drafts": {"x": str(a)}}})
+    with pytest.raises(RoutingError, match="both name drafts"):
+        evaluate_run(rc, rc.data.options(), tmp_path / "run3")

@@ -1,0 +1,173 @@
+"""The ``adapt`` stage (``+experiment=adapt_domains``): automatic per-domain adaptation, closing the loop.
+
+1. **before**: evaluate the draft ``adapt.draft`` on every configured domain (``eval.domains`` +
+   ``eval.extra_domains``) -> ``adapt/before/`` (a full evaluation report);
+2. **adapt**: for each domain whose pooled mean accepted length tau is below ``adapt.min_mean_accepted_length``,
+   LoRA-adapt the draft to that domain by distillation from the target (:func:`distill.lora.adapt_draft`, settings
+   in the ``lora`` section) -> ``drafts/lora_<domain>/`` (merged) + ``adapters/lora_<domain>/``. Domains without
+   training text (test-only benchmarks, user files) are reported as not adaptable;
+3. **after**: evaluate the draft and every adapted draft on every domain -> ``adapt/after/`` (report + routing
+   table);
+4. write ``routing.json`` (domain -> draft with the best measured speedup, :mod:`eval.routing`), ``adapt.json`` and
+   ``adapt_report.md`` (per domain: tau before, whether it was adapted, tau of the adapted draft, the routed draft and
+   its measured speedup) in the run directory, each atomically.
+
+Resume (``trainer.resume=true`` in the same run directory): a finished before-evaluation and every completed adapter
+are reused; an interrupted adaptation continues from its last training checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from data.io import write_json_atomic, write_text_atomic
+
+log = logging.getLogger("specdraft")
+
+
+@dataclass
+class AdaptConfig:
+    """The ``adapt`` config group (``conf/adapt/default.yaml``)."""
+
+    draft: str = "drafts/distilled"  # draft evaluated and adapted: HF dir, or drafts/<name> of this run
+    min_mean_accepted_length: float = 2.0  # adapt a domain whose tau (tokens per verify step) is below this
+
+    def __post_init__(self):
+        if not self.draft:
+            raise ValueError("adapt.draft must name the draft to evaluate and adapt (HF dir or drafts/<name>)")
+        if not self.min_mean_accepted_length >= 1:
+            raise ValueError(f"adapt.min_mean_accepted_length must be >= 1 token per verify step (tau >= 1 always), "
+                             f"got {self.min_mean_accepted_length}")
+
+
+def trainable_domain(name: str) -> bool:
+    """A registered domain with at least one source that has a training split (not test-only)."""
+    from data.registry import DOMAINS
+
+    dom = DOMAINS.get(name)
+    return dom is not None and any(s.split_policy != "test" for s in dom.sources)
+
+
+def _evaluate(rc, opts, out_dir: Path, drafts: dict[str, str], events, resume: bool) -> dict:
+    """Evaluate ``drafts`` (name -> path) into ``out_dir``; reuse a finished evaluation on resume."""
+    from eval.pipeline import evaluate_run
+
+    metrics = out_dir / "metrics.json"
+    if resume and metrics.is_file() and (out_dir / "routing.json").is_file():
+        doc = json.loads(metrics.read_text())
+        if set(doc["drafts"]) == set(drafts):
+            log.info("adapt: reusing the finished evaluation in %s (trainer.resume=true)", out_dir)
+            return doc
+    sub = replace(rc, eval=replace(rc.eval, drafts=dict(drafts)), decode=replace(rc.decode, draft_routing=None))
+    evaluate_run(sub, opts, out_dir, events=events)
+    return json.loads(metrics.read_text())
+
+
+def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
+    """Run the stage (see the module docstring); returns the ``adapt.json`` summary.
+
+    Raises:
+        ValueError: ``lora=none`` (no LoRA settings), a missing draft, and every error of the evaluation and of
+            :func:`distill.lora.adapt_draft`.
+    """
+    from distill.lora import LoraError, adapt_draft, resolve_base
+
+    ev = events or (lambda *a, **k: None)
+    if not rc.lora.enabled:
+        raise LoraError("the adapt stage LoRA-adapts drafts: add `lora=default` (conf/lora/default.yaml)")
+    run_dir = Path(run_dir)
+    base_path = resolve_base(rc.adapt.draft, run_dir)
+    base_name = base_path.name
+    resume = rc.trainer.resume
+    t0 = time.perf_counter()
+    before = _evaluate(rc, opts, run_dir / "adapt" / "before", {base_name: str(base_path)}, ev, resume)
+    t_before = time.perf_counter() - t0
+    threshold = rc.adapt.min_mean_accepted_length
+    domains = list(before["drafts"][base_name])
+    rows: dict[str, dict] = {}
+    drafts = {base_name: str(base_path)}
+    adapt_times = {}
+    for d in domains:
+        tau = before["drafts"][base_name][d]["mean_accepted_length"]
+        row = {"before_mean_accepted_length": tau,
+               "before_measured_speedup": before["drafts"][base_name][d]["measured_speedup"]}
+        if tau is not None and tau >= threshold:
+            row["action"] = "kept (tau >= threshold)"
+        elif not trainable_domain(d):
+            row["action"] = "not adaptable (no training split: test-only benchmark or user file)"
+        else:
+            name = f"lora_{d}"
+            ev("adapt_domain_start", domain=d, before_mean_accepted_length=tau, threshold=threshold)
+            t1 = time.perf_counter()
+            summary = adapt_draft(rc, opts, run_dir, base=str(base_path), domain=d, name=name, events=events)
+            adapt_times[d] = time.perf_counter() - t1
+            drafts[name] = summary["path"]
+            row.update(action="adapted", adapted_draft=name, adapter=summary["adapter_path"],
+                       reused=bool(summary.get("reused")), adapt_time_s=adapt_times[d],
+                       validation_mean_accepted_length_before=summary.get("base_mean_accepted_length"),
+                       validation_mean_accepted_length_after=summary.get("selected_mean_accepted_length"))
+            ev("adapt_domain_done", domain=d, draft=name, seconds=adapt_times[d])
+        rows[d] = row
+    t2 = time.perf_counter()
+    retrained = any(r["action"] == "adapted" and not r["reused"] for r in rows.values())
+    after = _evaluate(rc, opts, run_dir / "adapt" / "after", drafts, ev, resume and not retrained)
+    t_after = time.perf_counter() - t2
+    routing_src = run_dir / "adapt" / "after" / "routing.json"
+    table = json.loads(routing_src.read_text())
+    for d, row in rows.items():
+        a = after["drafts"]
+        row["after_base_mean_accepted_length"] = a[base_name][d]["mean_accepted_length"]
+        if row.get("adapted_draft"):
+            e = a[row["adapted_draft"]][d]
+            row["after_mean_accepted_length"] = e["mean_accepted_length"]
+            row["after_measured_speedup"] = e["measured_speedup"]
+        r = table["routes"].get(d)
+        if r:
+            row.update(routed_draft=r["draft"], routed_measured_speedup=r["measured_speedup"],
+                       routed_mean_accepted_length=r["mean_accepted_length"])
+    write_json_atomic(run_dir / "routing.json", table)  # the run's table: same content, paths absolute
+    summary = {"draft": str(base_path), "draft_name": base_name, "min_mean_accepted_length": threshold,
+               "num_draft_tokens": after["num_draft_tokens"], "domains": rows, "drafts": drafts,
+               "routing": str(run_dir / "routing.json"), "reports": {"before": str(run_dir / "adapt/before/report.md"),
+                                                                     "after": str(run_dir / "adapt/after/report.md")},
+               "times_s": {"before_eval": t_before, "adapt": adapt_times, "after_eval": t_after,
+                           "total": time.perf_counter() - t0}}
+    write_json_atomic(run_dir / "adapt.json", summary)
+    write_text_atomic(run_dir / "adapt_report.md", render_adapt_report(summary))
+    ev("adapt_done", adapted=[d for d, r in rows.items() if r["action"] == "adapted"], routing=summary["routing"])
+    return summary
+
+
+def render_adapt_report(s: dict) -> str:
+    """Markdown before/after report of the adapt stage."""
+    def f(x, d=2):
+        return "n/a" if x is None else f"{x:.{d}f}"
+
+    adapted = [d for d, r in s["domains"].items() if r["action"] == "adapted"]
+    lines = ["# Automatic per-domain adaptation", "",
+             f"- draft: `{s['draft_name']}` (`{s['draft']}`)",
+             f"- threshold: adapt domains whose mean accepted length tau < {s['min_mean_accepted_length']:g} "
+             f"(num_draft_tokens = {s['num_draft_tokens']}, greedy, test prompts)",
+             f"- adapted: {', '.join(adapted) or 'none'}",
+             f"- routing table: `{s['routing']}` (use it with `decode.draft_routing=PATH`)",
+             f"- full reports: before `{s['reports']['before']}`, after `{s['reports']['after']}`",
+             f"- time: before-evaluation {f(s['times_s']['before_eval'], 0)} s, adaptation "
+             f"{f(sum(s['times_s']['adapt'].values()), 0)} s, after-evaluation {f(s['times_s']['after_eval'], 0)} s, "
+             f"total {f(s['times_s']['total'], 0)} s", "",
+             "| domain | tau before | action | tau after (adapted draft) | change | routed draft | routed tau | "
+             "routed measured speedup (before: draft) |", "|---|---|---|---|---|---|---|---|"]
+    for d, r in s["domains"].items():
+        after = r.get("after_mean_accepted_length")
+        before = r["before_mean_accepted_length"]
+        change = f"{after - before:+.2f}" if after is not None and before is not None else "-"
+        lines.append(f"| {d} | {f(before)} | {r['action']} | {f(after)} | {change} | `{r.get('routed_draft')}` | "
+                     f"{f(r.get('routed_mean_accepted_length'))} | {f(r.get('routed_measured_speedup'))}x "
+                     f"({f(r.get('before_measured_speedup'))}x) |")
+    lines += ["", "tau: tokens emitted per verify step (bonus token included), pooled over the domain's prompts. "
+              "Every adapted draft is evaluated on every domain in the after report, so its effect on the other "
+              "domains is visible there; the routing table sends each domain to the draft with the best measured "
+              "speedup.", ""]
+    return "\n".join(lines)

@@ -40,3 +40,42 @@ def tiny_llama(
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return model.eval()
+
+
+def kill_9_when(proc, ready, *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Wait until ``ready()`` is true while ``proc`` (a ``subprocess.Popen`` with ``stderr=PIPE``) runs, then
+    kill it with SIGKILL. Fails the test with the child's stderr if it exits first, or with ``what`` after
+    ``timeout_s`` seconds; the child never outlives the call."""
+    import os
+    import signal
+    import time
+
+    deadline = time.time() + timeout_s
+    try:
+        while not ready():
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.time() < deadline, what
+            time.sleep(poll_s)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def save_code_target(out_dir, *, num_layers: int, hidden_size: int, seed: int = 7, records: int = 300,
+                     vocab_size: int = 300):
+    """A tiny Llama target with a BPE tokenizer trained on the code domain's first ``records`` training records,
+    saved as a Hugging Face directory ``out_dir``. Returns (tokenizer, the records' dataset)."""
+    from data.io import save_hf_atomic
+    from data.loading import DataOptions, load_domain
+    from data.tokenization import train_bpe_tokenizer
+    from distill.models import LlamaArch, build_llama
+
+    rows = load_domain("code", DataOptions())["train"].select(range(records))
+    tok = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in rows), vocab_size=vocab_size)
+    arch = LlamaArch(hidden_size=hidden_size, num_layers=num_layers, num_heads=4, intermediate_size=64,
+                     max_position_embeddings=128)
+    save_hf_atomic(build_llama(arch, tok, seed=seed), tok, out_dir)
+    return tok, rows

@@ -7,35 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from data.io import save_hf_atomic
-from distill.models import LlamaArch, build_llama
 from distill.pipeline import train_draft
 from train.schema import validate
+from tinymodels import save_code_target
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def block_cache(tmp_path_factory):
-    """One packed-block cache for this module (the tiny tokenizer's blocks are tokenized once)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPECDRAFT_CACHE", str(tmp_path_factory.mktemp("cache")))
-        yield
+pytestmark = pytest.mark.usefixtures("block_cache")  # one packed-block cache for this module (conftest)
 
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory) -> Path:
     """A 2-layer Llama with a 300-token BPE tokenizer trained on code records, saved as a HF directory."""
-    from data.loading import DataOptions, load_domain
-    from data.tokenization import train_bpe_tokenizer
-
-    rows = load_domain("code", DataOptions())["train"].select(range(300))
-    tok = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in rows), vocab_size=300)
-    model = build_llama(LlamaArch(**{**TINY, "num_layers": 2}), tok, seed=7)
     out = tmp_path_factory.mktemp("target") / "target"
-    save_hf_atomic(model, tok, out)
+    save_code_target(out, num_layers=2, hidden_size=TINY["hidden_size"])
     return out
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from distill.config import GenerationConfig
 from distill.generation import OnPolicyHook, make_acceptance_eval
 from distill.losses import forward_kl
 from distill.trainer import TrainerConfig, make_distill_step, train
-from tinymodels import tiny_llama
+from tinymodels import kill_9_when, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 V, T, MAX_STEPS, SAVE_EVERY = 64, 16, 12, 3
@@ -66,18 +65,7 @@ def test_kill_9_then_resume_gives_the_same_weights(tmp_path, uninterrupted):
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env={**os.environ, "TQDM_DISABLE": "1"})
     state = tmp_path / "checkpoint-last" / "trainer_state.json"
-    deadline = time.time() + 90
-    try:
-        while not state.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    kill_9_when(proc, state.exists, timeout_s=90, what="no checkpoint appeared")
     killed_at = json.loads(state.read_text())["step"]
     assert 0 < killed_at < MAX_STEPS
     resumed = run_training(tmp_path, resume=True)

@@ -13,16 +13,14 @@ import csv
 import errno
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from tinymodels import tiny_llama
+from tinymodels import kill_9_when, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
@@ -102,21 +100,11 @@ def test_kill_9_during_eval_keeps_the_old_report_and_rerun_gives_the_same_number
     proc = subprocess.Popen([sys.executable, "-m", "eval", *_args(models, run_dir, "eval.cost_ratio_trials=400")],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             env={**os.environ, "TQDM_DISABLE": "1"})
-    deadline = time.time() + 120
-    try:
-        while True:
-            lines = (run_dir / "events.jsonl").read_text().splitlines()[n_events:]
-            if any(json.loads(l)["event"] == "eval_start" for l in lines):
-                break
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.time() < deadline, "the evaluation did not start"
-            time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == -signal.SIGKILL
+    def eval_started() -> bool:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()[n_events:]
+        return any(json.loads(l)["event"] == "eval_start" for l in lines)
+
+    kill_9_when(proc, eval_started, timeout_s=120, what="the evaluation did not start", poll_s=0.02)
     assert _report_set(run_dir) == before  # the previous complete set, byte for byte
     assert (run_dir / ".hydra-eval").is_dir() and not (run_dir / ".hydra").exists()
 

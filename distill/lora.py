@@ -84,10 +84,12 @@ class LoraSectionConfig:
 
     def trainer_config(self, base):
         """A :class:`distill.trainer.TrainerConfig` for the adapter: ``base`` (the ``trainer`` section) with this
-        section's steps, learning rate, batch, warmup and checkpoint interval (no wall-clock budget)."""
+        section's steps, learning rate, batch, warmup and checkpoint interval (no wall-clock budget). The adapter's
+        batch is ``lora.micro_batch_size`` sequences per optimizer step: the trainer's global batch and
+        accumulation settings belong to the draft stages and are not inherited."""
         return replace(base, max_steps=self.max_steps, lr=self.lr, micro_batch_size=self.micro_batch_size,
-                       warmup_steps=self.warmup_steps, save_every=self.save_every, max_time_s=0.0,
-                       schedule_over="steps")
+                       grad_accum_steps=1, global_batch_size=0, warmup_steps=self.warmup_steps,
+                       save_every=self.save_every, max_time_s=0.0, schedule_over="steps")
 
 
 class LoraError(ValueError):

@@ -58,6 +58,8 @@ class RootConfig(EvalRootConfig):
             if not trainable_domain(dom):
                 raise ValueError(f"lora.domain {dom!r} has no training split (a test-only benchmark); adapt to a "
                                  f"domain with training text (medical, code, chat, math, ...)")
+        if uses_lora:
+            self.lora.trainer_config(self.trainer)  # the adapter's optimiser settings are valid before any model loads
 
 
 def validate(cfg: Any) -> RootConfig:

@@ -193,3 +193,14 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     want = load_causal_lm(tmp_path / "full" / "drafts" / "lora_medical")[0].state_dict()
     got = load_causal_lm(tmp_path / "killed" / "drafts" / "lora_medical")[0].state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_lora_batch_is_its_own_whatever_the_trainers_global_batch():
+    """The smoke experiment's trainer sets global_batch_size 4 with micro-batch 2; the adapter's 16-sequence
+    micro-batch must not be checked against that (it used to fail after the models had loaded)."""
+    from train.schema import validate
+
+    rc = validate({"stages": ["lora"], "lora": {"enabled": True, "base": "drafts/distilled", "micro_batch_size": 16},
+                   "trainer": {"micro_batch_size": 2, "global_batch_size": 4}})
+    tcfg = rc.lora.trainer_config(rc.trainer)
+    assert tcfg.micro_batch_size == 16 and tcfg.global_batch_size == 0 and tcfg.grad_accum_steps == 1

@@ -28,7 +28,8 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -
     if not _looks_local(name_or_path):
         return
     p = Path(str(name_or_path)).expanduser()
-    key = f"{role}.name_or_path" if role == "target" else "eval.drafts"
+    key = (f"{role}.name_or_path" if role == "target" else
+           "draft.name_or_path" if "draft.name_or_path" in role else "eval.drafts")
     if not p.exists():
         raise CheckpointError(
             f"{role} path {p} does not exist. Point {key} at a Hugging Face model directory "

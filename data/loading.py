@@ -82,7 +82,13 @@ def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
     if path.stat().st_size == 0:
         raise DataFormatError(f"{path}: the file is empty. Replace it with the published file or remove the source.")
     try:
-        yield from READERS[source.format](path)
+        n = 0
+        for rec in READERS[source.format](path):
+            n += 1
+            yield rec
+        if n == 0:
+            raise DataFormatError(f"{path}: no records (the file holds only blank lines or an empty container). "
+                                  f"Replace it with the published file or remove the source.")
     except UnicodeDecodeError as e:
         raise DataFormatError(f"{path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at byte offset {e.start}); "
                               f"re-save the file as UTF-8.") from None

@@ -105,7 +105,10 @@ def resolve_layers(choice: LayerChoice, num_layers: int) -> list[int]:
             target itself, or empty); the message names the target's layer count.
     """
     if choice.method == "first_k":
-        layers = list(range(min(choice.k, num_layers)))
+        if choice.k >= num_layers:
+            raise ValueError(f"draft.layers.k={choice.k} would keep every layer: the target has {num_layers} layers, "
+                             f"so a self-draft keeps 1 to {num_layers - 1} (set draft.layers.k below {num_layers})")
+        layers = list(range(choice.k))
     elif choice.method == "every_nth":
         layers = list(range(0, num_layers, choice.n))
     elif choice.method == "list":

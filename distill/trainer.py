@@ -643,9 +643,18 @@ def train(
                    "global_batch_sequences": global_batch, "num_processes": world, "strategy": cfg.strategy}
     best_weights: dict[str, torch.Tensor] | None = None
     if cfg.resume and (ckpt / "trainer_state.json").exists():
-        saved = json.loads((ckpt / "trainer_state.json").read_text())
+        try:
+            saved = json.loads((ckpt / "trainer_state.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{desc}: cannot resume, {ckpt / 'trainer_state.json'} is damaged ({e}). Delete "
+                             f"{ckpt} to start this stage over, or start a new run directory.") from None
         _check_resumable(saved, state, ckpt)
-        accelerator.load_state(str(ckpt))
+        try:
+            accelerator.load_state(str(ckpt))
+        except Exception as e:  # noqa: BLE001  (safetensors, torch.load, missing files: all mean a damaged checkpoint)
+            raise ValueError(f"{desc}: cannot resume, the checkpoint {ckpt} is damaged or incomplete "
+                             f"({type(e).__name__}: {e}). Delete {ckpt} to start this stage over, or start a new run "
+                             f"directory.") from None
         state.update(saved)
         state.update(num_processes=world, strategy=cfg.strategy)
         state["stopped_early"] = None  # a new budget (or none) applies to the continuation

@@ -103,20 +103,67 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
     from distill.lora import check_base_available
 
     produced: set[str] = set()
+    writers = {"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}
+    training = [s for s in rc.stages if s in (*writers, "draft_init", "lora", "adapt")]
+    if rc.decode.draft_routing and "eval" in rc.stages and training:
+        raise ValueError(f"decode.draft_routing evaluates the drafts its table names, not the ones stages {training} "
+                         f"train in this run: drop decode.draft_routing here, or evaluate with the table afterwards "
+                         f"(python -m eval decode.draft_routing=... hydra.run.dir=<run dir>)")
     for stage in rc.stages:
         if stage == "lora":
             check_base_available(rc.lora.base, run_dir, produced)
-            produced.add(rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}")
+            name = rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}"
+            taken = set(writers.values()) | {"layer_pruned", "pretrained"} | produced
+            if name in taken or name.endswith("_int8"):
+                raise ValueError(f"lora.name={name!r} would replace another draft of this run (drafts/{name}); "
+                                 f"choose another lora.name (default lora_<domain>)")
+            produced.add(name)
         elif stage == "adapt":
             check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
         elif stage == "draft_init":
             produced.add(rc.draft.init)  # drafts/layer_pruned or drafts/pretrained
-        elif stage in ("distill", "baseline", "distill_small"):
-            produced.add({"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}[stage])
+        elif stage in writers:
+            if (stage == "baseline" and rc.distill.baseline_budget == "wall_clock" and "distilled" not in produced
+                    and not (run_dir / "drafts" / "distilled" / "specdraft.json").exists()):
+                raise ValueError("distill.baseline_budget=wall_clock matches the baseline's time to the distilled "
+                                 "draft's, but no distill stage runs before the baseline (and this run has no "
+                                 "drafts/distilled): put distill before baseline in stages, or set "
+                                 "distill.baseline_budget=steps")
+            produced.add(writers[stage])
         elif stage == "eval" and rc.decode.draft_routing:
             from decode.routing import load_routing
 
             load_routing(rc.decode.draft_routing)
+
+
+def check_draft_source(rc: RootConfig) -> None:
+    """Draft-source settings that only need config files: a self-draft's layer choice against the target's layer
+    count (its ``config.json``), a pretrained draft's folder and tokenizer files.
+
+    Raises:
+        ValueError: naming the bad key and the fix.
+    """
+    import json as _json
+
+    if "draft_init" not in rc.stages and rc.draft.init == "config":
+        return
+    if rc.draft.init == "layer_pruned" and rc.draft.layers.method != "search":
+        from distill.selfdraft import resolve_layers
+
+        cfg_path = Path(rc.target.name_or_path).expanduser() / "config.json"
+        if cfg_path.is_file():
+            try:
+                n = int(_json.loads(cfg_path.read_text()).get("num_hidden_layers", 0))
+            except (ValueError, TypeError):
+                return  # an unreadable config is reported by the checkpoint check with its own message
+            if n:
+                resolve_layers(rc.draft.layers, n)
+    elif rc.draft.init == "layer_pruned" and rc.draft.layers.k < 1:
+        raise ValueError(f"draft.layers.k must be >= 1, got {rc.draft.layers.k}")
+    if rc.draft.init == "pretrained" and rc.draft.name_or_path:
+        from data.checkpoints import check_checkpoint_dir
+
+        check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
 
 
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:
@@ -137,6 +184,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     builds_target = "reference_target" in rc.stages
     if not builds_target:
         check_checkpoint_dir(rc.target.name_or_path, role="target")
+        check_draft_source(rc)
     check_run_dir_free(rc, run_dir)
     check_resume_consistent(rc, run_dir)
     check_stage_inputs(rc, run_dir)

@@ -222,6 +222,15 @@ def test_empty_file_names_the_file(tmp_path):
     assert str(path) in str(ei.value) and "empty" in str(ei.value)
 
 
+def test_file_of_blank_lines_is_an_error_not_an_empty_source(tmp_path):
+    path = tmp_path / MEDQUAD_A.file
+    path.parent.mkdir(parents=True)
+    path.write_text("\n\n   \n")
+    with pytest.raises(DataFormatError) as ei:
+        list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
+    assert str(path) in str(ei.value) and "no records" in str(ei.value)
+
+
 def test_invalid_jsonl_line_names_file_and_line(tmp_path, write_jsonl, medquad_record):
     path = write_jsonl(tmp_path / MEDQUAD_A.file, [medquad_record(0), medquad_record(1)])
     with open(path, "a") as f:

@@ -136,3 +136,14 @@ def test_bench_teacher_cache_script_runs_on_a_tiny_saved_target(tiny_target, tmp
     res = json.loads(out.read_text())
     assert res["timed_steps_per_variant"] == 3 and res["online_step_s"] > 0 and res["cached_step_s"] > 0
     assert res["speedup"] == pytest.approx(res["online_step_s"] / res["cached_step_s"])
+
+
+def test_wall_clock_baseline_without_a_distill_stage_is_refused_before_loading(tmp_path):
+    from train.run import check_stage_inputs
+
+    rc = _rc(tmp_path / "target", baseline_budget="wall_clock")
+    rc.stages = ["baseline", "eval"]
+    with pytest.raises(ValueError, match="no distill stage runs before the baseline"):
+        check_stage_inputs(rc, tmp_path)
+    rc.stages = ["distill", "baseline", "eval"]
+    check_stage_inputs(rc, tmp_path)  # distill writes drafts/distilled first: fine

@@ -84,3 +84,20 @@ def test_simulated_interrupt_then_resume_gives_the_same_weights(tmp_path, uninte
     _assert_same_weights(run_training(tmp_path, resume=True), uninterrupted)
     # Resuming a finished run trains nothing and returns the same (selected) weights.
     _assert_same_weights(run_training(tmp_path, resume=True), uninterrupted)
+
+
+@pytest.mark.parametrize("damage", ["weights", "state"])
+def test_damaged_checkpoint_is_a_clear_error_on_resume(tmp_path, damage):
+    """A truncated model file or an unreadable trainer_state.json stops the resume with a message naming the
+    checkpoint and the fix, never a library traceback."""
+    with pytest.raises(KeyboardInterrupt):
+        run_training(tmp_path, resume=False, stop_after=SAVE_EVERY + 1)
+    ckpt = tmp_path / "checkpoint-last"
+    if damage == "weights":
+        target = next(ckpt.glob("model*.safetensors"))
+        target.write_bytes(target.read_bytes()[:100])
+    else:
+        (ckpt / "trainer_state.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot resume.*(damaged|incomplete)") as ei:
+        run_training(tmp_path, resume=True)
+    assert str(ckpt) in str(ei.value) and "Delete" in str(ei.value)

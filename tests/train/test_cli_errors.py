@@ -94,6 +94,18 @@ TRAIN_CASES = {
     "missing_target": (["target.name_or_path=/nonexistent/target"], "target path /nonexistent/target does not exist"),
     "missing_data_root": (["data.root=/nonexistent/data"], "data root /nonexistent/data (data.root) does not exist"),
     "existing_run_without_resume": ([], "already holds a run", "trainer.resume=true", "overwrite=true"),
+    # overwrite=true passes the run-dir policy: these are caught by the checks that read only config files
+    "self_draft_layers_out_of_range": (["overwrite=true", "draft=layer_pruned", "draft.layers.method=list",
+                                        "draft.layers.indices=[0,99]"], "draft.layers.indices [99] out of range"),
+    "self_draft_keeps_every_layer": (["overwrite=true", "draft=layer_pruned", "draft.layers.k=99"],
+                                     "draft.layers.k=99 would keep every layer"),
+    "pretrained_draft_missing": (["overwrite=true", "draft=pretrained", "draft.name_or_path=/nonexistent/draft",
+                                  "stages=[draft_init,distill]"], "/nonexistent/draft does not exist",
+                                 "draft.name_or_path"),
+    "lora_name_replaces_a_draft": (["overwrite=true", "lora=default", "stages=[distill,baseline,lora,eval]",
+                                    "lora.name=baseline"], "would replace another draft"),
+    "routing_with_training_stages": (["overwrite=true", "decode.draft_routing=/nonexistent/routing.json"],
+                                     "decode.draft_routing evaluates the drafts its table names"),
 }
 
 

@@ -108,8 +108,9 @@ def test_layer_rules():
     assert resolve_layers(LayerChoice(method="list", indices=[5, 0]), 6) == [0, 5]
     with pytest.raises(ValueError, match="out of range: the target has 6 layers"):
         resolve_layers(LayerChoice(method="list", indices=[6]), 6)
-    with pytest.raises(ValueError, match="keeps 6 of the target's 6 layers"):
-        resolve_layers(LayerChoice(method="first_k", k=6), 6)
+    for k in (6, 99):  # the message names the k the user gave
+        with pytest.raises(ValueError, match=f"draft.layers.k={k} would keep every layer: the target has 6 layers"):
+            resolve_layers(LayerChoice(method="first_k", k=k), 6)
     with pytest.raises(ValueError, match="keeps 6 of the target's 6"):
         resolve_layers(LayerChoice(method="every_nth", n=1), 6)
     with pytest.raises(ValueError, match="draft.layers.method must be one of"):

@@ -213,22 +213,15 @@ def test_unknown_source_mode(tmp_path):
         list(iter_examples("math", DataOptions(root=str(tmp_path), source="ftp")))
 
 
-def test_empty_file_names_the_file(tmp_path):
+@pytest.mark.parametrize("content,says", [("", "the file is empty"), ("\n\n   \n", "no records")])
+def test_empty_file_names_the_file(tmp_path, content, says):
+    """A 0-byte file and a file of blank lines are errors naming the file, never an empty source."""
     path = tmp_path / MEDQUAD_A.file
     path.parent.mkdir(parents=True)
-    path.write_text("")
+    path.write_text(content)
     with pytest.raises(DataFormatError) as ei:
         list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
-    assert str(path) in str(ei.value) and "empty" in str(ei.value)
-
-
-def test_file_of_blank_lines_is_an_error_not_an_empty_source(tmp_path):
-    path = tmp_path / MEDQUAD_A.file
-    path.parent.mkdir(parents=True)
-    path.write_text("\n\n   \n")
-    with pytest.raises(DataFormatError) as ei:
-        list(iter_examples(Domain("medical", "", (MEDQUAD_A,)), DataOptions(root=str(tmp_path))))
-    assert str(path) in str(ei.value) and "no records" in str(ei.value)
+    assert str(path) in str(ei.value) and says in str(ei.value)
 
 
 def test_invalid_jsonl_line_names_file_and_line(tmp_path, write_jsonl, medquad_record):

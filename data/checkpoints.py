@@ -166,3 +166,11 @@ def check_context_fits(model, tokens: int, role: str, what: str) -> None:
             f"{what} needs {tokens} positions but the {role} has a context of {limit} "
             f"(config.max_position_embeddings); lower it to at most {limit}."
         )
+
+
+ONE_OFF_PASSES = ("teacher_cache", "teacher_data")  # specdraft.json blocks of a distilled draft's one-off passes
+
+
+def one_off_pass_seconds(meta: dict) -> float:
+    """Seconds a draft's one-off teacher passes took (top-k cache + teacher data), from its ``specdraft.json``."""
+    return sum(float(meta[k].get("time_s", 0.0)) for k in ONE_OFF_PASSES if k in meta)

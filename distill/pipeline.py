@@ -13,7 +13,6 @@ decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weight
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks, encode_prompt
 
-from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
+from data.checkpoints import check_context_fits, load_causal_lm, one_off_pass_seconds, read_specdraft_meta
 
 from .losses import get_loss
 from .models import build_llama, count_parameters
@@ -55,7 +54,7 @@ def domain_prompts(domain: str, split: str, opts: DataOptions, limit: int) -> li
     return out
 
 
-def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int) -> torch.Tensor:
+def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int, num_processes: int = 1) -> torch.Tensor:
     """The training blocks (N, T) a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch:
     the first ``max_steps * global batch`` blocks of the trainer's epoch-0 permutation (the blocks an uncached run
     reads, see :func:`distill.trainer._batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
@@ -63,8 +62,7 @@ def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int) -> torch.Tensor:
     """
     from .trainer import _batch_indices
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-    needed = tcfg.max_steps * tcfg.global_batch(world)  # global batch: trainer.global_batch_size or mb x accum x world
+    needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # global batch: trainer.global_batch_size or mb x accum x world
     if needed >= blocks.size(0):
         return blocks
     return blocks[_batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
@@ -86,7 +84,7 @@ def matched_wall_clock_budget(run_dir: Path) -> dict:
                          f"(stages: [distill, baseline, ...]) or set distill.baseline_budget=steps")
     meta = read_specdraft_meta(run_dir / "drafts" / "distilled")
     train_s = float(meta["train"]["train_time_s"])
-    one_off = sum(float(meta[k].get("time_s", 0.0)) for k in ("teacher_cache", "teacher_data") if k in meta)
+    one_off = one_off_pass_seconds(meta)
     return {"kind": "wall_clock", "seconds": train_s + one_off, "distilled_train_s": train_s,
             "distilled_one_off_s": one_off}
 
@@ -175,7 +173,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
                 pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
             train_blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         if dc.teacher_signal == "cached":
-            train_blocks = blocks_this_run_uses(train_blocks, rc.trainer, rc.seed)
+            train_blocks = blocks_this_run_uses(train_blocks, rc.trainer, rc.seed, dist.num_processes)
             teacher, passes["teacher_cache"] = build_teacher_cache(
                 target, train_blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
                 vocab_size=shared)

@@ -14,6 +14,7 @@ import logging
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from data.checkpoints import one_off_pass_seconds
 from data.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
 
@@ -61,7 +62,7 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
             continue  # not a draft trained by this pipeline (e.g. a reference target used as a draft)
         tr = m["train"]
         selected = m.get("selected_step", tr["steps"])
-        one_off = sum(float(m[k].get("time_s", 0.0)) for k in ("teacher_cache", "teacher_data") if k in m)
+        one_off = one_off_pass_seconds(m)
         b = m.get("budget") or {}
         if b.get("kind") == "wall_clock":
             budget = f"wall clock {b['seconds']:.0f} s"

@@ -40,3 +40,32 @@ def test_bad_input_table_rows_name_existing_tests():
             assert f"def {name}(" in text, f"{path}::{name} does not exist"
             if case:
                 assert f'"{case}"' in text, f"{path}::{name}[{case}] is not a parametrized case"
+
+
+def test_setup_installs_from_the_constraints_file_and_it_agrees_with_pyproject():
+    """A fresh machine installs the tested versions: every pip call of the setup command passes -c constraints.txt,
+    the file pins every direct dependency (and DeepSpeed) to one version, and that version satisfies pyproject's
+    range, so the pins and the declared bounds cannot drift apart."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    setup = _commands_after(ci, "# setup (README)")
+    calls = [c.strip() for c in setup.split("&&")]
+    assert calls and all(c.startswith("pip install -c constraints.txt ") for c in calls), calls
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==", line
+            pins[req.name.lower().replace("_", "-")] = Version(spec.version)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"] + project["optional-dependencies"]["dev"]]
+    for req in declared + [Requirement("deepspeed")]:
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"constraints.txt does not pin {name}"
+        assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {req}"

@@ -31,6 +31,32 @@ EXIT_INTERRUPTED = 130
 log = logging.getLogger("specdraft")
 
 
+class _DropMessages(logging.Filter):
+    """Drop log records whose message starts with one of ``prefixes`` (known-benign library chatter)."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def quiet_libraries() -> None:
+    """Keep a run's output to progress and what matters; called by both entry points before any library loads.
+
+    * DeepSpeed (imported by accelerate) warns "Setting accelerator to CPU. If you have GPU ..." on every CPU-only
+      run; with no CUDA device we name its accelerator ourselves (``DS_ACCELERATOR=cpu``, unless the user set one).
+    * accelerate warns "Removed shared tensor {'lm_head.weight'} while saving" at every checkpoint of a draft with
+      tied embeddings: safetensors stores the tied matrix once and ``from_pretrained`` re-ties it, as intended.
+    """
+    import torch
+
+    if "DS_ACCELERATOR" not in os.environ and torch.cuda.device_count() == 0:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    logging.getLogger("accelerate.utils.other").addFilter(_DropMessages("Removed shared tensor"))
+
+
 def classify(e: BaseException) -> tuple[int, str] | None:
     """``(exit code, message)`` for an error the user can act on, ``None`` for a bug (left as a traceback)."""
     from .io import write_error
@@ -63,16 +89,29 @@ def _one_line_hydra(msg: str) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 
-def fail(code: int, message: str) -> NoReturn:
-    """Print ``error: <message>`` as the last thing on stderr (and log it to the run's log file when Hydra's
-    logging is set up), then exit with ``code``."""
-    try:  # close progress bars first: an open tqdm bar redraws itself on exit, after our message
+def _close_progress_bars() -> None:
+    """Close every open tqdm bar: an open bar redraws itself at exit, after the last message we print."""
+    try:
         from tqdm import tqdm
 
         for bar in list(getattr(tqdm, "_instances", ())):
             bar.close()
     except Exception:  # noqa: BLE001  (cosmetic only)
         pass
+
+
+def interrupted(message: str) -> NoReturn:
+    """Ctrl-C: close the progress bars, print ``interrupted: <message>`` last on stderr, exit 130."""
+    _close_progress_bars()
+    sys.stdout.flush()
+    print(f"interrupted: {message}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_INTERRUPTED)
+
+
+def fail(code: int, message: str) -> NoReturn:
+    """Print ``error: <message>`` as the last thing on stderr (and log it to the run's log file when Hydra's
+    logging is set up), then exit with ``code``."""
+    _close_progress_bars()
     if logging.getLogger().handlers:
         log.error("%s", message)
     sys.stdout.flush()
@@ -149,9 +188,59 @@ def probe_writable(run_dir: Path) -> None:
                      f"hydra.run.dir") from e
 
 
+_QUOTE_EXAMPLE = "'eval.extra_domains=[{name: mine, path: /data/mine.jsonl, text_field: text}]'"
+
+
+def _override_key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def _split_by_shell(argv: list[str]) -> bool:
+    """Signs that the shell split or brace-expanded one override into several arguments: a key given twice, or an
+    argument that is not ``KEY=VALUE`` at all (``x,`` / ``path:`` left over from ``[{name: x, path: ...}]``)."""
+    keys = [_override_key(a) for a in argv if "=" in a]
+    return len(keys) != len(set(keys)) or any("=" not in a for a in argv)
+
+
+def quoting_hint(argv: list[str]) -> str:
+    """The fix for a list/dict value that reached Hydra in pieces, or ``""`` when the command shows no such sign."""
+    if not _split_by_shell(argv) and not any(ch in a for a in argv for ch in "[{"):
+        return ""
+    return (f". A list or dict value must reach Hydra as one argument: put the whole override in single quotes, "
+            f"e.g. {_QUOTE_EXAMPLE} (unquoted, the shell splits it at spaces and expands {{a,b}})")
+
+
+def _unknown_override_key(msg: str) -> str | None:
+    import re
+
+    m = re.search(r"Could not override '([^']+)'", msg)
+    return m.group(1) if m else None
+
+
+def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike) -> str:
+    """One line for an override of a key the config does not have: the closest valid key(s) (composed without the
+    bad override, so the experiment's own keys count), and why Hydra's ``+key`` suggestion does not help."""
+    from .config import closest_keys
+
+    rest = [a for a in argv if _override_key(a) != key]
+    try:
+        composed = compose(rest, config_dir)
+    except Exception:  # noqa: BLE001  (another bad override: suggest from the defaults alone)
+        composed = compose([a for a in rest if a.startswith("+experiment=")], config_dir)
+    close = closest_keys(composed[0], key) if composed else []
+    value = next((a.split("=", 1)[1] for a in argv if _override_key(a) == key and "=" in a), "...")
+    hint = f"; did you mean {' or '.join(f'{k}={value}' for k in close)}?" if close else \
+        "; see README 'Config keys you change' for the keys"
+    return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
+            f"add the key, and the typed config would then reject it)")
+
+
 def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None]) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
-    exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked."""
+    exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked.
+
+    An unknown key names the closest valid key(s); a list or dict value the shell split into pieces gets the
+    quoting fix."""
     try:
         composed = compose(argv, config_dir)
         if composed is None:
@@ -160,5 +249,15 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
         check(cfg, run_dir)
         probe_writable(run_dir)
     except Exception as e:  # noqa: BLE001  (classified; anything else keeps its traceback)
-        exit_on_error(e)
-        raise
+        known = classify(e)
+        if known is None:
+            raise
+        code, msg = known
+        key = _unknown_override_key(str(e))
+        if key is not None and not _split_by_shell(argv):
+            msg = unknown_key_message(key, argv, config_dir)
+        elif code == EXIT_BAD_INPUT and ("Invalid type assigned" in msg or "no viable alternative" in msg
+                                         or "mismatched input" in msg or "extraneous input" in msg
+                                         or _split_by_shell(argv)):
+            msg += quoting_hint(argv)
+        fail(code, msg)

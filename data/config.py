@@ -62,8 +62,53 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
         merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
         return OmegaConf.to_object(merged)
     except Exception as e:  # OmegaConf wraps the __post_init__ errors; surface one clear line
+        from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
         msg = str(e).split("\n")[0]
         key = getattr(e, "full_key", None)  # OmegaConf errors (unknown key, wrong type) carry the dotted key
         if key and key not in msg:
             msg = f"{key}: {msg}"
+        if key and isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:
+            close = closest_keys(OmegaConf.structured(schema), key)
+            if close:
+                msg += f"; did you mean {' or '.join(close)}?"
         raise ValueError(f"invalid config: {msg}") from None
+
+
+def _dotted_keys(node: Any, prefix: str = "", depth: int = 4) -> list[str]:
+    """Every dotted key of a config tree (mappings only; list items are not addressed)."""
+    out = []
+    if depth == 0 or not OmegaConf.is_dict(node):
+        return out
+    for k in node.keys():
+        full = f"{prefix}{k}"
+        out.append(full)
+        try:
+            child = node._get_node(k)
+        except Exception:  # noqa: BLE001
+            continue
+        if OmegaConf.is_dict(child):
+            out += _dotted_keys(child, f"{full}.", depth - 1)
+    return out
+
+
+def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
+    """The valid dotted keys of ``cfg`` closest to the unknown ``key`` (``trainer.max_step`` -> ``trainer.max_steps``;
+    ``max_steps`` -> ``trainer.max_steps``): first the siblings under the same parent, else keys anywhere in the
+    tree whose last part is close (difflib ratio >= 0.6)."""
+    keys = _dotted_keys(cfg)
+    parent, _, leaf = key.rpartition(".")
+    close = _closest_leaves(leaf, [k for k in keys if k.rpartition(".")[0] == parent], n)
+    return close or _closest_leaves(leaf, keys, n)
+
+
+def _closest_leaves(leaf: str, keys: list[str], n: int) -> list[str]:
+    """``keys`` whose last part is within difflib ratio 0.6 of ``leaf`` and within 0.1 of the best match, best
+    first (so a clear winner is named alone)."""
+    import difflib
+
+    scored = sorted(((difflib.SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio(), k) for k in keys),
+                    key=lambda t: (-t[0], t[1].count("."), t[1]))
+    if not scored or scored[0][0] < 0.6:
+        return []
+    return [k for r, k in scored if r >= max(0.6, scored[0][0] - 0.1)][:n]

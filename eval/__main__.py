@@ -5,7 +5,9 @@ Writes into the run directory (``hydra.run.dir``; a training run's directory re-
 ``report.md``, ``metrics.json``, ``per_prompt.csv``, ``plots/*.png``, ``events.jsonl`` and, with ``logger=wandb``,
 an offline wandb run under ``wandb/``. The report files are replaced as one set (a killed evaluation leaves the
 previous complete set; rerunning the command gives the same numbers). Hydra's record of the command goes to
-``.hydra-eval/`` so a training run's ``.hydra/`` is kept.
+``.hydra-eval-last/`` (so a training run's ``.hydra/`` is kept) and, once the report set is written, is published
+with it as ``.hydra-eval/``: that folder always describes the command behind the current report, and a failed
+evaluation leaves it as it was.
 
 The command is checked (config, draft and target checkpoints, tokenizers, write access) before Hydra touches the
 run directory; errors end in one ``error: ...`` line on stderr and exit code 2 (bad input) or 3 (an artifact
@@ -22,10 +24,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import EXIT_INTERRUPTED, exit_on_error, preflight
+from data.cli import exit_on_error, interrupted, preflight, quiet_libraries
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
+quiet_libraries()
 log = logging.getLogger("specdraft")
 
 
@@ -60,7 +63,9 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     events("stage_start", stage="eval", entry="python -m eval")
     t0 = time.perf_counter()
     try:
-        out = evaluate_run(rc, rc.data.options(), run_dir, events=events)
+        record = run_dir / ATTEMPT_RECORD
+        out = evaluate_run(rc, rc.data.options(), run_dir, events=events,
+                           command_record=(record, COMMAND_RECORD) if record.is_dir() else None)
     except BaseException as e:
         events("stage_failed", stage="eval", error=f"{type(e).__name__}: {e}")
         raise
@@ -76,9 +81,7 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         out = run(cfg, run_dir)
     except KeyboardInterrupt:
-        print("interrupted: the previous report set (if any) is intact; rerun the same command to evaluate again",
-              file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        interrupted("the previous report set (if any) is intact; rerun the same command to evaluate again")
     except Exception as e:
         exit_on_error(e)
         raise
@@ -88,11 +91,18 @@ def hydra_main(cfg: DictConfig) -> None:
     print(f"run directory: {run_dir}")
 
 
+ATTEMPT_RECORD = ".hydra-eval-last"  # Hydra's record of the latest python -m eval command, failed or not
+COMMAND_RECORD = ".hydra-eval"  # the record of the command behind the current report (part of the report set)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     preflight(argv, PROJECT_ROOT / "conf", check_before_eval)
     if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
-        sys.argv.append("hydra.output_subdir=.hydra-eval")  # keep a training run's .hydra/ as it was
+        # Hydra writes its record before the evaluation starts; writing it to .hydra-eval directly would let a
+        # failed evaluation replace the record of the command behind the current report. evaluate_run publishes
+        # the attempt's record as .hydra-eval together with the report set it produced, in the same rename.
+        sys.argv.append(f"hydra.output_subdir={ATTEMPT_RECORD}")  # a training run's .hydra/ is kept as it was
     hydra_main()
 
 

@@ -16,6 +16,13 @@ class ExtraDomainConfig:
     path: str = "???"  # .jsonl or .csv file
     text_field: str = "???"  # field holding the prompt (or, with prompt_field, the reference completion)
     prompt_field: str | None = None  # optional separate prompt field (formatted like the chat domain)
+    max_prompts: int | None = None  # cap on the records used as prompts (null: every record; eval.max_prompts
+    # caps only the built-in domains)
+
+    def __post_init__(self):
+        if self.max_prompts is not None and self.max_prompts < 1:
+            raise ValueError(f"eval.extra_domains: {self.name}.max_prompts must be >= 1 or null (every record), "
+                             f"got {self.max_prompts}")
 
 
 @dataclass
@@ -23,7 +30,7 @@ class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
     drafts: dict[str, str] | None = None  # name -> HF dir; null: the run directory's drafts/
-    max_prompts: int = 16  # prompts per domain
+    max_prompts: int = 16  # prompts per built-in domain (a user file in extra_domains: every record)
     max_new_tokens: int = 64  # tokens generated per prompt
     max_prompt_tokens: int = 192  # longer prompts: see prompt_overflow
     prompt_overflow: str = "truncate_left"  # truncate_left (keep the last max_prompt_tokens, warn) | error

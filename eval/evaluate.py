@@ -49,7 +49,7 @@ def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens
 def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain: dict[str, list[Prompt]], *,
                     num_draft_tokens: int | list[int], max_new_tokens: int, max_prompt_tokens: int,
                     check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
-                    seed: int = 0, events: Callable[..., None] | None = None) -> dict:
+                    seed: int = 0, events: Callable[..., None] | None = None, warn_truncation: bool = True) -> dict:
     """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``.
 
     The same prompt is decoded in alternation (target-only, then each gamma x draft), so slow drift of the machine
@@ -121,7 +121,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         if events:
             events("eval_domain_done", domain=domain, prompts=len(prompts),
                    seconds=time.perf_counter() - t_domain)
-    if truncated_total:
+    if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
     return {"rows": rows, "cost_ratio": cost, "num_draft_tokens": gammas, "max_new_tokens": max_new_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -31,12 +32,24 @@ def _domain_objects(rc) -> dict:
     return {d: extra.get(d, d) for d in rc.eval.all_domains()}
 
 
-def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int) -> dict[str, list[Prompt]]:
+def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int,
+                 caps: dict[str, int | None] | None = None) -> dict[str, list[Prompt]]:
     """domain -> its first ``max_prompts`` evaluation prompts (test split, hash order). ``domains``: names, or
-    name -> registry name / :class:`data.registry.Domain`."""
+    name -> registry name / :class:`data.registry.Domain`. ``caps``: a per-domain cap replacing ``max_prompts``
+    (``None``: every prompt), used for the user files of ``eval.extra_domains``, whose count is logged."""
     items = domains.items() if isinstance(domains, dict) else ((d, d) for d in domains)
-    return {name: [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts)]
-            for name, dom in items}
+    caps = caps or {}
+    out = {}
+    for name, dom in items:
+        if name in caps:
+            every = eval_prompts(dom, opts, None)
+            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in every[:caps[name]]]
+            log.info("eval domain %r (%s): %d of its %d records are evaluation prompts%s", name,
+                     getattr(dom, "description", name), len(out[name]), len(every),
+                     "" if len(out[name]) == len(every) else f" (eval.extra_domains max_prompts={caps[name]})")
+        else:
+            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts)]
+    return out
 
 
 def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
@@ -208,11 +221,13 @@ def check_prompt_lengths(prompts: dict[str, list[Prompt]], tokenizer, max_prompt
     return len(long)
 
 
-def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
+                 command_record: tuple[Path, str] | None = None) -> dict:
     """Evaluate every draft (``eval.drafts``, else ``<run_dir>/drafts/*``) on the configured domains; write the
     report files into ``run_dir`` as one set (:func:`data.io.atomic_file_set`: a killed evaluation leaves the
     previous complete report set, and rerunning the command produces the same numbers).
-    ``events(name, **fields)``: the run's event log (optional).
+    ``events(name, **fields)``: the run's event log (optional). ``command_record``: ``(folder, name)``, a record of
+    the command (Hydra's) copied into the report set as ``name``, so it is replaced together with the report.
 
     Raises:
         ValueError: no drafts, unknown domain, unreadable checkpoint (``CheckpointError``), tokenizer mismatch,
@@ -230,7 +245,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
     for path in paths.values():
         check_quantize_meta(path)  # an unknown "quantize" in a specdraft.json fails before any model loads
-    prompts = load_prompts(domains, opts, rc.eval.max_prompts)
+    prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains})
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -258,7 +273,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
             target, tokenizer, group_drafts, group_prompts, num_draft_tokens=gammas,
             max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
             check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
-            decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev)
+            decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev, warn_truncation=False)
             for group_drafts, group_prompts in groups if group_prompts]
     results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
@@ -275,6 +290,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     sources = domain_sources(domains)
     routing_path = None
     with atomic_file_set(run_dir, "report") as staging:
+        if command_record is not None:
+            shutil.copytree(command_record[0], staging / command_record[1])
         doc = write_report(staging, results, context, sections, primary_num_draft_tokens=rc.decode.num_draft_tokens,
                            bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
                            check_lossless=rc.eval.check_lossless,

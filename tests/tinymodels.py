@@ -46,22 +46,29 @@ def kill_9_when(proc, ready, *, timeout_s: float, what: str, poll_s: float = 0.0
     """Wait until ``ready()`` is true while ``proc`` (a ``subprocess.Popen`` with ``stderr=PIPE``) runs, then
     kill it with SIGKILL. Fails the test with the child's stderr if it exits first, or with ``what`` after
     ``timeout_s`` seconds; the child never outlives the call."""
-    import os
     import signal
+
+    signal_when(proc, ready, signal.SIGKILL, timeout_s=timeout_s, what=what, poll_s=poll_s)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def signal_when(proc, ready, sig, *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
+    """Wait until ``ready()`` is true while ``proc`` runs, send it ``sig`` and wait for it to exit (the child never
+    outlives the call). ``proc.stderr``: a pipe (read only when the child exits first) or ``None``."""
+    import os
     import time
 
     deadline = time.time() + timeout_s
     try:
         while not ready():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:] if proc.stderr else proc.returncode
             assert time.time() < deadline, what
             time.sleep(poll_s)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == -signal.SIGKILL
 
 
 def save_code_target(out_dir, *, num_layers: int, hidden_size: int, seed: int = 7, records: int = 300,

@@ -12,10 +12,11 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import EXIT_INTERRUPTED, exit_on_error, preflight
+from data.cli import exit_on_error, interrupted, preflight, quiet_libraries
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
+quiet_libraries()
 log = logging.getLogger("specdraft")
 for noisy in ("accelerate", "datasets", "httpx", "deepspeed"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -37,9 +38,7 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg, run_dir)
     except KeyboardInterrupt:
-        print(f"interrupted: rerun with hydra.run.dir={run_dir} trainer.resume=true to continue from the last "
-              f"checkpoint", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        interrupted(f"rerun with hydra.run.dir={run_dir} trainer.resume=true to continue from the last checkpoint")
     except Exception as e:
         exit_on_error(e)
         raise

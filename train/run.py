@@ -88,8 +88,33 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
         f"run directory {run_dir} already holds a run (resolved_config.json{', ' if held else ''}{', '.join(held)}); "
         f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
         f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
-        f"only, use python -m eval hydra.run.dir={run_dir}."
+        f"with the run's own settings: {reevaluate_command(run_dir, rc.experiment_name)}"
     )
+
+
+def reevaluate_command(run_dir: Path, experiment_name: str | None = None) -> str:
+    """The ``python -m eval`` command that re-evaluates a run's drafts as the run evaluated them: the overrides of
+    the command that made it (Hydra's ``.hydra/overrides.yaml``; without it ``+experiment=`` the run's
+    ``experiment_name`` from ``resolved_config.json``, else ``experiment_name``), shell-quoted, pointed at
+    ``run_dir``."""
+    import shlex
+
+    import yaml
+
+    from data.paths import PROJECT_ROOT
+
+    overrides: list[str] = []
+    try:
+        overrides = [str(o) for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []]
+    except (OSError, yaml.YAMLError, TypeError):
+        try:  # no record of the command: the run's own experiment name
+            experiment_name = json.loads((run_dir / "resolved_config.json").read_text()).get("experiment_name")
+        except (OSError, ValueError, AttributeError):
+            pass
+        if experiment_name and (PROJECT_ROOT / "conf" / "experiment" / f"{experiment_name}.yaml").is_file():
+            overrides = [f"+experiment={experiment_name}"]
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "overwrite=", "trainer.resume="))]
+    return " ".join(["python -m eval", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])
 
 
 def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:

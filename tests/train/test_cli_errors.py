@@ -106,6 +106,15 @@ TRAIN_CASES = {
                                     "lora.name=baseline"], "would replace another draft"),
     "routing_with_training_stages": (["overwrite=true", "decode.draft_routing=/nonexistent/routing.json"],
                                      "decode.draft_routing evaluates the drafts its table names"),
+    # a misspelt key names the closest valid one (Hydra's own hint, '+trainer.max_step=5', would fail next)
+    "misspelt_key": (["trainer.max_step=5"], "unknown key 'trainer.max_step'", "did you mean trainer.max_steps=5?"),
+    "misspelt_key_added": (["+trainer.max_step=5"], "did you mean trainer.max_steps?"),
+    "misspelt_key_without_section": (["max_steps=5"], "did you mean trainer.max_steps=5"),
+    # a list of dicts the shell split at spaces / brace-expanded, as an unquoted value arrives
+    "unquoted_list_of_dicts": (["eval.extra_domains=[{name:", "x,", "path:", "/tmp/x.jsonl}]"],
+                               "put the whole override in single quotes", "'eval.extra_domains=[{name: mine"),
+    "brace_expanded_list_of_dicts": (["eval.extra_domains=[name:x]", "eval.extra_domains=[path:/tmp/x.jsonl]"],
+                                     "put the whole override in single quotes"),
 }
 
 
@@ -193,3 +202,50 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
     check_run_dir_free(rc("overwrite=true"), finished_run)
     check_run_dir_free(rc("trainer.resume=true"), finished_run)
     check_run_dir_free(rc(), finished_run.parent / "fresh")
+
+
+def test_a_reused_run_directory_names_the_command_that_re_evaluates_it_as_it_was(finished_run):
+    """The refusal's re-evaluation command carries the run's own overrides (shell-quoted), so pasting it evaluates
+    with the run's settings, not the defaults; it composes to the run's experiment and eval settings."""
+    import shlex
+
+    from data.cli import compose
+
+    (finished_run / ".hydra" / "overrides.yaml").write_text(
+        "- +experiment=smoke\n- eval.domains=[medical, code]\n- trainer.max_steps=3\n")
+    msg = assert_clean_error(cli("train", "+experiment=smoke", f"hydra.run.dir={finished_run}"), 2)
+    command = msg.split("with the run's own settings: ", 1)[1].strip()
+    assert command == (f"python -m eval +experiment=smoke 'eval.domains=[medical, code]' trainer.max_steps=3 "
+                       f"hydra.run.dir={finished_run}"), command
+    argv = shlex.split(command)[3:]
+    cfg, run_dir = compose(argv, ROOT / "conf")
+    assert (cfg.experiment_name, list(cfg.eval.domains), run_dir) == ("smoke", ["medical", "code"], finished_run)
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_the_interrupted_line_and_no_progress_bar_after_it(tmp_path):
+    """Ctrl-C during training: exit 130 and `interrupted: ... trainer.resume=true` is the last thing on stderr
+    (an open progress bar used to redraw itself after it)."""
+    import signal
+
+    from tinymodels import signal_when
+
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "TQDM_DISABLE")}
+    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    log = tmp_path / "stderr.txt"  # a file, not a pipe: progress bars could fill a pipe and block the child
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "train", "+experiment=smoke", "stages=[distill]",
+                                 "trainer.max_steps=400", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+
+    def training() -> bool:
+        events = run_dir / "events.jsonl"
+        return events.exists() and '"train_step"' in events.read_text()
+
+    signal_when(proc, training, signal.SIGINT, timeout_s=300, what="training did not start")
+    stderr = log.read_text(errors="replace")
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    last = [l for l in stderr.replace("\r", "\n").splitlines() if l.strip()][-1]
+    assert last.startswith("interrupted: ") and "trainer.resume=true" in last, stderr[-2000:]

@@ -132,7 +132,7 @@ def test_per_prompt_csv_recomputes_metrics_json(cli_run):
     doc = json.loads((run_dir / "metrics.json").read_text())
     with open(run_dir / "per_prompt.csv", newline="") as f:
         raw = list(csv.DictReader(f))
-    assert len(raw) == 2 * 3 * len(SWEEP) * 2  # drafts x domains x gammas x prompts (2 each)
+    assert len(raw) == 2 * len(SWEEP) * (2 + 2 + 3)  # drafts x gammas x prompts (2 per built-in domain, 3 records)
     cells: dict = {}
     for r in raw:
         c = cells.setdefault((r["draft"], r["domain"], r["num_draft_tokens"]), [0, 0])
@@ -291,3 +291,21 @@ def test_prompt_plus_generation_beyond_the_context_is_rejected(models, tmp_path)
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path)
     assert "max_position_embeddings" in str(ei.value) and "260" in str(ei.value)
+
+
+def test_a_failed_evaluation_keeps_the_record_of_the_command_behind_the_current_report(cli_run):
+    """`.hydra-eval/` is published with the report set it describes; a later python -m eval that fails after Hydra
+    wrote its record (a prompt too long with prompt_overflow=error) leaves it, and the report, as they were; the
+    failed attempt's record is in `.hydra-eval-last/`."""
+    import yaml
+
+    run_dir, _ = cli_run
+    record = (run_dir / ".hydra-eval" / "overrides.yaml").read_text()
+    report = (run_dir / "report.md").read_bytes()
+    assert "eval.max_prompts=2" in record
+    args = [a for a in yaml.safe_load(record) if not a.startswith("hydra.")]
+    proc = _eval(*args, "eval.prompt_overflow=error", "eval.max_prompt_tokens=2", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2 and "eval.max_prompt_tokens" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert (run_dir / ".hydra-eval" / "overrides.yaml").read_text() == record
+    assert (run_dir / "report.md").read_bytes() == report
+    assert "eval.prompt_overflow=error" in (run_dir / ".hydra-eval-last" / "overrides.yaml").read_text()

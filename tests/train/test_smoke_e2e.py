@@ -27,7 +27,19 @@ def smoke_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("smoke")
     proc = run_train("+experiment=smoke", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (run_dir.parent / "smoke_output.txt").write_text(proc.stdout + "\n" + proc.stderr)
     return run_dir
+
+
+def test_a_run_shows_progress_and_what_matters_not_library_chatter(smoke_run):
+    """No DeepSpeed accelerator-detection warning on a CPU machine, no accelerate "Removed shared tensor" at every
+    tied-embedding checkpoint, the prompt-truncation warning once (not once more per draft), and the progress bars
+    of training and evaluation are there."""
+    out = (smoke_run.parent / "smoke_output.txt").read_text()
+    assert "Setting accelerator to CPU" not in out
+    assert "Removed shared tensor" not in out
+    assert out.count("truncated from the left") <= 1, out[-3000:]
+    assert "distilled draft:" in out and "eval medical:" in out
 
 
 def test_smoke_writes_every_artifact(smoke_run):

@@ -266,3 +266,22 @@ def test_lean_forward_after_a_peft_lora_merge():
         fast = FastKVState(merged, 1, torch.device("cpu")).forward(ids, logits_to_keep=0)
     torch.testing.assert_close(fast, adapted, atol=1e-4, rtol=1e-4)
     assert (adapted - before).abs().max().item() > 0.1  # the merge did change the model
+
+
+def test_packed_copies_are_reused_only_for_bitwise_equal_weights():
+    """The reuse test is exact: one flipped bit (one ulp, a NaN payload) or -0.0 for 0.0 is a change, for views at
+    odd offsets, transposed views and half precision too."""
+    from decode.fast_llama import _same_bits
+
+    w = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    flat = torch.randn(61)
+    ints = {2: torch.int16, 4: torch.int32}
+    for live in (w, flat[1:31].view(6, 5), w.t(), w.half(), w.bfloat16()[:, 1:], torch.full((2, 3), float("nan"))):
+        snap = live.clone(memory_format=torch.contiguous_format)
+        assert _same_bits(live, snap)
+        flipped = snap.clone()
+        word = flipped.view(-1).view(ints[flipped.element_size()])
+        word[3] = word[3] ^ 1  # the lowest mantissa bit
+        assert not _same_bits(live, flipped)
+    zeros = torch.zeros(3, 4)
+    assert not _same_bits(zeros, -zeros) and not _same_bits(w, w.double()) and not _same_bits(w, w[:5])

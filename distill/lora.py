@@ -154,9 +154,6 @@ def adaptable_module_names(model: torch.nn.Module) -> list[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)})
 
 
-linear_module_names = adaptable_module_names  # the former name
-
-
 def family_target_modules(model: torch.nn.Module):
     """peft's default LoRA targets for the model's family (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``
     keyed by ``config.model_type``: ``[q_proj, v_proj]`` for Llama / Qwen2 / Qwen3 / Mistral / Gemma / OPT,
@@ -195,14 +192,17 @@ def _untie_targeted_embeddings(draft: torch.nn.Module, targets: list[str]) -> bo
         for cfg in {id(c): c for c in (draft.config, draft.config.get_text_config())}.values():
             cfg.tie_word_embeddings = False
         untied = True
-    owners: dict[int, str] = {}
+    owners: dict[int, list[str]] = {}
     for n, p in draft.named_parameters(remove_duplicate=False):
-        owners.setdefault(p.data_ptr(), n)
+        if p.numel():
+            owners.setdefault(p.data_ptr(), []).append(n)
     for m in targeted:
         w = getattr(m, "weight", None)
-        first = owners.get(w.data_ptr()) if isinstance(w, torch.Tensor) else None
-        if first is not None and not first.startswith(names[id(m)] + "."):
-            raise LoraError(f"lora.target_modules: {names[id(m)]} shares its weight with {first}, so merging the "
+        mine = names[id(m)] + "."
+        others = [n for n in owners.get(w.data_ptr(), [])
+                  if not n.startswith(mine)] if isinstance(w, torch.Tensor) and w.numel() else []
+        if others:
+            raise LoraError(f"lora.target_modules: {names[id(m)]} shares its weight with {others[0]}, so merging the "
                             f"adapter would change both; drop {names[id(m)].rsplit('.', 1)[-1]} from "
                             f"lora.target_modules.")
     return untied

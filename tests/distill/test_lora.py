@@ -320,3 +320,13 @@ def test_lora_batch_is_its_own_whatever_the_trainers_global_batch():
                    "trainer": {"micro_batch_size": 2, "global_batch_size": 4}})
     tcfg = rc.lora.trainer_config(rc.trainer)
     assert tcfg.micro_batch_size == 16 and tcfg.global_batch_size == 0 and tcfg.grad_accum_steps == 1
+
+
+def test_a_target_sharing_its_weight_otherwise_is_refused():
+    """Weights shared other than as tied embeddings (here two layers' q_proj): merging would change both layers,
+    whichever of them is named."""
+    for named in ("layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"):
+        draft = tiny_llama(seed=4)
+        draft.model.layers[1].self_attn.q_proj.weight = draft.model.layers[0].self_attn.q_proj.weight
+        with pytest.raises(LoraError, match=r"lora.target_modules: .*q_proj shares its weight with .*q_proj.*drop"):
+            wrap_lora(draft, LoraSectionConfig(target_modules=[named]))

@@ -79,10 +79,10 @@ def fast_path_supported(model: torch.nn.Module) -> bool:
 # contiguous. In isolation MKL runs these small projections up to ~2x faster on that layout, and 7 projections per
 # layer become 4 matmuls: a one-token step of the reference target is ~1.3-1.4x faster than F.linear on the
 # parameters (README, decoder benchmark). The transposed copies are expensive to build (a strided copy of every
-# weight: re-packing on every decode call made 32-token calls 1.3-1.5x slower), so they are kept per model between
-# decode calls, next to a plain copy of the weights they were built from; every FastKVState compares the live
-# parameters with that copy bit for bit (a sequential read of both: 32-token calls 1.05-1.09x the unchecked cache's
-# time) and rebuilds whatever differs. No key can miss a change: in-place edits,
+# weight: re-packing on every decode call made 32- and 64-token calls 1.2-1.7x slower), so they are kept per model
+# between decode calls, next to a plain copy of the weights they were built from; every FastKVState compares the
+# live parameters with that copy bit for bit (a sequential read of both: 32- and 64-token calls 1.05-1.14x the old
+# unchecked cache's time; no copies at all: 1.2-1.5x) and rebuilds whatever differs. No key can miss a change: in-place edits,
 # writes through ``.data`` (peft merge, DeepSpeed's optimizer), ``.data = other_tensor`` and reloading are all
 # seen by the next state. A state reads the weights once, when it is built: like its K/V cache, it belongs to the
 # weights of that moment (the decoders build new states on every call). On CUDA, and for models over

@@ -78,16 +78,16 @@ def fast_path_supported(model: torch.nn.Module) -> bool:
 # Packed weights (CPU): [q; k; v] and [gate; up] concatenated and every projection stored transposed, (in, out)
 # contiguous. In isolation MKL runs these small projections up to ~2x faster on that layout, and 7 projections per
 # layer become 4 matmuls: a one-token step of the reference target is ~1.3-1.4x faster than F.linear on the
-# parameters (README, decoder benchmark). The transposed copies are expensive to build (a strided copy of every
-# weight: re-packing on every decode call made 32- and 64-token calls 1.2-1.7x slower), so they are kept per model
-# between decode calls, next to a plain copy of the weights they were built from; every FastKVState compares the
-# live parameters with that copy bit for bit (a sequential read of both: 32- and 64-token calls 1.05-1.14x the old
-# unchecked cache's time; no copies at all: 1.2-1.5x) and rebuilds whatever differs. No key can miss a change: in-place edits,
-# writes through ``.data`` (peft merge, DeepSpeed's optimizer), ``.data = other_tensor`` and reloading are all
-# seen by the next state. A state reads the weights once, when it is built: like its K/V cache, it belongs to the
-# weights of that moment (the decoders build new states on every call). On CUDA, and for models over
-# _PACK_MAX_BYTES, the model's own parameters are used through F.linear instead (no copies). Memory: the packed and
-# the plain copy of the projections, about twice the model's size, while the model lives.
+# parameters. The transposed copies are expensive to build (a strided copy of every weight: re-packing on every
+# decode call made 32- and 64-token calls 1.2-1.7x slower), so they are kept per model between decode calls, next
+# to a plain copy of the weights they were built from; every FastKVState compares the live parameters with that
+# copy bit for bit (a sequential read of both: 32- and 64-token calls took 1.05-1.14x the time of the old cache
+# keyed on storage pointer and version; no copies at all: 1.2-1.5x) and rebuilds whatever differs. No key can miss
+# a change: in-place edits, writes through ``.data`` (peft merge, DeepSpeed's optimizer), ``.data = other_tensor``
+# and reloading are all seen by the next state. A state reads the weights once, when it is built: like its K/V
+# cache, it belongs to the weights of that moment (the decoders build new states on every call). On CUDA, and for
+# models over _PACK_MAX_BYTES, the model's own parameters are used through F.linear instead (no copies). Memory: the
+# packed and the plain copy of the projections, about twice the model's size, while the model lives.
 _PACK_MAX_BYTES = 1 << 30
 _packed_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -2,7 +2,8 @@
 
 An existing draft (a Hugging Face directory, or ``drafts/<name>`` produced earlier in the same run) gets low-rank
 adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so the
-adapted draft starts equal to the base) on ``lora.target_modules``; only the adapter parameters train, by
+adapted draft starts equal to the base) on ``lora.target_modules`` (:func:`wrap_lora`: ``all-linear``, peft's
+per-architecture default, or module names; any layer type peft's LoRA adapts); only the adapter parameters train, by
 distillation from the target with the ``distill`` section's divergence and temperature (the same step loss and
 training loop as the ``distill`` stage, :func:`distill.trainer.make_distill_step` / :func:`distill.trainer.train`),
 on the training split of one domain. Checkpoint selection is by the pooled mean accepted length on the domain's
@@ -21,8 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -30,7 +32,8 @@ from data.io import atomic_dir, save_hf_atomic
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = "all-linear"  # peft's shorthand: every Linear / Conv1D layer except the output head
+DEFAULT_TARGET_MODULES = ALL_LINEAR
 
 
 @dataclass
@@ -42,7 +45,9 @@ class LoraSectionConfig:
     rank: int = 8  # r: rank of the update B A
     alpha: float = 16.0  # the update is scaled by alpha / rank
     dropout: float = 0.0  # dropout on the adapter input while training, in [0, 1)
-    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))  # module name suffixes
+    # "all-linear" (every Linear / Conv1D layer but the output head), null (peft's default for the model family) or
+    # a list of module names (peft's matching: a full module name or its suffix after a dot)
+    target_modules: Any = DEFAULT_TARGET_MODULES
     base: str = "drafts/distilled"  # draft to adapt: HF dir; a relative path is looked up in the run dir first
     domain: str | None = None  # domain adapted to (null: data.domain)
     name: str | None = None  # output name under drafts/ and adapters/ (null: lora_<domain>)
@@ -62,9 +67,15 @@ class LoraSectionConfig:
             raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
-        if not self.target_modules or any(not isinstance(m, str) or not m for m in self.target_modules):
-            raise ValueError(f"lora.target_modules must be a non-empty list of module names (e.g. "
-                             f"{DEFAULT_TARGET_MODULES}), got {self.target_modules}")
+        tm = self.target_modules
+        if isinstance(tm, str) and tm.lower() == ALL_LINEAR:
+            self.target_modules = ALL_LINEAR
+        elif tm is not None and (isinstance(tm, str) or not isinstance(tm, (list, tuple)) or not tm
+                                 or any(not isinstance(m, str) or not m for m in tm)):
+            raise ValueError(f"lora.target_modules must be all-linear, null (peft's default for the draft's model "
+                             f"family) or a non-empty list of module names (e.g. [q_proj, v_proj]), got {tm!r}")
+        elif tm is not None:
+            self.target_modules = list(tm)
         if not self.lr > 0:
             raise ValueError(f"lora.lr must be > 0, got {self.lr}")
         if self.max_steps < 1 or self.micro_batch_size < 1:
@@ -123,32 +134,131 @@ def check_base_available(base: str, run_dir: Path, produced: set[str], key: str 
                         f"earlier in `stages`.")
 
 
-def linear_module_names(model: torch.nn.Module) -> list[str]:
-    """Sorted distinct last name components of the model's ``nn.Linear`` modules (what ``target_modules`` can
-    name)."""
-    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+def _adaptable_types() -> tuple[type, ...]:
+    """The layer types peft's LoRA adapts (peft 0.21 ``tuners/lora/layer.py::dispatch_default``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    nn = torch.nn
+    return (nn.Linear, Conv1D, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.MultiheadAttention)
+
+
+def _matches(name: str, key: str) -> bool:
+    """peft's rule for a name in a ``target_modules`` list: the full module name, or its suffix after a dot."""
+    return name == key or name.endswith("." + key)
+
+
+def adaptable_module_names(model: torch.nn.Module) -> list[str]:
+    """Sorted distinct last name components of the model's layers that LoRA can adapt (``nn.Linear``,
+    transformers ``Conv1D`` as in GPT-2, ``nn.Embedding``, ``nn.Conv1d/2d/3d``, ``nn.MultiheadAttention``)."""
+    kinds = _adaptable_types()
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and isinstance(m, kinds)})
+
+
+def family_target_modules(model: torch.nn.Module):
+    """peft's default LoRA targets for the model's family (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``
+    keyed by ``config.model_type``: ``[q_proj, v_proj]`` for Llama / Qwen2 / Qwen3 / Mistral / Gemma / OPT,
+    ``[c_attn]`` for GPT-2, ``[query_key_value]`` for GPT-NeoX / Falcon, ...).
+
+    Raises:
+        LoraError: peft has no default for this model type (e.g. ``phi3``).
+    """
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as MAPPING
+
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in MAPPING:
+        raise LoraError(f"lora.target_modules=null: peft has no default LoRA target modules for model type "
+                        f"{model_type!r}; set lora.target_modules=all-linear or a list of module names "
+                        f"(this draft has {adaptable_module_names(model)}).")
+    found = MAPPING[model_type]
+    return list(found) if isinstance(found, (list, tuple, set)) else found
+
+
+def _untie_targeted_embeddings(draft: torch.nn.Module, targets: list[str]) -> bool:
+    """When a targeted layer is one of the draft's tied input / output embeddings, give the output head its own copy
+    of the matrix (and ``config.tie_word_embeddings = False``) so that merging the adapter changes only the targeted
+    layer: merged == adapted. Returns whether it untied.
+
+    Raises:
+        LoraError: a targeted layer shares its weight with another layer in some other way.
+    """
+    names = {id(m): n for n, m in draft.named_modules()}
+    targeted = [m for n, m in draft.named_modules() if n and any(_matches(n, k) for k in targets)]
+    inp = draft.get_input_embeddings() if hasattr(draft, "get_input_embeddings") else None
+    out = draft.get_output_embeddings() if hasattr(draft, "get_output_embeddings") else None
+    untied = False
+    if (inp is not None and out is not None and getattr(out, "weight", None) is not None
+            and out.weight.data_ptr() == inp.weight.data_ptr() and any(m is inp or m is out for m in targeted)):
+        out.weight = torch.nn.Parameter(inp.weight.detach().clone(), requires_grad=inp.weight.requires_grad)
+        for cfg in {id(c): c for c in (draft.config, draft.config.get_text_config())}.values():
+            cfg.tie_word_embeddings = False
+        untied = True
+    owners: dict[int, list[str]] = {}
+    for n, p in draft.named_parameters(remove_duplicate=False):
+        if p.numel():
+            owners.setdefault(p.data_ptr(), []).append(n)
+    for m in targeted:
+        w = getattr(m, "weight", None)
+        mine = names[id(m)] + "."
+        others = [n for n in owners.get(w.data_ptr(), [])
+                  if not n.startswith(mine)] if isinstance(w, torch.Tensor) and w.numel() else []
+        if others:
+            raise LoraError(f"lora.target_modules: {names[id(m)]} shares its weight with {others[0]}, so merging the "
+                            f"adapter would change both; drop {names[id(m)].rsplit('.', 1)[-1]} from "
+                            f"lora.target_modules.")
+    return untied
 
 
 def wrap_lora(draft: torch.nn.Module, cfg: LoraSectionConfig, seed: int = 0):
     """A peft ``PeftModel`` of ``draft`` with LoRA adapters on ``cfg.target_modules`` (base weights frozen, only
     the adapter parameters require grad). The A matrices are seeded from ``seed``; B starts at 0.
 
+    ``cfg.target_modules``: ``all-linear`` (peft: every ``nn.Linear`` / transformers ``Conv1D`` layer except the
+    output head, whatever the family calls them: Llama ``q_proj`` ... ``down_proj``, GPT-2 ``c_attn`` / ``c_proj`` /
+    ``c_fc``, GPT-NeoX / Falcon ``query_key_value`` / ``dense*``, OPT ``q_proj`` ... ``fc2``, Phi-3 ``qkv_proj`` /
+    ``gate_up_proj`` ...); ``None``: peft's per-family default (:func:`family_target_modules`); or module names,
+    each matching a layer of a type LoRA adapts (:func:`adaptable_module_names`). Naming the output head or the
+    input embedding of a draft whose embeddings are tied unties them first (the head gets its own copy, and the
+    saved draft ``tie_word_embeddings=false``), so that the merged draft equals the adapted one.
+
     Raises:
-        LoraError: a target module name matches no ``nn.Linear`` of the draft (lists the names it has).
+        LoraError: a name matches no adaptable layer of the draft (lists the names it has); ``None`` for a family
+            peft has no default for; a targeted layer sharing its weight with another layer (other than tied
+            embeddings).
     """
     from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
 
-    have = linear_module_names(draft)
-    missing = [m for m in cfg.target_modules if m not in have]
-    if missing:
-        raise LoraError(f"lora.target_modules {missing} match no linear layer of the draft; it has {have}. "
-                        f"Set lora.target_modules to some of those.")
-    pc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                    target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    targets = cfg.target_modules
+    if targets is None:
+        targets = family_target_modules(draft)
+    if isinstance(targets, list):
+        kinds = _adaptable_types()
+        found = {k for n, m in draft.named_modules() if n and isinstance(m, kinds) for k in targets if _matches(n, k)}
+        missing = [k for k in targets if k not in found]
+        if missing:
+            raise LoraError(f"lora.target_modules {missing} match no layer LoRA can adapt in the draft "
+                            f"({type(draft).__name__}); it has {adaptable_module_names(draft)}. Set "
+                            f"lora.target_modules to some of those, or to all-linear.")
+        if _untie_targeted_embeddings(draft, targets):
+            log.info("lora.target_modules names a tied embedding: the draft's output head now has its own copy "
+                     "(tie_word_embeddings=false), so the merged draft equals the adapted one")
+    # GPT-2's Conv1D stores W as (in, out): peft wants fan_in_fan_out for those layers (it would warn and switch;
+    # with both kinds targeted it switches per layer, which is still right)
+    conv1d = any(isinstance(m, Conv1D) and (not isinstance(targets, list) or any(_matches(n, k) for k in targets))
+                 for n, m in draft.named_modules())
+    pc = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
+                    bias="none", task_type="CAUSAL_LM", fan_in_fan_out=conv1d)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = get_peft_model(draft, pc)
     return model
+
+
+def adapted_module_names(peft_model) -> list[str]:
+    """Sorted distinct last name components of the layers that carry a LoRA adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    return sorted({n.rsplit(".", 1)[-1] for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)})
 
 
 def trainable_parameters(model: torch.nn.Module) -> tuple[int, int]:
@@ -260,7 +370,8 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
         "kind": "lora", "target": str(rc.target.name_or_path), "base": str(base_path), "domain": domain,
         "base_kind": base_meta.get("kind"), "base_domain": base_meta.get("domain"),
         "loss": dc.loss, "temperature": dc.temperature, "data_source": "dataset", "teacher_signal": "online",
-        "lora": {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": list(lc.target_modules)},
+        "lora": {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules,
+                 "adapted_modules": adapted_module_names(model)},
         "trainable_parameters": n_train, "draft_parameters": count_merged(n_total, n_train),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         "selected_step": best["step"] if best else stats["steps"],

@@ -42,6 +42,36 @@ def tiny_llama(
     return model.eval()
 
 
+def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, **overrides):
+    """A tiny randomly initialised causal LM of one model family (eval mode, fp32, CPU), built from its config:
+    ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``phi3``, ``gpt2``, ``gpt_neox``, ``opt``, ``falcon``.
+    Embeddings tied as the family's config defaults unless ``overrides`` say otherwise."""
+    import transformers as tf
+
+    h, layers, heads = 32, 2, 4
+    common = dict(vocab_size=vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    llama_like = dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=2, max_position_embeddings=128, **common)
+    configs = {
+        "llama": (tf.LlamaConfig, llama_like),
+        "qwen2": (tf.Qwen2Config, llama_like),
+        "qwen3": (tf.Qwen3Config, {**llama_like, "head_dim": 8}),
+        "mistral": (tf.MistralConfig, llama_like),
+        "gemma": (tf.GemmaConfig, {**llama_like, "head_dim": 8}),
+        "phi3": (tf.Phi3Config, llama_like),
+        "gpt2": (tf.GPT2Config, dict(n_embd=h, n_layer=layers, n_head=heads, n_positions=128, **common)),
+        "gpt_neox": (tf.GPTNeoXConfig, dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers,
+                                            num_attention_heads=heads, max_position_embeddings=128, **common)),
+        "opt": (tf.OPTConfig, dict(hidden_size=h, ffn_dim=2 * h, num_hidden_layers=layers, num_attention_heads=heads,
+                                   word_embed_proj_dim=h, max_position_embeddings=128, **common)),
+        "falcon": (tf.FalconConfig, dict(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                                         **common)),
+    }
+    cls, kw = configs[family]
+    torch.manual_seed(seed)
+    return tf.AutoModelForCausalLM.from_config(cls(**{**kw, **overrides})).eval()
+
+
 def kill_9_when(proc, ready, *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
     """Wait until ``ready()`` is true while ``proc`` (a ``subprocess.Popen`` with ``stderr=PIPE``) runs, then
     kill it with SIGKILL. Fails the test with the child's stderr if it exits first, or with ``what`` after

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
 
 from decode import autoregressive_generate, speculative_generate
@@ -190,3 +192,96 @@ def test_training_mode_falls_back():
     assert not fast_path_supported(model)
     model.eval()
     assert fast_path_supported(model)
+
+
+# ---------------------------------------------------------------- the lean forward reads the live weights (issue 12)
+def _assert_fast_is_hf(model, ids):
+    """A new lean state (on CPU: the packed copies) gives the Hugging Face forward's logits on the current weights."""
+    with torch.inference_mode():
+        got = FastKVState(model, ids.shape[0], torch.device("cpu")).forward(ids, logits_to_keep=0)
+    torch.testing.assert_close(got, _hf_logits(model, ids, torch.ones_like(ids)), atol=1e-4, rtol=1e-4)
+
+
+def test_draft_decodes_new_weights_after_a_write_through_data():
+    """The smallest case of issue 12: ``.data`` writes bump neither the storage pointer nor the version counter."""
+    _, draft = make_pair(seed=21, noise=0.3)
+    ids = random_prompts([6], 64, 3)[0][None]
+    before = autoregressive_generate(draft, ids, max_new_tokens=10).sequences
+    draft.lm_head.weight.data.mul_(-1.0)
+    after = autoregressive_generate(draft, ids, max_new_tokens=10).sequences
+    assert torch.equal(after, hf_greedy(draft, ids, torch.ones_like(ids), 10))
+    assert not torch.equal(after, before)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(edits=st.lists(st.tuples(st.sampled_from(["inplace", "assign", "row", "swap"]),
+                                st.sampled_from(["q", "k", "v", "o", "gate", "up", "down", "lm"]),
+                                st.integers(0, 1), st.integers(0, 2 ** 16)), min_size=1, max_size=4))
+def test_every_kind_of_weight_write_reaches_the_lean_forward(edits):
+    """Any sequence of writes (in place through ``.data``, ``.data = new tensor``, one row, two parameters swapping
+    storages), each followed by a new lean state: its logits are the Hugging Face forward's on the current weights.
+    One model for all examples, so copies packed by an earlier example are in play."""
+    model, ids = _EDITED
+    for kind, name, layer_i, seed in edits:
+        w = _weight(model, name, layer_i)
+        noise = 0.1 * torch.randn(w.shape, generator=torch.Generator().manual_seed(seed))
+        if kind == "inplace":
+            w.data.mul_(-0.5).add_(noise)
+        elif kind == "assign":
+            w.data = noise
+        elif kind == "row":
+            w.data[seed % w.shape[0]] = noise[0]
+        else:  # the same projection of the other layer (lm_head: the untied input embedding) swaps storages with it
+            other = model.model.embed_tokens.weight if name == "lm" else _weight(model, name, 1 - layer_i)
+            w.data, other.data = other.data, w.data
+        _assert_fast_is_hf(model, ids)
+
+
+def _weight(model, name: str, layer_i: int) -> torch.nn.Parameter:
+    if name == "lm":
+        return model.lm_head.weight
+    layer = model.model.layers[layer_i]
+    return getattr(layer.mlp if name in ("gate", "up", "down") else layer.self_attn, f"{name}_proj").weight
+
+
+_EDITED = (_llama(seed=11, num_key_value_heads=2), random_prompts([7], 80, 9)[0][None])
+
+
+def test_lean_forward_after_a_peft_lora_merge():
+    """peft's merge adds the LoRA update through ``weight.data``: the merged draft's lean forward is the adapted
+    draft's forward, on a model whose packed copies were built before the merge."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _llama(seed=5, num_key_value_heads=2)
+    ids = random_prompts([8], 80, 4)[0][None]
+    _assert_fast_is_hf(model, ids)  # packs the base weights
+    before = _hf_logits(model, ids, torch.ones_like(ids))
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj", "lm_head"],
+                     init_lora_weights=False)  # random B: the update is not zero
+    peft_model = get_peft_model(model, cfg)
+    adapted = _hf_logits(peft_model, ids, torch.ones_like(ids))
+    merged = peft_model.merge_and_unload()
+    assert fast_path_supported(merged)
+    with torch.inference_mode():
+        fast = FastKVState(merged, 1, torch.device("cpu")).forward(ids, logits_to_keep=0)
+    torch.testing.assert_close(fast, adapted, atol=1e-4, rtol=1e-4)
+    assert (adapted - before).abs().max().item() > 0.1  # the merge did change the model
+
+
+def test_packed_copies_are_reused_only_for_bitwise_equal_weights():
+    """The reuse test is exact: one flipped bit (one ulp, a NaN payload) or -0.0 for 0.0 is a change, for views at
+    odd offsets, transposed views and half precision too."""
+    from decode.fast_llama import _same_bits
+
+    w = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    flat = torch.randn(61)
+    ints = {2: torch.int16, 4: torch.int32}
+    for live in (w, flat[1:31].view(6, 5), w.t(), w.half(), w.bfloat16()[:, 1:], torch.full((2, 3), float("nan"))):
+        snap = live.clone(memory_format=torch.contiguous_format)
+        assert _same_bits(live, snap)
+        flipped = snap.clone()
+        word = flipped.view(-1).view(ints[flipped.element_size()])
+        word[3] = word[3] ^ 1  # the lowest mantissa bit
+        assert not _same_bits(live, flipped)
+    zeros = torch.zeros(3, 4)
+    assert not _same_bits(zeros, -zeros) and not _same_bits(w, w.double()) and not _same_bits(w, w[:5])

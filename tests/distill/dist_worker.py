@@ -31,9 +31,40 @@ def ragged_hook(batch: MicroBatch, step, micro, student) -> MicroBatch:
     return MicroBatch(batch.input_ids, batch.attention_mask, keep.to(batch.input_ids.device), batch.block_index)
 
 
+def _checked(evaluate, teacher, prompts, out: Path):
+    """``evaluate`` (the lean forward where supported), recording the Hugging Face forward's numbers beside it."""
+    from decode import AcceptanceStats, speculative_generate
+    from decode.fast_llama import FastKVState, fast_path_supported
+
+    keys = ("mean_accepted_length", "acceptance_rate", "verify_steps", "emitted_tokens")
+
+    def wrapped(draft):
+        metrics = evaluate(draft)
+        assert fast_path_supported(draft), "the draft must take the lean forward in this check"
+        hf = AcceptanceStats.pool(speculative_generate(teacher, draft, ids, max_new_tokens=6, num_draft_tokens=3,
+                                                       fast_path=False).stats for ids in prompts)
+        ids = torch.cat(prompts)
+        with torch.inference_mode():
+            fast_logits = FastKVState(draft, ids.shape[0], ids.device).forward(ids, logits_to_keep=0)
+            hf_logits = draft(input_ids=ids).logits
+        rec = {"fast": {k: metrics[k] for k in keys}, "hf": {k: getattr(hf, k) for k in keys},
+               "logit_diff": (fast_logits - hf_logits).abs().max().item(), "probe": hf_logits[0, -1, :4].tolist()}
+        if distributed_state().is_main_process:
+            with open(out / "fast_path_check.jsonl", "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        return metrics
+
+    return wrapped
+
+
 def run(out: str | Path, strategy: str = "single", max_steps: int = 6, save_every: int = 0, resume: bool = False,
-        stop_after: int | None = None, teacher_placement: str = "replicate", eval_every: int = 0) -> dict:
-    """Train, save ``OUT/hf`` + ``OUT/stats.json`` on the main process; returns the stats."""
+        stop_after: int | None = None, teacher_placement: str = "replicate", eval_every: int = 0,
+        check_fast_path: bool = False) -> dict:
+    """Train, save ``OUT/hf`` + ``OUT/stats.json`` on the main process; returns the stats.
+
+    ``check_fast_path``: every selection evaluation also decodes through the Hugging Face forward on the same
+    weights and appends both results to ``OUT/fast_path_check.jsonl`` (``fast``, ``hf``: the acceptance numbers;
+    ``logit_diff``: max |lean - HF| draft logits on the eval prompts; ``probe``: a few draft logits)."""
     torch.set_num_threads(1)
     out = Path(out)
     teacher, student = tiny_llama(vocab_size=V, hidden_size=32, seed=1), tiny_llama(vocab_size=V, hidden_size=32, seed=3)
@@ -45,8 +76,10 @@ def run(out: str | Path, strategy: str = "single", max_steps: int = 6, save_ever
     if eval_every:
         from distill.generation import make_acceptance_eval
 
-        evaluate = make_acceptance_eval(teacher, [blocks[i : i + 1, :6] for i in range(2)], num_draft_tokens=3,
-                                        max_new_tokens=6)
+        prompts = [blocks[i : i + 1, :6] for i in range(2)]
+        evaluate = make_acceptance_eval(teacher, prompts, num_draft_tokens=3, max_new_tokens=6)
+        if check_fast_path:
+            evaluate = _checked(evaluate, teacher, prompts, out)
 
     def on_step(step, record):
         if stop_after is not None and step == stop_after:
@@ -72,9 +105,10 @@ if __name__ == "__main__":
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--teacher-placement", default="replicate")
     ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--check-fast-path", action="store_true")
     a = ap.parse_args()
     try:
         run(a.out, a.strategy, a.max_steps, a.save_every, stop_after=a.stop_after,
-            teacher_placement=a.teacher_placement, eval_every=a.eval_every)
+            teacher_placement=a.teacher_placement, eval_every=a.eval_every, check_fast_path=a.check_fast_path)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -9,10 +9,11 @@ import json
 import pytest
 import torch
 
-from tinymodels import tiny_llama
+from tinymodels import tiny_family, tiny_llama
 
 from distill.losses import get_loss
-from distill.lora import LoraError, LoraSectionConfig, adapt_draft, merge_lora, wrap_lora
+from distill.lora import (LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
+                          adapted_module_names, merge_lora, wrap_lora)
 from distill.trainer import TrainerConfig, make_distill_step, train
 
 
@@ -83,8 +84,123 @@ def test_config_and_module_errors():
                 {"name": "a/b"}, {"domain": "nope"}):
         with pytest.raises(ValueError):
             LoraSectionConfig(**bad)
-    with pytest.raises(LoraError, match=r"\['qkv'\] match no linear layer.*q_proj"):
+    with pytest.raises(LoraError, match=r"\['qkv'\] match no layer LoRA can adapt.*q_proj.*all-linear"):
         wrap_lora(tiny_llama(), LoraSectionConfig(target_modules=["q_proj", "qkv"]))
+    for bad in ("q_proj", [""], [3], {"a": 1}):
+        with pytest.raises(ValueError, match="lora.target_modules"):
+            LoraSectionConfig(target_modules=bad)
+    with pytest.raises(LoraError, match="no default LoRA target modules for model type 'phi3'.*all-linear"):
+        wrap_lora(tiny_family("phi3"), LoraSectionConfig(target_modules=None))
+
+
+# ------------------------------------------------------------------ model families (issue 12)
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2", "gpt_neox", "opt", "falcon"]
+
+
+def _randomize_adapters(peft_model, seed: int = 0) -> None:
+    """Non-zero A and B in every adapter (peft starts B, or for embeddings A, at 0: the update would vanish)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+
+
+def _assert_merged_equals_adapted(peft_model, base, vocab: int = 64):
+    ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        adapted, before = peft_model(input_ids=ids).logits, base(input_ids=ids).logits
+        merged = merge_lora(peft_model)
+        assert not any("lora" in n for n, _ in merged.named_modules())
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+    assert (adapted - before).abs().max() > 1e-2  # the adapters did change the draft
+    return merged
+
+
+def _head_name(model) -> str:
+    head = model.get_output_embeddings()
+    return next(n for n, m in model.named_modules() if m is head).rsplit(".", 1)[-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_default_targets_exist_in_every_family_and_merge_exactly(family):
+    """all-linear (the default) adapts every Linear / Conv1D layer of the family but the head; null takes peft's
+    per-family default. Either way every adapted name is a layer of the draft, and merged == adapted."""
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as MAPPING
+    from transformers.pytorch_utils import Conv1D
+
+    base = tiny_family(family)
+    linear = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
+    assert LoraSectionConfig().target_modules == "all-linear"
+    model = wrap_lora(copy.deepcopy(base), LoraSectionConfig(rank=2, alpha=4.0), seed=1)
+    assert adapted_module_names(model) == sorted(linear - {_head_name(base)}) and len(linear) >= 3
+    _randomize_adapters(model)
+    _assert_merged_equals_adapted(model, base)
+    if base.config.model_type not in MAPPING:  # phi3: no peft default (test_config_and_module_errors)
+        return
+    model = wrap_lora(copy.deepcopy(base), LoraSectionConfig(rank=2, alpha=4.0, target_modules=None), seed=1)
+    assert adapted_module_names(model) == sorted(MAPPING[base.config.model_type])
+    assert set(adapted_module_names(model)) <= set(adaptable_module_names(base))
+    _randomize_adapters(model)
+    _assert_merged_equals_adapted(model, base)
+
+
+@pytest.mark.parametrize("family,targets", [("gpt2", ["c_attn", "lm_head"]), ("gpt2", ["wte"]),
+                                            ("falcon", ["lm_head"]), ("opt", ["fc1", "embed_tokens", "lm_head"])])
+def test_tied_head_or_embedding_as_target_is_untied_so_merged_equals_adapted(tmp_path, family, targets):
+    """Merging an adapter on one of two tied embeddings used to fold its update into the shared matrix (the other
+    one changed too): the head now gets its own copy first, and the saved merged draft reloads untied."""
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_family(family)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+    draft = copy.deepcopy(base)
+    model = wrap_lora(draft, LoraSectionConfig(rank=4, alpha=8.0, target_modules=targets), seed=0)
+    _randomize_adapters(model)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    merged = _assert_merged_equals_adapted(model, base)
+    assert merged.get_output_embeddings().weight is not merged.get_input_embeddings().weight
+    merged.save_pretrained(tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert reloaded.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
+    """The lora stage on real data with a GPT-2 draft (Conv1D layers) sharing the reference target's tokenizer:
+    the default targets are its c_attn / c_proj / c_fc, and the saved merged draft equals the saved adapter on the
+    base; with lm_head named too (tied embeddings) the same holds."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from data.checkpoints import load_causal_lm
+    from data.io import save_hf_atomic
+    from train.schema import validate
+
+    _, tok = load_causal_lm("distill/reference_target", role="target")
+    draft = tiny_family("gpt2", vocab_size=tok.vocab_size if len(tok) <= tok.vocab_size else len(tok), seed=2,
+                        n_positions=256)
+    save_hf_atomic(draft, tok, tmp_path / "drafts" / "distilled")
+    ids = tok("The patient was admitted with chest pain", return_tensors="pt").input_ids
+    for name, targets in (("gpt2_default", "all-linear"), ("gpt2_head", ["c_attn", "lm_head"])):
+        cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 8}, "trainer": {"num_threads": 1},
+               "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 2, "micro_batch_size": 2,
+                        "warmup_steps": 0, "save_every": 0, "eval_every": 0, "lr": 0.05, "name": name,
+                        "target_modules": targets}}
+        rc = validate(cfg)
+        out = adapt_draft(rc, rc.data.options(), tmp_path)
+        want = ["c_attn", "c_fc", "c_proj"] if targets == "all-linear" else ["c_attn", "lm_head"]
+        assert out["lora"]["adapted_modules"] == want
+        merged = AutoModelForCausalLM.from_pretrained(out["path"]).eval()
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "drafts" / "distilled").eval()
+        with torch.no_grad():
+            before = base(input_ids=ids).logits
+            adapted = PeftModel.from_pretrained(base, out["adapter_path"]).eval()(input_ids=ids).logits
+            torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+        assert (adapted - before).abs().max() > 1e-4  # it trained
 
 
 def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
@@ -204,3 +320,13 @@ def test_lora_batch_is_its_own_whatever_the_trainers_global_batch():
                    "trainer": {"micro_batch_size": 2, "global_batch_size": 4}})
     tcfg = rc.lora.trainer_config(rc.trainer)
     assert tcfg.micro_batch_size == 16 and tcfg.global_batch_size == 0 and tcfg.grad_accum_steps == 1
+
+
+def test_a_target_sharing_its_weight_otherwise_is_refused():
+    """Weights shared other than as tied embeddings (here two layers' q_proj): merging would change both layers,
+    whichever of them is named."""
+    for named in ("layers.0.self_attn.q_proj", "layers.1.self_attn.q_proj"):
+        draft = tiny_llama(seed=4)
+        draft.model.layers[1].self_attn.q_proj.weight = draft.model.layers[0].self_attn.q_proj.weight
+        with pytest.raises(LoraError, match=r"lora.target_modules: .*q_proj shares its weight with .*q_proj.*drop"):
+            wrap_lora(draft, LoraSectionConfig(target_modules=[named]))

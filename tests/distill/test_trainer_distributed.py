@@ -203,3 +203,22 @@ def test_gradient_checkpointing_and_bf16_switches(tmp_path):
     stats = train(tiny_llama(seed=3), blocks, tmp_path / "bf16", TrainerConfig(max_steps=2, micro_batch_size=4,
                                                                              save_every=0, mixed_precision="bf16"))
     assert stats["final_loss"] == pytest.approx(stats["final_loss"]) and 0 < stats["final_loss"] < 10
+
+
+@pytest.mark.slow
+def test_deepspeed_zero2_selection_evaluations_decode_the_current_weights(tmp_path):
+    """ZeRO-2's optimizer writes the updated weights through ``.data`` (no version bump): every selection
+    evaluation's acceptance numbers, which pick the checkpoint, are the Hugging Face forward's on that step's
+    weights (issue 12: the lean forward used to decode the step-1 weights)."""
+    pytest.importorskip("deepspeed")
+    out = tmp_path / "zero2"
+    proc = _launch("deepspeed_zero2.yaml", out, "--strategy", "deepspeed_zero2", "--max-steps", "3",
+                   "--eval-every", "1", "--check-fast-path")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    checks = [json.loads(l) for l in (out / "fast_path_check.jsonl").read_text().splitlines()]
+    assert len(checks) == 3
+    for c in checks:
+        assert c["fast"] == pytest.approx(c["hf"]) and c["logit_diff"] < 1e-4, c
+    assert len({tuple(c["probe"]) for c in checks}) == 3  # the weights did change between the evaluations
+    evals = [(e[1], e[0]) for e in _evals(out)]  # what selection saw is what the check recorded
+    assert [m for m, _ in evals] == pytest.approx([c["fast"]["mean_accepted_length"] for c in checks])

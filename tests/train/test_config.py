@@ -121,6 +121,16 @@ def test_lora_stages_need_the_lora_settings():
         validate(compose_cfg(["stages=[lora]", "lora=default", "lora.domain=specbench_qa"]))
 
 
+@pytest.mark.parametrize("override, want", [
+    ([], "all-linear"),
+    (["lora.target_modules=null"], None),  # peft's default for the draft's model family
+    (["lora.target_modules=[c_attn,lm_head]"], ["c_attn", "lm_head"]),
+    (["lora.target_modules=ALL-LINEAR"], "all-linear"),
+])
+def test_lora_target_modules_forms_from_the_command_line(override, want):
+    assert validate(compose_cfg(["lora=default", *override])).lora.target_modules == want
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -145,6 +155,7 @@ def test_lora_stages_need_the_lora_settings():
         ("lora=default lora.rank=0", "lora.rank"),
         ("lora=default lora.dropout=1.0", "lora.dropout"),
         ("lora=default lora.target_modules=[]", "lora.target_modules"),
+        ("lora=default lora.target_modules=q_proj", "lora.target_modules"),
         ("lora=default lora.domain=nope", "nope"),
         ("lora=default lora.max_steps=0", "lora.max_steps"),
         ("adapt.min_mean_accepted_length=0.5", "adapt.min_mean_accepted_length"),

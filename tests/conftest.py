@@ -7,6 +7,9 @@ import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Evaluations in the suite run on the CPU in float32 (exact-number assertions: twin drafts accept everything, greedy
+# is lossless) also on a GPU machine, here and in the subprocesses tests start; the `gpu` tests ask for eval.device=cuda.
+os.environ.setdefault("SPECDRAFT_EVAL_DEVICE", "cpu")
 
 
 from tinymodels import tiny_llama  # noqa: E402  (re-exported for fixtures)

@@ -147,10 +147,20 @@ def _launch_kwargs() -> dict:
 
     Without a GPU, a multi-process launch needs help: DDP runs as accelerate's MULTI_CPU (``cpu=True``, gloo) and
     DeepSpeed needs the gloo backend named (accelerate would otherwise treat it as one process).
+
+    Raises:
+        ValueError: more processes on this machine (``LOCAL_WORLD_SIZE``) than visible CUDA devices (NCCL needs one
+            GPU per rank); the message names both fixes.
     """
     import torch.cuda
 
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("LOCAL_RANK") is not None
+    if torch.cuda.is_available() and multi:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        if local > torch.cuda.device_count():  # NCCL would put two ranks on one GPU and fail or hang
+            raise ValueError(f"{local} processes on this machine but only {torch.cuda.device_count()} visible CUDA "
+                             f"device(s): launch at most one process per GPU (--num_processes), or run on CPU with "
+                             f"CUDA_VISIBLE_DEVICES= (gloo)")
     if torch.cuda.is_available() or not multi:
         return {}
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":

@@ -44,7 +44,8 @@ def _launch(config: str, out: Path, *args: str, timeout: float = 240) -> subproc
            "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(_free_port()),
            str(WORKER), str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**env, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+                          # two CPU processes (gloo), also on a machine with one GPU
+                          env={**env, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
 @pytest.fixture(scope="module")
@@ -195,3 +196,22 @@ def test_gradient_checkpointing_and_bf16_switches(tmp_path):
     stats = train(tiny_llama(seed=3), blocks, tmp_path / "bf16", TrainerConfig(max_steps=2, micro_batch_size=4,
                                                                              save_every=0, mixed_precision="bf16"))
     assert stats["final_loss"] == pytest.approx(stats["final_loss"]) and 0 < stats["final_loss"] < 10
+
+
+def test_more_local_processes_than_gpus_is_refused(monkeypatch):
+    """Faked one-GPU machine: two ranks would share cuda:0 under NCCL; refused with both fixes named. One process
+    per GPU passes (accelerate's defaults), and without a GPU two processes take the gloo path."""
+    from distill.trainer import _launch_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"2 processes on this machine but only 1 visible CUDA device.*"
+                                         r"CUDA_VISIBLE_DEVICES= \(gloo\)"):
+        _launch_kwargs()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _launch_kwargs() == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert _launch_kwargs() == {"cpu": True}

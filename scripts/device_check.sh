@@ -12,7 +12,8 @@
 #   bash scripts/device_check.sh          # on a GPU machine
 #   bash scripts/device_check.sh --cpu    # dry run of every step on the CPU (the gpu tests run on the CPU)
 # Logs and results go to ${OUT:-device_check_out}/; exit status 0 only when every step passed.
-# Time limits per step (seconds): install 90, env 10, distill 110, tests 150, bench 2 x 30, eval 50 = 470 < 480.
+# Time limits per step (seconds): install 80, env 20, distill 110, tests 150, bench 2 x 30, eval 50 = 470 < 480.
+# --cpu runs the same steps with less decoding (bf16 matmuls are slow on CPUs) so that they fit the same limits.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=gpu
@@ -26,7 +27,15 @@ done
 out=${OUT:-device_check_out}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1
 unset SPECDRAFT_EVAL_DEVICE
-if [ "$mode" = cpu ]; then device=cpu; export SPECDRAFT_GPU_TESTS_ON_CPU=1; else device=cuda; fi
+if [ "$mode" = cpu ]; then
+  device=cpu; export SPECDRAFT_GPU_TESTS_ON_CPU=1
+  bench_size=(--prompt-ids --num-prompts 1 --prompt-len 8 --max-new-tokens 8 --repeats 1 --cost-steps 4)
+  eval_size=(eval.max_prompts=1 eval.max_new_tokens=8 eval.max_prompt_tokens=32 eval.cost_ratio_trials=2)
+else
+  device=cuda
+  bench_size=(--max-new-tokens 32 --repeats 2 --cost-steps 16)
+  eval_size=(eval.max_prompts=2 eval.max_new_tokens=16 eval.cost_ratio_trials=3)
+fi
 start=$SECONDS
 declare -A rc
 step() { echo; echo "== $1 ($(( SECONDS - start )) s elapsed)"; }
@@ -37,12 +46,12 @@ if [ "$mode" = cpu ] && python -c "import torch, transformers, peft, accelerate,
   echo "--cpu: packages already import; install skipped (a GPU run always runs: $setup)" | tee "$out/install.txt"
   rc[install]=0
 else
-  timeout 90 bash -c "$setup" > "$out/install.txt" 2>&1; rc[install]=$?
+  timeout 80 bash -c "$setup" > "$out/install.txt" 2>&1; rc[install]=$?
   tail -n 3 "$out/install.txt"
 fi
 
 step "2/6 environment"
-timeout 10 python - "$mode" <<'PY' 2>&1 | tee "$out/env.txt"
+timeout 20 python - "$mode" <<'PY' 2>&1 | tee "$out/env.txt"
 import sys, torch, transformers
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available(),
       "threads", torch.get_num_threads())
@@ -86,7 +95,7 @@ rc[bench]=0
 for dtype in float32 bfloat16; do
   if [ "${rc[distill]}" -ne 0 ]; then rc[bench]=1; break; fi
   timeout 30 python scripts/bench_decode.py --target "$target" --draft "$draft" --device "$device" --dtype "$dtype" \
-    --num-draft-tokens 4 --max-new-tokens 32 --repeats 2 --cost-steps 16 --json-out "$out/bench_$dtype.json" \
+    --num-draft-tokens 4 "${bench_size[@]}" --json-out "$out/bench_$dtype.json" \
     > "$out/bench_$dtype.txt" 2>&1 || rc[bench]=1
   tail -n 21 "$out/bench_$dtype.txt"
 done
@@ -95,7 +104,7 @@ step "6/6 python -m eval on $device in bfloat16"
 rc[eval]=1
 if [ "${rc[distill]}" -eq 0 ]; then
   timeout 50 python -m eval "target.name_or_path=$target" "eval.drafts={distilled: $draft}" 'eval.domains=[medical]' \
-    eval.max_prompts=2 eval.max_new_tokens=16 eval.cost_ratio_trials=3 eval.bootstrap_samples=50 eval.plots=false \
+    "${eval_size[@]}" eval.bootstrap_samples=50 eval.plots=false \
     "eval.device=$device" eval.dtype=bfloat16 "hydra.run.dir=$out/eval" > "$out/eval.txt" 2>&1 \
   && python - "$out/eval/metrics.json" "$device" <<'PY' && rc[eval]=0
 import json, sys

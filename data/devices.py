@@ -87,3 +87,24 @@ def describe_runtime(r: dict) -> str:
     """One report line from :func:`runtime_record`'s dict, e.g. ``cpu, float32, 2 torch threads, torch 2.x``."""
     where = f"{r['device']} ({r['gpu']}, CUDA {r['cuda']})" if r.get("gpu") else r["device"]
     return f"{where}, {r['dtype']}, {r['threads']} torch CPU threads, torch {r['torch']}"
+
+
+PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # trainer.mixed_precision -> dtype
+
+
+def run_precision(mixed_precision: str, device: torch.device | str):
+    """The context that runs frozen forwards (teacher, cached-teacher pass, teacher data generation, validation
+    losses) in the run's precision (``trainer.mixed_precision``): ``torch.autocast`` in bf16 / fp16 on ``device``'s
+    type, a no-op for ``no`` (fp32).
+
+    Raises:
+        DeviceError: an unknown ``mixed_precision`` (lists the accepted values).
+    """
+    import contextlib
+
+    if mixed_precision not in PRECISIONS:
+        raise DeviceError(f"trainer.mixed_precision={mixed_precision!r} is not supported; use {', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[mixed_precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=dtype)

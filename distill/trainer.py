@@ -688,6 +688,18 @@ def train(
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
+    # Precision policy: the teacher runs in the run's precision under every strategy. accelerate autocasts on one
+    # process / DDP; under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in
+    # fp32), so the step runs in torch.autocast there.
+    from accelerate.utils import DistributedType
+
+    from data.devices import run_precision
+
+    def amp():
+        if accelerator.distributed_type != DistributedType.DEEPSPEED or cfg.mixed_precision == "no":
+            return accelerator.autocast()
+        return run_precision(cfg.mixed_precision, accelerator.device)
+
     def run_eval(done: int, last_loss: float | None) -> None:
         nonlocal best_weights
         t_eval = time.perf_counter()
@@ -749,7 +761,7 @@ def train(
         losses = []
         for batch, expected in zip(micro, counts):
             with accelerator.accumulate(student):
-                with accelerator.autocast():
+                with amp():
                     loss_sum, n_tok = step_loss(student, teacher, batch)
                 if n_tok != expected:
                     raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")

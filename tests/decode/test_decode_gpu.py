@@ -139,3 +139,19 @@ def test_one_distillation_step_on_the_device(tmp_path):
     moved = [k for k, v in student.state_dict().items() if not torch.equal(v.cpu(), before[k])]
     assert moved, "no weight changed"
     assert all(torch.equal(v.cpu(), teacher_before[k]) for k, v in teacher.state_dict().items())
+
+
+def test_selection_evaluation_never_moves_the_online_teacher():
+    """ZeRO-3 with a replicated teacher: training's teacher sits on the GPU while the gathered draft is a full copy
+    in host memory. The selection evaluation runs on the teacher's device with a copy of the draft; neither model
+    moves (the next training step feeds the teacher device inputs)."""
+    from distill.generation import make_acceptance_eval
+
+    target, draft = make_pair(seed=5, noise=0.3)
+    target = target.to(DEV)
+    prompts = [p[None] for p in random_prompts([7, 5], 64, seed=4)]
+    evaluate = make_acceptance_eval(target, prompts, num_draft_tokens=3, max_new_tokens=12, move_target=False)
+    with torch.no_grad():
+        m = evaluate(draft)
+    assert next(target.parameters()).device.type == DEV.type and next(draft.parameters()).device.type == "cpu"
+    assert m["verify_steps"] > 0 and 1.0 <= m["mean_accepted_length"] <= 4.0

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode import autoregressive_generate, speculative_generate
+from decode._common import sync
 from decode.timing import cost_ratio
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             t0 = time.perf_counter()
             ref = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                           pad_token_id=pad, generator=g, **decode_kwargs)
+            sync(device)  # CUDA: one wait per measured decode, so its queued work counts in it
             t_ref = time.perf_counter() - t0
             n_ref = int(ref.num_new_tokens[0])
             bar.update(1)
@@ -102,6 +104,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
                                                num_draft_tokens=gamma, eos_token_id=eos, pad_token_id=pad,
                                                generator=g, **decode_kwargs)
+                    sync(device)
                     t_spec = time.perf_counter() - t0
                     s = out.stats
                     rows.append({

@@ -155,3 +155,36 @@ def test_selection_evaluation_never_moves_the_online_teacher():
         m = evaluate(draft)
     assert next(target.parameters()).device.type == DEV.type and next(draft.parameters()).device.type == "cpu"
     assert m["verify_steps"] > 0 and 1.0 <= m["mean_accepted_length"] <= 4.0
+
+
+def test_decoding_does_not_synchronize_per_step(monkeypatch):
+    """The decoders' timers record CUDA events instead of synchronising around every phase: no
+    ``torch.cuda.synchronize`` while decoding (greedy acceptance still reads its counts on the host once per
+    verify step), and the timed seconds are real."""
+    calls = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    target, draft = _pair()
+    ids, mask = _prompts()
+    ar = autoregressive_generate(target, ids, mask, max_new_tokens=20)
+    spec = speculative_generate(target, draft, ids, mask, max_new_tokens=20, num_draft_tokens=3)
+    assert calls == []
+    assert ar.stats.verify_time_s > 0 and spec.stats.draft_time_s > 0 and spec.stats.verify_time_s > 0
+
+
+def test_event_timer_agrees_with_a_synchronised_wall_clock():
+    from decode._common import Timer, sync
+    import time
+
+    x = torch.randn(1024, 1024, device=DEV)
+    for _ in range(3):  # warm-up
+        x @ x
+    sync(DEV)
+    t0 = time.perf_counter()
+    with Timer(DEV) as timer:
+        for _ in range(20):
+            y = x @ x
+    sync(DEV)
+    wall = time.perf_counter() - t0
+    assert y.shape == x.shape and 0.0 < timer.seconds <= wall * 1.05 + 1e-4
+    assert timer.seconds >= 0.5 * wall  # the queued matmuls count in the interval that launched them

@@ -126,11 +126,10 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
 
 
 def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
+    from data.devices import run_precision
     from data.tokenizer_check import check_tokenizers_compatible
 
     from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
-    from data.devices import run_precision
-
     from .teacher import build_teacher_cache, make_cached_distill_step
     from .draft_init import initial_draft, save_draft
     from .vocab import shared_vocab_size
@@ -160,7 +159,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
     distilled = kind in DISTILLED_KINDS
     one_off_passes = distilled and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
-    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (README, "Precision")
+    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (README, "Devices and precision")
     if one_off_passes and torch.cuda.is_available() and dist.is_main_process:
         # The passes run where training will (accelerate picks the GPU too), on the main process only: the others
         # read its caches, so they never hold a full target on their GPU for them.

@@ -44,6 +44,7 @@ from decode import (  # noqa: E402
     expected_speedup,
     speculative_generate,
 )
+from data.devices import runtime_record  # noqa: E402
 from decode._common import sync  # noqa: E402
 from decode.timing import forward_times_s  # noqa: E402
 
@@ -236,6 +237,7 @@ def _run(args) -> dict:
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "num_threads": torch.get_num_threads(),
+        "runtime": runtime_record(device, dtype),  # + torch / CUDA versions and the GPU name (data.devices)
         "fast_path": args.fast_path,
         "fast_path_used": {"target": args.fast_path == "auto" and fast_path_supported(target),
                            "draft": args.fast_path == "auto" and fast_path_supported(draft)},

@@ -45,6 +45,7 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     assert result["expected_speedup"] == bench.expected_speedup(result["token_acceptance_rate"], 3, result["cost_ratio"])
     assert all(v > 0 for v in result["tokens_per_s"].values())
     saved = json.loads(out_json.read_text())
+    assert saved["runtime"]["device"] == "cpu" and saved["runtime"]["torch"] == torch.__version__
     assert saved["num_draft_tokens"] == 3 and saved["stats"]["emitted_tokens"] == 2 * 8
 
 

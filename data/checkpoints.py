@@ -97,8 +97,10 @@ def check_finite_weights(model, name_or_path: str | os.PathLike, role: str = "mo
         )
 
 
-def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: torch.dtype = torch.float32):
-    """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id, in eval mode.
+def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: torch.dtype = torch.float32,
+                   device: torch.device | str | None = None):
+    """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id, in eval mode, with weights in ``dtype``
+    on ``device`` (``None``: CPU; resolve a config value with :func:`data.devices.resolve_device` first).
 
     Raises:
         CheckpointError: the path does not exist (and does not look like a hub id), lacks config/weights/tokenizer
@@ -118,6 +120,8 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
             f"complete Hugging Face causal-LM checkpoint (or that the hub is reachable for a hub id)."
         ) from e
     check_finite_weights(model, name_or_path, role)
+    if device is not None and torch.device(device) != torch.device("cpu"):
+        model.to(device)
     return model.eval(), tok
 
 

@@ -28,7 +28,8 @@ import warnings
 
 import torch
 
-__all__ = ["QUANTIZE_MODES", "quantize_draft", "is_quantized", "check_quantize_meta", "load_draft"]
+__all__ = ["QUANTIZE_MODES", "quantize_draft", "is_quantized", "check_quantize_meta", "check_quantize_device",
+           "load_draft"]
 
 QUANTIZE_MODES = ("none", "int8")
 
@@ -80,17 +81,36 @@ def check_quantize_meta(path: str | os.PathLike) -> str:
     return mode
 
 
-def load_draft(path: str | os.PathLike, role: str = "draft"):
-    """``(model, tokenizer, meta)`` of a draft directory: the Hugging Face checkpoint, quantized at load time when
-    its ``specdraft.json`` says ``"quantize": "int8"`` (see the module doc); ``meta`` is that ``specdraft.json``.
+def check_quantize_device(path: str | os.PathLike, device, dtype: torch.dtype = torch.float32,
+                          role: str = "draft") -> str:
+    """The draft's ``quantize`` mode (:func:`check_quantize_meta`), checked against where it would run.
 
     Raises:
-        data.checkpoints.CheckpointError: unreadable checkpoint or ``specdraft.json``, or an unknown ``quantize``
-            value in it (names the file).
+        data.checkpoints.CheckpointError: an int8 draft with ``device`` not the CPU or ``dtype`` not float32
+            (dynamic int8 kernels are CPU / fp32 only); the message names both fixes.
+    """
+    from data.checkpoints import CheckpointError
+
+    mode = check_quantize_meta(path)
+    if mode == "int8" and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise CheckpointError(f"{role} at {path} is an int8 draft (specdraft.json quantize=int8), whose kernels run on "
+                              f"CPU in float32, but the evaluation runs on {device} in {str(dtype)[6:]}; set "
+                              f"eval.device=cpu eval.dtype=float32, or evaluate its fp32 draft instead")
+    return mode
+
+
+def load_draft(path: str | os.PathLike, role: str = "draft", dtype: torch.dtype = torch.float32, device=None):
+    """``(model, tokenizer, meta)`` of a draft directory: the Hugging Face checkpoint in ``dtype`` on ``device``
+    (``None``: CPU), quantized at load time when its ``specdraft.json`` says ``"quantize": "int8"`` (see the module
+    doc); ``meta`` is that ``specdraft.json``.
+
+    Raises:
+        data.checkpoints.CheckpointError: unreadable checkpoint or ``specdraft.json``, an unknown ``quantize``
+            value in it (names the file), or an int8 draft asked for a GPU or a dtype other than float32.
     """
     from data.checkpoints import load_causal_lm, read_specdraft_meta
 
-    mode = check_quantize_meta(path)
+    mode = check_quantize_device(path, device or "cpu", dtype, role)
     meta = read_specdraft_meta(path)
-    model, tok = load_causal_lm(path, role=role)
+    model, tok = load_causal_lm(path, role=role, dtype=dtype, device=device)
     return quantize_draft(model, mode), tok, meta

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from ._common import new_kv_state, sync
+from ._common import Timer, new_kv_state
 
 __all__ = ["forward_times_s", "cost_ratio"]
 
@@ -22,12 +21,10 @@ def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | 
     times = [[] for _ in models]
     for _ in range(steps + 2):
         for state, ts in zip(states, times):
-            sync(prompt.device)
-            t0 = time.perf_counter()
-            state.forward(tok)
-            sync(prompt.device)
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts[2:]) for ts in times]  # first two are warm-up
+            with Timer(prompt.device) as timer:  # CUDA: events, one wait when read below
+                state.forward(tok)
+            ts.append(timer)
+    return [statistics.median(t.seconds for t in ts[2:]) for ts in times]  # first two are warm-up
 
 
 def cost_ratio(target, draft, prompt: torch.Tensor, steps: int = 20, fast_path: bool | None = None) -> dict[str, float]:

@@ -18,6 +18,7 @@ All generation goes through :func:`decode.autoregressive_generate` (KV cache, sh
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -75,18 +76,21 @@ def _prompts_fingerprint(prompts: list[list[int]]) -> str:
 def generate_teacher_sequences(
     target: torch.nn.Module, prompts: list[list[int]], gen: GenerationConfig, root: str | os.PathLike, *,
     seed: int, eos_token_id: int | None, pad_token_id: int | None, vocab_size: int | None = None,
-    target_fingerprint: str | None = None,
+    target_fingerprint: str | None = None, precision: str = "no",
 ) -> tuple[list[list[int]], dict]:
     """The target's continuations of ``prompts`` (token id lists), generated once and stored under
     ``root/sequences-<key>/`` (reused on rerun; a killed pass resumes at the first unfinished shard).
 
     Each returned sequence is ``prompt + generated tokens``, ending with ``eos_token_id`` (appended when the
     generation stopped at ``max_new_tokens``). Prompts are processed sorted by length (less left padding), and the
-    result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft.
+    result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft. ``precision``:
+    the run's ``trainer.mixed_precision``; the target generates in it (:func:`data.devices.run_precision`; part of
+    the cache key unless ``no``).
 
     Returns:
         (sequences, info) with ``path``, shard counts, ``num_sequences``, ``generated_tokens`` and ``time_s``.
     """
+    from data.devices import run_precision
     from decode import autoregressive_generate
 
     from .teacher import model_fingerprint
@@ -97,7 +101,8 @@ def generate_teacher_sequences(
     order = sorted(prompts, key=len)
     meta = {"kind": "teacher_sequences", "teacher_sha256": target_fingerprint or model_fingerprint(target),
             "prompts_sha256": _prompts_fingerprint(order), "generation": asdict(gen), "seed": seed,
-            "eos_token_id": eos_token_id, "vocab_size": vocab_size}
+            "eos_token_id": eos_token_id, "vocab_size": vocab_size, **({"precision": precision}
+                                                                       if precision != "no" else {})}
     key = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:16]
     bs = gen.batch_size
     store = ShardStore(Path(root) / f"sequences-{key}", meta, -(-len(order) // bs))
@@ -108,9 +113,11 @@ def generate_teacher_sequences(
         part = order[i * bs : (i + 1) * bs]
         ids, mask = left_pad(part, pad)  # (b, P) each
         g = torch.Generator(device=device).manual_seed(derived_seed(seed, "teacher_sequences", i))
-        out = autoregressive_generate(target.eval(), ids.to(device), mask.to(device), max_new_tokens=gen.max_new_tokens,
-                                      eos_token_id=eos_token_id, pad_token_id=pad, generator=g, vocab_size=vocab_size,
-                                      **gen.sampling_kwargs())
+        with run_precision(precision, device):
+            out = autoregressive_generate(target.eval(), ids.to(device), mask.to(device),
+                                          max_new_tokens=gen.max_new_tokens, eos_token_id=eos_token_id,
+                                          pad_token_id=pad, generator=g, vocab_size=vocab_size,
+                                          **gen.sampling_kwargs())
         width = ids.size(1)
         seqs = []
         for b, p in enumerate(part):
@@ -181,12 +188,16 @@ class OnPolicyHook:
 
 def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *, num_draft_tokens: int,
                          max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                         vocab_size: int | None = None) -> EvalFn:
+                         vocab_size: int | None = None, move_target: bool = True) -> EvalFn:
     """An :data:`distill.trainer.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
 
     The returned function maps a draft to ``{"mean_accepted_length", "acceptance_rate", "verify_steps",
     "emitted_tokens", "eval_decode_s"}``, pooled over prompts (sum of emitted tokens / sum of verify steps).
-    The target is moved to the draft's device on first use.
+    ``move_target=True`` (the target is not the training teacher: cached teacher, baseline): the target is moved to
+    the draft's device. ``move_target=False`` (the target *is* the online teacher): the evaluation runs where the
+    target is and never moves it (under ZeRO-3 a replicated teacher stays on the GPU that training feeds, a
+    ``teacher_placement=zero3`` teacher's full copy stays in host memory); a draft on another device is evaluated
+    as a copy moved there (in the target's dtype), so the draft being trained stays in place.
 
     Raises:
         ValueError: no prompts.
@@ -197,8 +208,13 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
         raise ValueError("acceptance evaluation needs at least one prompt (distill.eval_prompts)")
 
     def evaluate(draft: torch.nn.Module) -> dict:
-        device = next(draft.parameters()).device
-        target.to(device).eval()
+        if move_target:
+            target.to(next(draft.parameters()).device)
+        p = next(target.parameters())
+        device = p.device
+        target.eval()
+        if next(draft.parameters()).device != device:
+            draft = copy.deepcopy(draft).to(device=device, dtype=p.dtype).eval()
         t0 = time.perf_counter()
         stats = AcceptanceStats.pool(
             speculative_generate(target, draft, ids.to(device), max_new_tokens=max_new_tokens,

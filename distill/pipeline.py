@@ -126,6 +126,7 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
 
 
 def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
+    from data.devices import run_precision
     from data.tokenizer_check import check_tokenizers_compatible
 
     from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
@@ -158,8 +159,11 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
     distilled = kind in DISTILLED_KINDS
     one_off_passes = distilled and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
-    if one_off_passes and torch.cuda.is_available():
-        target.to("cuda")  # the one-off teacher passes run where training will (accelerate picks the GPU too)
+    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (README, "Devices and precision")
+    if one_off_passes and torch.cuda.is_available() and dist.is_main_process:
+        # The passes run where training will (accelerate picks the GPU too), on the main process only: the others
+        # read its caches, so they never hold a full target on their GPU for them.
+        target.to(dist.device)
     passes: dict = {}
     hook = None
     if distilled:
@@ -170,18 +174,20 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
             seqs, passes["teacher_data"] = generate_teacher_sequences(
                 target, prompts, dc.generation, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+                pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
             train_blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         if dc.teacher_signal == "cached":
             train_blocks = blocks_this_run_uses(train_blocks, rc.trainer, rc.seed, dist.num_processes)
             teacher, passes["teacher_cache"] = build_teacher_cache(
                 target, train_blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
-                vocab_size=shared)
+                vocab_size=shared, precision=precision)
             step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
         else:
             step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
         if dist.is_main_process:
             dist.wait_for_everyone()
+        if rc.trainer.teacher_placement == "zero3":
+            target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
         if dc.data_source == "on_policy":
             hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=shared)
     else:
@@ -200,7 +206,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         evaluate = make_acceptance_eval(
             target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
             num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared,
+            move_target=teacher is not target)  # the online teacher stays where training placed it
     n_draft, n_target = count_parameters(draft), count_parameters(target)  # before ZeRO-3 may partition them
     log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, n_draft, n_target,
              train_blocks.size(0), rc.data.block_size)
@@ -210,8 +217,11 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
                   on_eval=(lambda s, r: events("train_eval", stage=kind, **r)) if events else None)
     with dist.main_process_first():
         val_blocks = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
-    val_loss = evaluate_loss(draft, val_blocks)
-    target_val_loss = evaluate_loss(target, val_blocks)
+    # like with like: both validation losses in the run's precision, each on its model's device
+    with run_precision(precision, next(draft.parameters()).device):
+        val_loss = evaluate_loss(draft, val_blocks)
+    with run_precision(precision, next(target.parameters()).device):
+        target_val_loss = evaluate_loss(target, val_blocks)
     best = stats.get("best")
     meta = {
         "kind": kind, "target": str(rc.target.name_or_path), "domain": rc.data.domain,
@@ -228,6 +238,7 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
                       "split": "validation", "best": best} if best else None,
         "draft_parameters": n_draft, "target_parameters": n_target,
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
+        "precision": precision,
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
         "budget": budget or {"kind": "steps", "max_steps": tcfg.max_steps, "max_time_s": tcfg.max_time_s or None},
         "data_fingerprint_sha256": files_fingerprint(rc.data.domain, opts), **passes,

@@ -76,7 +76,8 @@ def cache_key(teacher: torch.nn.Module, blocks: torch.Tensor, k: int, vocab_size
 
 def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: str | os.PathLike, *, k: int,
                         shard_blocks: int = 256, vocab_size: int | None = None, batch_size: int = 16,
-                        device: torch.device | str | None = None) -> tuple[TeacherCache, dict]:
+                        device: torch.device | str | None = None,
+                        precision: str = "no") -> tuple[TeacherCache, dict]:
     """Compute (or reuse) the teacher's top-k logits for ``blocks`` (N, T) under ``root/<key>/``.
 
     Args:
@@ -85,6 +86,8 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         shard_blocks: blocks per shard (the unit of resume and of checksum).
         vocab_size: top-k only over ids ``< vocab_size`` (the ids shared with the draft; default: all logits).
         batch_size: blocks per teacher forward.
+        precision: the run's ``trainer.mixed_precision`` (``no``, ``bf16``, ``fp16``): the teacher forward runs in
+            it (:func:`data.devices.run_precision`; part of the cache key unless ``no``); values are stored fp32.
 
     Returns:
         (cache, info) where info has ``path``, ``reused``/``computed``/``corrupt`` shard counts and ``time_s``.
@@ -92,6 +95,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     Raises:
         ValueError: ``k`` outside ``[1, vocab_size]``.
     """
+    from data.devices import run_precision
     from decode._common import output_vocab_size
 
     t0 = time.perf_counter()
@@ -100,6 +104,8 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         raise ValueError(f"distill.cache_top_k must be in [1, {vocab}] (the shared vocabulary), got {k}")
     device = torch.device(device) if device is not None else next(teacher.parameters()).device
     meta = cache_key(teacher, blocks, k, vocab)
+    if precision != "no":
+        meta["precision"] = precision
     key = hashlib.sha256(repr(sorted(meta.items())).encode()).hexdigest()[:16]
     num_shards = -(-blocks.size(0) // shard_blocks)
     store = ShardStore(Path(root) / f"topk-{key}", meta, num_shards)
@@ -112,7 +118,8 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         vals, idx = [], []
         for j in range(0, part.size(0), batch_size):
             x = part[j : j + batch_size].to(device)  # (b, T)
-            logits = teacher(input_ids=x, attention_mask=torch.ones_like(x)).logits[..., :vocab]  # (b, T, V)
+            with run_precision(precision, device):
+                logits = teacher(input_ids=x, attention_mask=torch.ones_like(x)).logits[..., :vocab]  # (b, T, V)
             v, ix = teacher_topk(logits, k)  # (b, T, k) each
             vals.append(v.cpu())
             idx.append(ix.cpu())

@@ -147,10 +147,20 @@ def _launch_kwargs() -> dict:
 
     Without a GPU, a multi-process launch needs help: DDP runs as accelerate's MULTI_CPU (``cpu=True``, gloo) and
     DeepSpeed needs the gloo backend named (accelerate would otherwise treat it as one process).
+
+    Raises:
+        ValueError: more processes on this machine (``LOCAL_WORLD_SIZE``) than visible CUDA devices (NCCL needs one
+            GPU per rank); the message names both fixes.
     """
     import torch.cuda
 
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("LOCAL_RANK") is not None
+    if torch.cuda.is_available() and multi:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        if local > torch.cuda.device_count():  # NCCL would put two ranks on one GPU and fail or hang
+            raise ValueError(f"{local} processes on this machine but only {torch.cuda.device_count()} visible CUDA "
+                             f"device(s): launch at most one process per GPU (--num_processes), or run on CPU with "
+                             f"CUDA_VISIBLE_DEVICES= (gloo)")
     if torch.cuda.is_available() or not multi:
         return {}
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
@@ -678,6 +688,18 @@ def train(
             with open(log_path, "a") as f:
                 f.write(json.dumps(rec) + "\n")
 
+    # Precision policy: the teacher runs in the run's precision under every strategy. accelerate autocasts on one
+    # process / DDP; under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in
+    # fp32), so the step runs in torch.autocast there.
+    from accelerate.utils import DistributedType
+
+    from data.devices import run_precision
+
+    def amp():
+        if accelerator.distributed_type != DistributedType.DEEPSPEED or cfg.mixed_precision == "no":
+            return accelerator.autocast()
+        return run_precision(cfg.mixed_precision, accelerator.device)
+
     def run_eval(done: int, last_loss: float | None) -> None:
         nonlocal best_weights
         t_eval = time.perf_counter()
@@ -739,7 +761,7 @@ def train(
         losses = []
         for batch, expected in zip(micro, counts):
             with accelerator.accumulate(student):
-                with accelerator.autocast():
+                with amp():
                     loss_sum, n_tok = step_loss(student, teacher, batch)
                 if n_tok != expected:
                     raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")

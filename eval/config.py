@@ -42,6 +42,8 @@ class EvalConfig:
     alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
     plots: bool = True  # write plots/*.png (matplotlib, Agg)
     num_threads: int | None = None  # torch CPU threads while timing (null: leave torch's setting)
+    device: str | None = None  # cpu | cuda | cuda:N; null: cuda when torch sees a GPU, else cpu
+    dtype: str | None = None  # float32 | bfloat16 | float16; null: bfloat16 on a GPU, float32 on CPU
 
     def __post_init__(self):
         if self.max_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 2:
@@ -66,6 +68,8 @@ class EvalConfig:
                              f"{self.alert_mean_accepted_length}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"eval.num_threads must be null or >= 1, got {self.num_threads}")
+        self.torch_device()  # DeviceError (a ValueError): e.g. eval.device=cuda on a machine without a GPU
+        self.torch_dtype()
         from data.registry import DOMAINS
 
         extra = [e.name for e in self.extra_domains]
@@ -79,6 +83,18 @@ class EvalConfig:
                 from data.registry import get_domain
 
                 get_domain(d)  # UnknownDomainError (a ValueError) listing the known names
+
+    def torch_device(self):
+        """``eval.device`` resolved on this machine (:func:`data.devices.resolve_device`; raises DeviceError)."""
+        from data.devices import resolve_device
+
+        return resolve_device(self.device, "eval.device")
+
+    def torch_dtype(self):
+        """``eval.dtype`` resolved for :meth:`torch_device` (:func:`data.devices.resolve_dtype`)."""
+        from data.devices import resolve_dtype
+
+        return resolve_dtype(self.dtype, self.torch_device(), "eval.dtype")
 
     def all_domains(self) -> list[str]:
         """``domains`` then any extra domain not already listed, in order, without duplicates."""

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode import autoregressive_generate, speculative_generate
+from decode._common import sync
 from decode.timing import cost_ratio
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     sampling = bool(decode_kwargs.get("do_sample"))
     compare = check_lossless and not sampling
+    device = next(target.parameters()).device  # sampling draws on the models' device (no host round trip)
     first = next(p for ps in prompts_by_domain.values() for p in ps)
     probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
     _warm_up(target, drafts, probe, gammas[0], eos, pad)
@@ -87,20 +89,22 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         for i, p in enumerate(prompts):
             ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
             truncated_total += truncated
-            g = torch.Generator().manual_seed(seed + i)
+            g = torch.Generator(device=device).manual_seed(seed + i)
             t0 = time.perf_counter()
             ref = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                           pad_token_id=pad, generator=g, **decode_kwargs)
+            sync(device)  # CUDA: one wait per measured decode, so its queued work counts in it
             t_ref = time.perf_counter() - t0
             n_ref = int(ref.num_new_tokens[0])
             bar.update(1)
             for gamma in gammas:
                 for name, draft in drafts.items():
-                    g = torch.Generator().manual_seed(seed + i)
+                    g = torch.Generator(device=device).manual_seed(seed + i)
                     t0 = time.perf_counter()
                     out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
                                                num_draft_tokens=gamma, eos_token_id=eos, pad_token_id=pad,
                                                generator=g, **decode_kwargs)
+                    sync(device)
                     t_spec = time.perf_counter() - t0
                     s = out.stats
                     rows.append({

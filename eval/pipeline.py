@@ -238,23 +238,25 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     """
     from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
     from decode.fast_llama import fast_path_supported
-    from decode.quantize import check_quantize_meta, load_draft
+    from data.devices import runtime_record
+    from decode.quantize import check_quantize_device, load_draft
 
     run_dir = Path(run_dir)
     ev = events or (lambda *a, **k: None)
     paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
-    for path in paths.values():
-        check_quantize_meta(path)  # an unknown "quantize" in a specdraft.json fails before any model loads
+    device, dtype = rc.eval.torch_device(), rc.eval.torch_dtype()
+    for n, path in paths.items():  # an unknown "quantize", or int8 on a GPU / in bf16, fails before any model loads
+        check_quantize_device(path, device, dtype, role=f"draft {n!r}")
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains})
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
-    target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
+    target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
     need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
     what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
     check_context_fits(target, need, "target", what)
     drafts, meta = {}, {}
     for n in paths:
-        model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}")  # int8 drafts are quantized here
+        model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
         drafts[n] = model
@@ -269,6 +271,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     groups = [(drafts, prompts)] if routed is None else [
         ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts]
     with _torch_threads(rc.eval.num_threads):
+        runtime = runtime_record(device, dtype)  # threads: as set while timing
+        ev("eval_runtime", **runtime)
         parts = [evaluate_drafts(
             target, tokenizer, group_drafts, group_prompts, num_draft_tokens=gammas,
             max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
@@ -279,7 +283,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts)}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts}
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed}
     sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []

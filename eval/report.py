@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from data.devices import describe_runtime
 from data.io import write_json_atomic, write_text_atomic
 
 from .metrics import PER_PROMPT_COLUMNS, aggregate, json_clean, row_to_csv
@@ -141,6 +142,7 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
               + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
               + (f"swept over {swept}, tables at gamma = {doc['num_draft_tokens']}" if len(swept) > 1
                  else str(doc["num_draft_tokens"])),
+              *([f"- runtime: {describe_runtime(ctx['runtime'])}"] if ctx.get("runtime") else []),
               f"- intervals: {level}% percentile bootstrap over prompts ({doc['bootstrap_samples']} resamples, "
               f"pooled ratio recomputed per resample, seed {ctx.get('seed')})",
               f"- lossless (speculative greedy output equals target-only greedy output on every prompt): "

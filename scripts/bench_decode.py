@@ -16,7 +16,8 @@ It prints tokens/s of each (new tokens / wall seconds, ``time.perf_counter`` aro
 ours/transformers and ours/target-only ratios, the measured acceptance rate alpha and mean accepted length tau
 (pooled), the cost ratio c (one-token cached draft forward time / target forward time, medians, the two models
 timed alternately), the expected
-speedup of Leviathan et al. 2023, Thm 3.8, from the measured alpha and c, and measured speedup / expected.
+speedup of Leviathan et al. 2023, Thm 3.8, from the measured per-token acceptance (accepted / positions reached,
+:func:`leviathan_expectation`) and c, and measured speedup / expected.
 Generation ignores EOS by default (fixed-length outputs make the three comparable); ``--stop-at-eos`` uses the
 target's EOS. ``--prompt-ids`` uses random token-id prompts and needs no tokenizer (used by the tests).
 ``--num-threads`` sets ``torch.set_num_threads`` (default 1: timings on a shared CPU are steadier, and for
@@ -43,6 +44,7 @@ from decode import (  # noqa: E402
     expected_speedup,
     speculative_generate,
 )
+from data.devices import runtime_record  # noqa: E402
 from decode._common import sync  # noqa: E402
 from decode.timing import forward_times_s  # noqa: E402
 
@@ -85,12 +87,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device))
-    if dtype == "auto":
-        dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    else:
-        dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    return dev, dt
+    """``--device`` / ``--dtype`` as eval.device / eval.dtype resolve them (:mod:`data.devices`); an unavailable
+    GPU or an unknown name ends the script with a one-line error."""
+    from data.devices import DeviceError, resolve_device, resolve_dtype
+
+    try:
+        dev = resolve_device(device, "--device")
+        return dev, resolve_dtype(dtype, dev, "--dtype")
+    except DeviceError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def leviathan_expectation(stats: AcceptanceStats, gamma: int, cost_ratio: float) -> tuple[float, float]:
+    """``(per-token acceptance alpha, expected speedup)`` of Leviathan et al. 2023, Thm 3.8, whose i.i.d. model
+    wants the per-token acceptance probability: accepted / positions reached, summed over draft positions
+    (``sum(per_position_accepted) / sum(per_position_drafted)``; as ``token_acceptance_rate`` in metrics.json),
+    not accepted / drafted (which counts the positions after the first rejection as rejected too). NaN when
+    nothing was drafted."""
+    reached = sum(stats.per_position_drafted)
+    alpha = sum(stats.per_position_accepted) / reached if reached else float("nan")
+    return alpha, (expected_speedup(alpha, gamma, cost_ratio) if reached else float("nan"))
 
 
 def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
@@ -215,12 +231,13 @@ def _run(args) -> dict:
     t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
     cost_ratio = t_draft / t_target
     alpha = stats.acceptance_rate
-    expected = expected_speedup(alpha, gamma, cost_ratio) if alpha == alpha else float("nan")
+    token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
     measured = tps["ours_speculative"] / tps["target_only"]
     return {
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "num_threads": torch.get_num_threads(),
+        "runtime": runtime_record(device, dtype),  # + torch / CUDA versions and the GPU name (data.devices)
         "fast_path": args.fast_path,
         "fast_path_used": {"target": args.fast_path == "auto" and fast_path_supported(target),
                            "draft": args.fast_path == "auto" and fast_path_supported(draft)},
@@ -232,6 +249,7 @@ def _run(args) -> dict:
         "ours_over_transformers": tps["ours_speculative"] / tps["hf_assisted"],
         "ours_over_target_only": measured,
         "acceptance_rate": alpha,
+        "token_acceptance_rate": token_alpha,
         "mean_accepted_length": stats.mean_accepted_length,
         "draft_forward_s": t_draft,
         "target_forward_s": t_target,
@@ -258,10 +276,11 @@ def format_table(r: dict) -> str:
         ("tokens/s ours speculative", f"{tps['ours_speculative']:.1f}"),
         ("ours / transformers", f"{r['ours_over_transformers']:.2f}x"),
         ("ours / target-only (measured speedup)", f"{r['ours_over_target_only']:.2f}x"),
-        ("acceptance rate alpha", f"{r['acceptance_rate']:.3f}"),
+        ("acceptance rate (accepted / drafted)", f"{r['acceptance_rate']:.3f}"),
+        ("per-token acceptance alpha (Leviathan)", f"{r['token_acceptance_rate']:.3f}"),
         ("mean accepted length tau", f"{r['mean_accepted_length']:.2f}"),
         ("cost ratio c (draft / target forward)", f"{r['cost_ratio']:.3f}"),
-        ("expected speedup (Leviathan Thm 3.8)", f"{r['expected_speedup']:.2f}x"),
+        ("expected speedup (Leviathan Thm 3.8, per-token alpha)", f"{r['expected_speedup']:.2f}x"),
         ("measured / expected", f"{r['measured_over_expected']:.2f}"),
         ("ours: greedy outputs differing from target-only", f"{r['greedy_output_mismatches']['ours_speculative']}"),
         ("transformers: outputs differing from target-only", f"{r['greedy_output_mismatches']['hf_assisted']}"),

@@ -72,6 +72,13 @@ def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, **overrides):
     return tf.AutoModelForCausalLM.from_config(cls(**{**kw, **overrides})).eval()
 
 
+def gpu_test_device() -> torch.device:
+    """Where the ``gpu`` marked tests run: ``cuda`` when torch sees a GPU; otherwise the CPU, which only happens in
+    ``scripts/device_check.sh --cpu`` (``SPECDRAFT_GPU_TESTS_ON_CPU=1``: the same tests as a CPU dry run; elsewhere
+    the root conftest skips them without a GPU)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def kill_9_when(proc, ready, *, timeout_s: float, what: str, poll_s: float = 0.05) -> None:
     """Wait until ``ready()`` is true while ``proc`` (a ``subprocess.Popen`` with ``stderr=PIPE``) runs, then
     kill it with SIGKILL. Fails the test with the child's stderr if it exits first, or with ``what`` after

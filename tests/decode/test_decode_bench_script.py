@@ -28,7 +28,7 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     result = bench.main([
         "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
         "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "8",
-        "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json),
+        "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json), "--device", "cpu", "--dtype", "float32",
     ])
     table = capsys.readouterr().out
     assert torch.get_num_threads() == threads_before  # --num-threads is restored after the run
@@ -40,6 +40,40 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     assert 0.0 <= result["acceptance_rate"] <= 1.0
     assert 1.0 <= result["mean_accepted_length"] <= 4.0
     assert result["cost_ratio"] > 0 and result["expected_speedup"] > 0
+    st = result["stats"]
+    assert result["token_acceptance_rate"] == sum(st["per_position_accepted"]) / sum(st["per_position_drafted"])
+    assert result["expected_speedup"] == bench.expected_speedup(result["token_acceptance_rate"], 3, result["cost_ratio"])
     assert all(v > 0 for v in result["tokens_per_s"].values())
     saved = json.loads(out_json.read_text())
+    assert saved["runtime"]["device"] == "cpu" and saved["runtime"]["torch"] == torch.__version__
     assert saved["num_draft_tokens"] == 3 and saved["stats"]["emitted_tokens"] == 2 * 8
+
+
+def test_expected_speedup_uses_the_per_token_acceptance():
+    """Hand-computed: 4 verify steps at gamma 3 accepting 3, 2, 0 and 1 drafts. Positions reached 4 + 3 + 2 = 9, of
+    which 3 + 2 + 1 = 6 accepted: per-token alpha = 2/3 (accepted / drafted would be 6/12 = 1/2). With c = 0.1,
+    Leviathan's Thm 3.8 gives (1 - (2/3)^4) / ((1/3)(3 * 0.1 + 1)) = (65/81) * 3 / 1.3 = 195 / 105.3."""
+    from decode import AcceptanceStats
+
+    bench = _load_script()
+    stats = AcceptanceStats(verify_steps=4, drafted_tokens=12, accepted_tokens=6, emitted_tokens=10,
+                            per_position_drafted=[4, 3, 2], per_position_accepted=[3, 2, 1],
+                            accepted_length_histogram=[1, 1, 1, 1])
+    alpha, expected = bench.leviathan_expectation(stats, 3, 0.1)
+    assert alpha == 2 / 3 and stats.acceptance_rate == 0.5
+    assert abs(expected - 195 / 105.3) < 1e-12
+    assert abs(bench.expected_speedup(0.5, 3, 0.1) - 0.9375 / 0.65) < 1e-12  # what the old estimator printed
+    nothing, nan = bench.leviathan_expectation(AcceptanceStats(), 3, 0.1)
+    assert nothing != nothing and nan != nan  # NaN when nothing was drafted
+
+
+def test_an_unavailable_device_ends_the_benchmark_with_one_line(monkeypatch):
+    bench = _load_script()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        bench.resolve_device_dtype("cuda", "auto")
+    except SystemExit as e:
+        assert str(e).startswith("error: --device=cuda but no CUDA device is available")
+    else:
+        raise AssertionError("cuda was accepted without a GPU")
+    assert bench.resolve_device_dtype("auto", "auto") == (torch.device("cpu"), torch.float32)

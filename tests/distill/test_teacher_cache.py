@@ -47,6 +47,20 @@ def test_cache_content_matches_teacher_and_is_reused(tmp_path):
     assert info3["path"] != info["path"] and info3["computed"] == 3
 
 
+def test_cached_teacher_runs_in_the_runs_precision(tmp_path):
+    """Precision policy: with trainer.mixed_precision=bf16 the cache holds the teacher's bf16 top-k (its forward
+    under autocast, as the online teacher runs), under its own key: an fp32 cache is never reused for it."""
+    teacher, blocks = tiny_llama(vocab_size=V, hidden_size=32, seed=1), _blocks(n=4)
+    fp32, info32 = build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4)
+    bf16, info16 = build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4, precision="bf16")
+    assert info16["path"] != info32["path"] and info16["computed"] == 1
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_v, ref_i = teacher_topk(teacher(input_ids=blocks, attention_mask=torch.ones_like(blocks)).logits, 8)
+    assert torch.equal(bf16.values, ref_v) and torch.equal(bf16.indices, ref_i)
+    assert not torch.equal(bf16.values, fp32.values)  # the precision really changed what was cached
+    assert next(teacher.parameters()).dtype == torch.float32  # the teacher itself is not cast
+
+
 def test_killed_pass_resumes_and_corrupt_shard_is_recomputed(tmp_path):
     calls = []
 

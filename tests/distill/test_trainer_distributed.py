@@ -44,7 +44,8 @@ def _launch(config: str, out: Path, *args: str, timeout: float = 240) -> subproc
            "--num_processes", "2", "--num_cpu_threads_per_process", "1", "--main_process_port", str(_free_port()),
            str(WORKER), str(out), *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**env, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
+                          # two CPU processes (gloo), also on a machine with one GPU
+                          env={**env, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""})
 
 
 @pytest.fixture(scope="module")
@@ -222,3 +223,22 @@ def test_deepspeed_zero2_selection_evaluations_decode_the_current_weights(tmp_pa
     assert len({tuple(c["probe"]) for c in checks}) == 3  # the weights did change between the evaluations
     evals = [(e[1], e[0]) for e in _evals(out)]  # what selection saw is what the check recorded
     assert [m for m, _ in evals] == pytest.approx([c["fast"]["mean_accepted_length"] for c in checks])
+
+
+def test_more_local_processes_than_gpus_is_refused(monkeypatch):
+    """Faked one-GPU machine: two ranks would share cuda:0 under NCCL; refused with both fixes named. One process
+    per GPU passes (accelerate's defaults), and without a GPU two processes take the gloo path."""
+    from distill.trainer import _launch_kwargs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"2 processes on this machine but only 1 visible CUDA device.*"
+                                         r"CUDA_VISIBLE_DEVICES= \(gloo\)"):
+        _launch_kwargs()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert _launch_kwargs() == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert _launch_kwargs() == {"cpu": True}

@@ -135,7 +135,8 @@ def test_deepspeed_zero2_smoke_on_two_cpu_processes_matches_one_process(smoke_ru
          "-m", "train", "+experiment=smoke", "trainer=deepspeed_zero2", "stages=[distill]",
          "trainer.micro_batch_size=1", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
+        env={**env, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1",
+             "CUDA_VISIBLE_DEVICES": ""})  # two CPU processes (gloo), also on a machine with one GPU
     assert proc.returncode == 0, proc.stderr[-4000:]
     meta = json.loads((tmp_path / "drafts" / "distilled" / "specdraft.json").read_text())
     assert meta["train"]["num_processes"] == 2 and meta["train"]["grad_accum_steps"] == 2

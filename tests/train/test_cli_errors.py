@@ -193,3 +193,22 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
     check_run_dir_free(rc("overwrite=true"), finished_run)
     check_run_dir_free(rc("trainer.resume=true"), finished_run)
     check_run_dir_free(rc(), finished_run.parent / "fresh")
+
+
+def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_path):
+    """A draft with chunked attention (Llama 4): speculative decoding could not crop its cache exactly, so eval
+    stops with the one-line error (exit 2) before decoding anything, instead of a traceback mid-run."""
+    import sys as _sys
+
+    from transformers import AutoTokenizer
+
+    _sys.path.insert(0, str(ROOT / "tests" / "decode"))
+    from test_decode_sliding_window import tiny_chunked_llama4
+
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    chunked = tiny_chunked_llama4(vocab=len(tok))
+    chunked.save_pretrained(tmp_path / "chunked")
+    tok.save_pretrained(tmp_path / "chunked")
+    proc = cli("eval", *_eval_args(models, **{"eval.drafts": f"{{chunked: {tmp_path / 'chunked'}}}"}),
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(proc, 2, "draft 'chunked'", "cannot roll back the KV cache", "chunked_attention")

@@ -21,7 +21,7 @@ from .policies import (
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .speculative import speculative_generate, verify_block
 from .stats import AcceptanceStats, expected_speedup
-from .timing import cost_ratio, forward_times_s
+from .timing import block_forward_times_s, cost_ratio, forward_times_s
 
 __all__ = [
     "speculative_generate",
@@ -34,6 +34,7 @@ __all__ = [
     "expected_speedup",
     "cost_ratio",
     "forward_times_s",
+    "block_forward_times_s",
     "process_logits",
     "greedy_tokens",
     "sample_tokens",

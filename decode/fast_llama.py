@@ -1,4 +1,4 @@
-"""A lean cached forward for Hugging Face Llama-family causal LMs (not public API).
+"""A lean cached forward for Hugging Face Llama and Mistral causal LMs (not public API).
 
 For small models at batch 1 most of the time of a Hugging Face forward is Python wrapper work (mask creation,
 rotary module, output dataclasses, config look-ups), not matmuls. :class:`FastKVState` runs the same computation
@@ -10,9 +10,12 @@ directly on the model's own parameters (no weight copies), with the same ops in 
     the valid prefix (boolean key mask for left padding / holes) -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP
     -> residual] -> final RMSNorm -> lm_head on the kept positions only.
 
-Cropping the cache only moves the valid length (no copy). Models the lean forward does not cover (another
-architecture, rope scaling, attention / MLP bias, sliding window, a non-SiLU activation, ...) fall back to the
-Hugging Face forward (:func:`fast_path_supported` says which and why).
+Cropping the cache only moves the valid length (no copy). Mistral is Llama plus a sliding window W: the cache keeps
+every slot (so rollback is exact) and attention is limited to keys whose *position* is within W of the query's
+(transformers' ``sliding_window_overlay``); at batch 1 without holes that is a slice of the key buffer. Models the
+lean forward does not cover (another architecture, rope scaling, attention / MLP bias, a Llama config with a
+sliding window, a non-SiLU activation, ...) fall back to the Hugging Face forward (:func:`fast_path_supported`
+says which and why).
 """
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ __all__ = ["fast_path_supported", "FastKVState"]
 def _unsupported_reason(model: torch.nn.Module) -> str | None:
     """``None`` when :class:`FastKVState` reproduces ``model``'s forward, else why not."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) != "llama":
-        return f"model_type {getattr(cfg, 'model_type', None)!r} is not 'llama'"
-    if type(model).__name__ != "LlamaForCausalLM":
-        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if cfg is None or getattr(cfg, "model_type", None) not in _CLASSES:
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(_CLASSES)}"
+    if type(model).__name__ != _CLASSES[cfg.model_type]:
+        return f"{type(model).__name__} is not {_CLASSES[cfg.model_type]}"
     if model.training:
         return "model is in training mode (dropout)"
     base = getattr(model, "model", None)
@@ -45,8 +48,12 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "rotary attention_scaling != 1"
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         return "attention / MLP bias"
-    if getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False):
+    if cfg.model_type == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
         return "sliding window attention"
+    if getattr(cfg, "layer_types", None) and len(set(cfg.layer_types)) > 1:
+        return "mixed full / sliding layers"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attn_implementation {cfg._attn_implementation!r}"
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} is not SiLU"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
@@ -68,6 +75,9 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
     if any(p.device.type == "meta" for p in model.parameters()):
         return "meta parameters"
     return None
+
+
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # Mistral = Llama + a sliding window
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:
@@ -162,6 +172,9 @@ class FastKVState:
             ]
             self.lm_w = model.lm_head.weight
         self.inv_freq = base.rotary_emb.inv_freq
+        # Mistral's sliding window W: a query at position p sees keys at positions p - W < q <= p
+        # (transformers' sliding_window_overlay); None = full attention
+        self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
         self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=device)
         self.cap = 0
         self.length = 0  # physical slots in use
@@ -222,14 +235,22 @@ class FastKVState:
         if token_mask is not None and self.dense and not bool(token_mask.all()):
             self.dense = False
         arange = self.arange
+        window = self.window
+        kv_start = 0  # keys before this slot are outside every query's window (dense: slot == position)
         if self.dense:
             self.valid[:, start:end] = True
             cos = self.cos4[:, start:end]  # (1, T, 1, D)
             sin = self.sin4[:, start:end]
+            if window is not None:
+                kv_start = max(0, start - window + 1)
             if t == 1:
                 attn_mask = None
             else:  # (T, L+T) causal, additive (SDPA would convert a boolean mask again in every layer)
-                attn_mask = torch.where(arange[:end][None, :] <= arange[start:end][:, None], 0.0, self._neg_inf)
+                kpos, qpos = arange[kv_start:end][None, :], arange[start:end][:, None]
+                allowed = kpos <= qpos
+                if window is not None:
+                    allowed = allowed & (kpos > qpos - window)
+                attn_mask = torch.where(allowed, 0.0, self._neg_inf)
             self.num_valid = self.num_valid + t
         else:
             if token_mask is None:
@@ -245,7 +266,11 @@ class FastKVState:
             kpos, qpos = arange[:end][None, :], arange[start:end][:, None]
             # every query also sees its own slot, so a padding / hole query never has an all-masked row (NaN);
             # its output is never read and its key stays masked for every other query
-            allowed = (keys & (kpos <= qpos)[None]) | (kpos == qpos)[None]  # (B, T, L+T)
+            allowed = keys & (kpos <= qpos)[None]  # (B, T, L+T)
+            if window is not None:  # the window counts positions (valid tokens), not slots: holes are skipped
+                key_pos = self.valid[:, :end].cumsum(1) - 1  # (B, L+T) position of each valid slot
+                allowed = allowed & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
+            allowed = allowed | (kpos == qpos)[None]
             attn_mask = torch.where(allowed[:, None], 0.0, self._neg_inf)  # (B, 1, T, L+T) additive
             self.num_valid = self.num_valid + tm.sum(1)
         self.length = end
@@ -272,11 +297,12 @@ class FastKVState:
                 q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
                 torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
                 vbuf[:, start:end] = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
-            key = kbuf[:, :end].transpose(1, 2)  # (B, H_kv, L+T, D)
-            val = vbuf[:, :end].transpose(1, 2)
+            key = kbuf[:, kv_start:end].transpose(1, 2)  # (B, H_kv, L+T, D)
+            val = vbuf[:, kv_start:end].transpose(1, 2)
             if self.n_rep > 1:  # repeat_kv
-                key = key[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
-                val = val[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
+                n_kv = end - kv_start
+                key = key[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
+                val = val[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), key, val, attn_mask=attn_mask, scale=self.scaling)
             o = o.transpose(1, 2).reshape(bsz, t, qd)  # (B, T, H D)
             x = x + (torch.matmul(o, w_o) if packed else F.linear(o, w_o))

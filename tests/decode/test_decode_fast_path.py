@@ -190,3 +190,49 @@ def test_training_mode_falls_back():
     assert not fast_path_supported(model)
     model.eval()
     assert fast_path_supported(model)
+
+
+@pytest.mark.parametrize("window", [3, None])
+def test_mistral_sliding_window_on_the_lean_forward_matches_hf(window):
+    """Mistral (Llama + a sliding window) runs on the lean forward: the same logits as transformers' uncached
+    forward with left padding, and the same as the Hugging Face KV state through holes, truncation and row
+    retirement, with the window counted in positions."""
+    from tinymodels import tiny_family
+
+    model = tiny_family("mistral", vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
+                        sliding_window=window)
+    assert fast_path_supported(model)
+    ids, mask = left_pad(random_prompts([9, 4, 7], 80, seed=1))
+    ref = _hf_logits(model, ids, mask)
+    with torch.inference_mode():
+        state = FastKVState(model, 3, torch.device("cpu"), capacity=4)
+        out = [state.forward(ids[:, :5], mask[:, :5], logits_to_keep=0)]
+        out += [state.forward(ids[:, j:j + 1], mask[:, j:j + 1]) for j in range(5, ids.shape[1])]
+    assert (torch.cat(out, 1) - ref)[mask.bool()].abs().max().item() < 1e-4
+    if window is not None:  # the window changes these logits (else the test could not see a wrong window)
+        full = tiny_family("mistral", vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
+                           sliding_window=None)
+        assert (_hf_logits(full, ids, mask) - ref)[mask.bool()].abs().max().item() > 1e-2
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        hf, fast = KVState(model, 3, torch.device("cpu")), FastKVState(model, 3, torch.device("cpu"), capacity=8)
+        for s in (hf, fast):
+            s.forward(ids, mask)
+        for step in range(6):
+            block = torch.randint(0, 80, (hf.mask.shape[0], 4), generator=gen)
+            bmask = torch.ones_like(block)
+            bmask[0, 0] = step % 2
+            start = hf.length
+            a, b = hf.forward(block, bmask, logits_to_keep=0), fast.forward(block, bmask, logits_to_keep=0)
+            assert (a - b)[bmask.bool()].abs().max().item() < 1e-4
+            keep = torch.randint(1, 5, (block.shape[0],), generator=gen)
+            for s in (hf, fast):
+                s.truncate(start, keep, int(keep.max()))
+            if step == 3:
+                for s in (hf, fast):
+                    s.select_rows(torch.tensor([0, 2]))
+        tok = torch.randint(0, 80, (2, 1), generator=gen)
+        assert (hf.forward(tok) - fast.forward(tok)).abs().max().item() < 1e-4
+    # batch 1 (dense: keys outside the window are sliced off) against generate()
+    one = autoregressive_generate(model, ids[:1], max_new_tokens=12)
+    assert torch.equal(one.sequences, hf_greedy(model, ids[:1], mask[:1], 12))

@@ -64,12 +64,17 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
+    qkv_bias = cfg.model_type == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
     for layer in base.layers:
         attn = layer.self_attn
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                     layer.mlp.down_proj):
-            if type(lin) is not torch.nn.Linear or lin.bias is not None:
-                return "a projection is not a plain bias-free nn.Linear (quantized / adapted?)"
+            biased = qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)
+            if type(lin) is not torch.nn.Linear or (lin.bias is not None) != biased:
+                return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
+        if cfg.model_type == "qwen3" and not all(
+                type(getattr(attn, n, None)).__name__ == "Qwen3RMSNorm" for n in ("q_norm", "k_norm")):
+            return "Qwen3 attention without its q_norm / k_norm"
         if getattr(attn, "scaling", None) != attn.head_dim ** -0.5:
             return "attention scaling differs from head_dim ** -0.5"
     if any(p.device.type == "meta" for p in model.parameters()):
@@ -77,7 +82,10 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # Mistral = Llama + a sliding window
+# Mistral = Llama + a sliding window; Qwen2 = Llama + q/k/v biases (+ a window); Qwen3 = Llama + per-head RMSNorm
+# of q and k before rotary (+ a window). Windows only where every layer has the same type (mixed: HF forward).
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:
@@ -174,7 +182,21 @@ class FastKVState:
         self.inv_freq = base.rotary_emb.inv_freq
         # Mistral's sliding window W: a query at position p sees keys at positions p - W < q <= p
         # (transformers' sliding_window_overlay); None = full attention
-        self.window = getattr(cfg, "sliding_window", None) if cfg.model_type == "mistral" else None
+        if cfg.model_type == "mistral":
+            self.window = getattr(cfg, "sliding_window", None)
+        elif cfg.model_type in ("qwen2", "qwen3") and set(getattr(cfg, "layer_types", None) or ()) == {
+                "sliding_attention"}:
+            self.window = cfg.sliding_window
+        else:
+            self.window = None
+        # per layer: concatenated q/k/v bias (Qwen2) and (q_norm weight, k_norm weight, eps) (Qwen3), else None;
+        # built per state from the live parameters (never cached across calls)
+        self.extras = []
+        for layer in base.layers:
+            a = layer.self_attn
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None
+            self.extras.append((bias, qk_norm))
         self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=device)
         self.cap = 0
         self.length = 0  # physical slots in use
@@ -284,19 +306,29 @@ class FastKVState:
             # --- attention block
             hs = norm(x, ln1, eps1)
             kbuf, vbuf = self.k[i], self.v[i]
+            b_qkv, qk_norm = self.extras[i]
             if packed:  # (E, (H + 2 H_kv) D) = [q_proj; k_proj; v_proj]^T
                 qkv = torch.matmul(hs, w_qkv)  # (B, T, (H + 2 H_kv) D)
+                if b_qkv is not None:
+                    qkv = qkv + b_qkv
                 qk = qkv[..., :qd + kd].view(bsz, t, h_q + h_kv, d)  # (B, T, H + H_kv, D)
+                if qk_norm is not None:  # Qwen3: RMSNorm over head_dim, q and k heads with their own weights
+                    qk = torch.cat([self._head_norm(qk[:, :, :h_q], qk_norm[0], qk_norm[2]),
+                                    self._head_norm(qk[:, :, h_q:], qk_norm[1], qk_norm[2])], 2)
                 qk = qk * cos + qk.roll(half, -1) * sin  # apply_rotary_pos_emb on q and k at once
                 q = qk[:, :, :h_q]  # (B, T, H, D)
                 kbuf[:, start:end] = qk[:, :, h_q:]
                 vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
             else:
-                q = F.linear(hs, w_qkv[0]).view(bsz, t, h_q, d)  # (B, T, H, D)
-                k = F.linear(hs, w_qkv[1]).view(bsz, t, h_kv, d)
+                bq, bk, bv = (None, None, None) if b_qkv is None else b_qkv.split([qd, kd, kd])
+                q = F.linear(hs, w_qkv[0], bq).view(bsz, t, h_q, d)  # (B, T, H, D)
+                k = F.linear(hs, w_qkv[1], bk).view(bsz, t, h_kv, d)
+                if qk_norm is not None:
+                    q = self._head_norm(q, qk_norm[0], qk_norm[2])
+                    k = self._head_norm(k, qk_norm[1], qk_norm[2])
                 q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
                 torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
-                vbuf[:, start:end] = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
+                vbuf[:, start:end] = F.linear(hs, w_qkv[2], bv).view(bsz, t, h_kv, d)
             key = kbuf[:, kv_start:end].transpose(1, 2)  # (B, H_kv, L+T, D)
             val = vbuf[:, kv_start:end].transpose(1, 2)
             if self.n_rep > 1:  # repeat_kv
@@ -317,6 +349,13 @@ class FastKVState:
             x = x[:, -logits_to_keep:]
         hs = norm(x, self.norm_w, self.norm_eps)
         return torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
+
+    @staticmethod
+    def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Qwen3RMSNorm over the last (head) dim: fp32 variance, rsqrt, cast back, times weight."""
+        hs = x.float()
+        hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * hs.to(x.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """LlamaRMSNorm: fp32 variance, ``x * rsqrt(var + eps)``, cast back, times weight."""

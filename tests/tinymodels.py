@@ -85,12 +85,12 @@ SLIDING_FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 def tiny_family(family: str, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
-                sliding_window: int | None = 4, num_heads: int = 4, num_kv_heads: int = 2):
+                sliding_window: int | None = 4, num_heads: int = 4, num_kv_heads: int = 2, max_window_layers: int = 1):
     """A tiny random ``*ForCausalLM`` of ``family`` (one of :data:`SLIDING_FAMILIES`, or ``"llama"``) in eval mode.
 
     ``sliding_window``: the attention window (``None``: full attention everywhere). Layer patterns follow each
     family: every layer windowed (Mistral, Phi-3); the first layer full and the rest windowed (Qwen2 / Qwen3 with
-    ``max_window_layers=1``); alternating windowed / full (Gemma-2: even layers windowed; Gemma-3: every second
+    ``max_window_layers=1``; 0: every layer windowed); alternating windowed / full (Gemma-2: even layers windowed; Gemma-3: every second
     layer full), with Gemma's attention and final logit soft-capping.
     """
     import transformers as tf
@@ -108,7 +108,7 @@ def tiny_family(family: str, vocab_size: int = 64, hidden_size: int = 32, num_la
         extra = dict(head_dim=head_dim) if family == "qwen3" else {}
         cfg_cls = tf.Qwen2Config if family == "qwen2" else tf.Qwen3Config
         cfg = cfg_cls(**common, **extra, use_sliding_window=sliding_window is not None,
-                      sliding_window=sliding_window, max_window_layers=1)
+                      sliding_window=sliding_window, max_window_layers=max_window_layers)
         cls = tf.Qwen2ForCausalLM if family == "qwen2" else tf.Qwen3ForCausalLM
     elif family == "gemma2":
         types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]

@@ -192,30 +192,41 @@ def test_training_mode_falls_back():
     assert fast_path_supported(model)
 
 
-@pytest.mark.parametrize("window", [3, None])
-def test_mistral_sliding_window_on_the_lean_forward_matches_hf(window):
-    """Mistral (Llama + a sliding window) runs on the lean forward: the same logits as transformers' uncached
-    forward with left padding, and the same as the Hugging Face KV state through holes, truncation and row
-    retirement, with the window counted in positions."""
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("family,window", [("mistral", 3), ("mistral", None), ("qwen2", 3), ("qwen2", None),
+                                           ("qwen3", 3), ("qwen3", None)])
+def test_family_on_the_lean_forward_matches_hf(family, window, packed):
+    """Mistral (Llama + a sliding window), Qwen2 (+ q/k/v biases) and Qwen3 (+ q/k head RMSNorm) run on the lean
+    forward: the same logits as transformers' uncached forward with left padding (a padded vocabulary: the head
+    has more rows than the prompts use), and the same as the Hugging Face KV state through holes, truncation and
+    row retirement, with the window counted in positions."""
     from tinymodels import tiny_family
 
-    model = tiny_family("mistral", vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
-                        sliding_window=window)
+    def build(w):
+        return tiny_family(family, vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
+                           sliding_window=w, max_window_layers=0)
+
+    model = build(window)
+    with torch.no_grad():  # non-zero biases / norm weights (their init is 0 / 1)
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
     assert fast_path_supported(model)
-    ids, mask = left_pad(random_prompts([9, 4, 7], 80, seed=1))
+    ids, mask = left_pad(random_prompts([9, 4, 7], 64, seed=1))  # ids < 64 of 80 rows
     ref = _hf_logits(model, ids, mask)
     with torch.inference_mode():
-        state = FastKVState(model, 3, torch.device("cpu"), capacity=4)
+        state = FastKVState(model, 3, torch.device("cpu"), capacity=4, packed=packed)
         out = [state.forward(ids[:, :5], mask[:, :5], logits_to_keep=0)]
         out += [state.forward(ids[:, j:j + 1], mask[:, j:j + 1]) for j in range(5, ids.shape[1])]
     assert (torch.cat(out, 1) - ref)[mask.bool()].abs().max().item() < 1e-4
     if window is not None:  # the window changes these logits (else the test could not see a wrong window)
-        full = tiny_family("mistral", vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
-                           sliding_window=None)
+        full = build(None)
+        full.load_state_dict(model.state_dict())
         assert (_hf_logits(full, ids, mask) - ref)[mask.bool()].abs().max().item() > 1e-2
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        hf, fast = KVState(model, 3, torch.device("cpu")), FastKVState(model, 3, torch.device("cpu"), capacity=8)
+        hf = KVState(model, 3, torch.device("cpu"))
+        fast = FastKVState(model, 3, torch.device("cpu"), capacity=8, packed=packed)
         for s in (hf, fast):
             s.forward(ids, mask)
         for step in range(6):
@@ -236,3 +247,11 @@ def test_mistral_sliding_window_on_the_lean_forward_matches_hf(window):
     # batch 1 (dense: keys outside the window are sliced off) against generate()
     one = autoregressive_generate(model, ids[:1], max_new_tokens=12)
     assert torch.equal(one.sequences, hf_greedy(model, ids[:1], mask[:1], 12))
+
+
+def test_mixed_window_layers_fall_back_to_hf():
+    from tinymodels import tiny_family
+
+    mixed = tiny_family("qwen2", sliding_window=3, max_window_layers=1)  # layer 0 full, layer 1 windowed
+    assert not fast_path_supported(mixed)
+    assert isinstance(new_kv_state(mixed, 1, torch.device("cpu")), KVState)

@@ -98,7 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
-                    help="ours: lean Llama forward where supported (auto) or always the Hugging Face forward (off)")
+                    help="ours: lean forward where supported (Llama, Mistral, Qwen2, Qwen3; auto) or always the "
+                         "Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     args = ap.parse_args(argv)
     if args.family is None and (args.target is None or args.draft is None):
@@ -135,7 +136,7 @@ def family_models(family: str, layers: int, hidden: int, window: int, vocab: int
             cfg_cls, cls = (tf.Qwen2Config, tf.Qwen2ForCausalLM) if family == "qwen2" else (tf.Qwen3Config,
                                                                                              tf.Qwen3ForCausalLM)
             return cls(cfg_cls(**common, num_hidden_layers=n, use_sliding_window=True, sliding_window=window,
-                               max_window_layers=1))
+                               max_window_layers=0))  # every layer windowed
         types = [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)]
         if family == "gemma2":
             return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, num_hidden_layers=n, head_dim=hd,
@@ -362,7 +363,7 @@ def format_table(r: dict) -> str:
         ("model family (tiny random, --family)", r["family"] or "-"),
         ("device / dtype (target, draft) / threads",
          f"{r['device']} / {r['target_dtype']}, {r['draft_dtype']} / {r['num_threads']}"),
-        ("ours: lean Llama forward (target, draft)",
+        ("ours: lean forward (target, draft)",
          f"{r['fast_path']} ({'yes' if r['fast_path_used']['target'] else 'no'}, "
          f"{'yes' if r['fast_path_used']['draft'] else 'no'})"),
         ("prompts x repeats", f"{r['num_prompts']} x {r['repeats']}"),

@@ -65,5 +65,5 @@ def test_bench_decode_family_runs_a_windowed_model(capsys):
                          "--family-window", "4", "--num-prompts", "1", "--prompt-len", "6", "--num-draft-tokens", "2",
                          "--max-new-tokens", "8", "--repeats", "1", "--cost-steps", "2"])
     assert "mistral" in capsys.readouterr().out
-    assert result["family"] == "mistral" and result["fast_path_used"] == {"target": False, "draft": False}
+    assert result["family"] == "mistral" and result["fast_path_used"] == {"target": True, "draft": True}
     assert result["greedy_output_mismatches"]["ours_speculative"] == 0

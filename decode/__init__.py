@@ -6,9 +6,10 @@ Public API::
     autoregressive_generate(target, input_ids, attention_mask=None, *, max_new_tokens, ...)
     process_logits(logits, *, temperature=1.0, top_k=0, top_p=1.0) -> probs
     AcceptanceStats, expected_speedup, GenerationOutput
+    cache_policy(model, batch_size, max_length) -> CachePolicy  (ValueError: cache cannot be rolled back)
     FixedDraftLength, AdaptiveDraftLength, ConfidenceDraftLength, make_policy
 """
-from ._common import GenerationOutput
+from ._common import CachePolicy, GenerationOutput, cache_policy
 from .autoregressive import autoregressive_generate
 from .policies import (
     AdaptiveDraftLength,
@@ -20,17 +21,20 @@ from .policies import (
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .speculative import speculative_generate, verify_block
 from .stats import AcceptanceStats, expected_speedup
-from .timing import cost_ratio, forward_times_s
+from .timing import block_forward_times_s, cost_ratio, forward_times_s
 
 __all__ = [
     "speculative_generate",
     "autoregressive_generate",
     "verify_block",
     "GenerationOutput",
+    "CachePolicy",
+    "cache_policy",
     "AcceptanceStats",
     "expected_speedup",
     "cost_ratio",
     "forward_times_s",
+    "block_forward_times_s",
     "process_logits",
     "greedy_tokens",
     "sample_tokens",

@@ -135,6 +135,98 @@ def prepare_inputs(
     return input_ids, attention_mask
 
 
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How the decoder keeps and rolls back one model's KV cache (see :func:`cache_policy`).
+
+    Attributes:
+        layer_types: per decoder layer ``"full_attention"`` or ``"sliding_attention"``.
+        window: the sliding window ``W`` of the windowed layers (a query at position ``p`` sees keys at positions
+            ``p - W < q <= p``, transformers' ``sliding_window_overlay``); ``None`` when no layer is windowed.
+    """
+
+    layer_types: tuple[str, ...]
+    window: int | None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window is not None
+
+
+def cache_policy(model: torch.nn.Module, batch_size: int = 1, max_length: int = 0, role: str | None = None
+                 ) -> CachePolicy:
+    """The cache policy the decoder uses for ``model``, or a ``ValueError`` naming why its cache cannot be rolled
+    back exactly.
+
+    Speculative decoding discards the KV entries of rejected tokens. A sliding-window cache layer has already
+    evicted the entries that fell out of its window, so it cannot be cropped; the decoder therefore keeps a *full*
+    cache for every attention layer and applies the window itself through the attention mask, measured in token
+    positions (not cache slots, which include the holes rejected tokens leave in a batch). This is exact for full
+    and sliding-window attention. Anything else is refused: recurrent / linear-attention / chunked layers, sliding
+    layers with different windows, bidirectional windows, an attention implementation other than ``sdpa`` /
+    ``eager`` on a windowed model (a custom 4-D mask is needed), and GPT-Neo's slot-based local attention in a batch
+    (``batch_size > 1``) longer than its window (``max_length``: the longest cache the call can build).
+
+    ``role`` (e.g. ``"target"``, ``"draft 'x'"``) prefixes the error message.
+
+    Raises:
+        ValueError: one line naming the model type, the reason and the fix.
+    """
+    try:
+        return _cache_policy(model, batch_size, max_length)
+    except ValueError as e:
+        if role:
+            raise ValueError(f"{role}: {e}") from None
+        raise
+
+
+def _cache_policy(model: torch.nn.Module, batch_size: int, max_length: int) -> CachePolicy:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return CachePolicy((), None)
+    try:
+        cfg = cfg.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001  (older / custom configs)
+        pass
+    name = getattr(cfg, "model_type", type(model).__name__)
+    fix = "decode with a model whose layers use full or sliding-window attention"
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    except Exception:  # noqa: BLE001  (a config transformers cannot describe per layer: plain full attention)
+        types, kwargs = [], []
+    bad = sorted({t for t in types if t not in _ROLLBACK_TYPES})
+    if bad:
+        raise ValueError(f"speculative decoding cannot roll back the KV cache of {name!r} exactly: it has layer "
+                         f"type(s) {', '.join(bad)} (only full_attention and sliding_attention): {fix}.")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"speculative decoding needs causal attention, but {name!r} has "
+                         f"use_bidirectional_attention=True: {fix}.")
+    windows = sorted({int(kw["sliding_window"]) for t, kw in zip(types, kwargs) if t == "sliding_attention"})
+    if len(windows) > 1:
+        raise ValueError(f"{name!r} has sliding-window layers with different windows {windows}: the decoder "
+                         f"applies one window per model; {fix}.")
+    window = windows[0] if windows else None
+    if window is not None:
+        impl = getattr(cfg, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"{name!r} has sliding-window attention with attn_implementation={impl!r}: the "
+                             "decoder applies the window through a 4-D attention mask, which needs 'sdpa' or "
+                             "'eager' (load the model with attn_implementation='sdpa').")
+    if getattr(cfg, "model_type", None) == "gpt_neo" and "local" in (getattr(cfg, "attention_layers", None) or ()):
+        ws = int(getattr(cfg, "window_size", 0) or 0)
+        if batch_size > 1 and max_length > ws:
+            raise ValueError(f"GPT-Neo's local attention counts its window ({ws}) in cache slots, and a batch "
+                             f"leaves holes in the cache, so a batch of {batch_size} up to {max_length} tokens "
+                             "would be decoded wrongly: decode one prompt at a time (batch size 1) or keep "
+                             f"prompt + max_new_tokens + gamma below {ws}.")
+    return CachePolicy(tuple(types), window)
+
+
 class KVState:
     """One model's ``DynamicCache`` plus a ``(B, L)`` validity mask over its physical cache slots.
 
@@ -142,19 +234,51 @@ class KVState:
     (mask 0) until the physical length is cropped to the longest row. Position ids come from the mask: the position
     of a new token is the number of valid tokens before it in its row, so holes and left padding are invisible to
     the model (attention ignores masked keys exactly).
+
+    Sliding-window models (:func:`cache_policy`): every layer keeps a full cache (so cropping is exact) and the
+    state passes its own additive 4-D masks ``(B, 1, T, L)``, one per layer type, with the window measured in
+    positions; a ``ValueError`` is raised for a model whose cache cannot be rolled back.
     """
 
     fast = False
 
     def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 0):
         self.model = model
-        self.cache = DynamicCache(config=model.config)
+        self.policy = cache_policy(model, batch_size, capacity)
+        if self.policy.windowed:
+            self.cache = DynamicCache()  # full layers everywhere: crop is exact; the mask applies the window
+            self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, L) position of each slot
+            self.mixed = len(set(self.policy.layer_types)) > 1
+            self.mask_dtype = next(model.parameters()).dtype
+        else:
+            self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, L)
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) = next position id
 
     @property
     def length(self) -> int:
         return self.mask.shape[1]
+
+    def _window_masks(self, position_ids: torch.Tensor):
+        """Additive ``(B, 1, T, L)`` masks for the new block: causal over valid slots (full layers), and also
+        ``position(query) - position(key) < W`` (sliding layers). Each query also sees its own slot, so a padding
+        or hole query never has an all-masked row (its output is never read; its key stays masked for others)."""
+        length, t = self.mask.shape[1], position_ids.shape[1]
+        slot = torch.arange(length, device=self.mask.device)
+        qslot = slot[length - t:]
+        causal = slot[None, :] <= qslot[:, None]  # (T, L)
+        diag = (slot[None, :] == qslot[:, None])[None]  # (1, T, L)
+        allowed = self.mask.bool()[:, None, :] & causal[None]  # (B, T, L)
+        near = (position_ids[:, :, None] - self.pos[:, None, :]) < self.policy.window  # (B, T, L)
+        neg = torch.finfo(self.mask_dtype).min
+
+        def additive(a):
+            return torch.zeros(a.shape, dtype=self.mask_dtype, device=a.device).masked_fill_(~(a | diag), neg)[:, None]
+
+        sliding = additive(allowed & near)
+        if not self.mixed:
+            return sliding
+        return {"full_attention": additive(allowed), "sliding_attention": sliding}
 
     def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, logits_to_keep: int = 1
                 ) -> torch.Tensor:
@@ -163,9 +287,13 @@ class KVState:
         tm = torch.ones_like(tokens) if token_mask is None else token_mask.to(torch.long)
         position_ids = self.num_valid[:, None] + tm.cumsum(1) - tm  # (B, T): valid tokens before each slot
         self.mask = torch.cat([self.mask, tm], dim=1)  # (B, L + T)
+        attention_mask = self.mask
+        if self.policy.windowed:
+            self.pos = torch.cat([self.pos, position_ids], dim=1)
+            attention_mask = self._window_masks(position_ids)
         out = self.model(
             input_ids=tokens,
-            attention_mask=self.mask,
+            attention_mask=attention_mask,
             position_ids=position_ids,
             cache=self.cache,
             use_cache=True,
@@ -185,6 +313,8 @@ class KVState:
         if remove > 0:
             self.cache.crop(-remove)  # transformers >= 5: a negative value removes that many trailing slots
             self.mask = self.mask[:, :new_len]
+            if self.policy.windowed:
+                self.pos = self.pos[:, :new_len]
         region = self.mask[:, start:]  # (B, max_keep)
         slot = torch.arange(region.shape[1], device=region.device)
         region = region * (slot[None, :] < keep[:, None])
@@ -196,6 +326,8 @@ class KVState:
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
         self.num_valid = self.num_valid[rows]
+        if self.policy.windowed:
+            self.pos = self.pos[rows]
 
 
 def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
@@ -210,13 +342,13 @@ def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, 
     from .fast_llama import FastKVState, _unsupported_reason
 
     if fast_path is False:
-        return KVState(model, batch_size, device)
+        return KVState(model, batch_size, device, capacity)
     reason = _unsupported_reason(model)
     if reason is None:
         return FastKVState(model, batch_size, device, capacity=capacity)
     if fast_path:
         raise ValueError(f"fast_path=True but the lean forward does not support this model: {reason}.")
-    return KVState(model, batch_size, device)
+    return KVState(model, batch_size, device, capacity)
 
 
 def first_stop(tokens: torch.Tensor, count: torch.Tensor, eos_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,8 @@
 """Target-only autoregressive decoding with a KV cache: the baseline speculative decoding must match and beat."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ._common import (
@@ -12,6 +14,7 @@ from ._common import (
     normalize_eos,
     output_vocab_size,
     prepare_inputs,
+    sync,
 )
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .stats import AcceptanceStats
@@ -42,7 +45,8 @@ def autoregressive_generate(
     Args / returns / errors: as :func:`decode.speculative_generate` without the draft arguments. ``vocab_size``
     restricts decoding to ids ``< vocab_size`` (to match a speculative run over a smaller shared vocabulary).
     ``fast_path``: as in :func:`decode.speculative_generate` (the lean Llama forward where supported).
-    The stats count one verify step per target forward and active row, ``verify_time_s`` = target time,
+    The stats count one verify step per target forward and active row, ``verify_time_s`` = target time after
+    the prefill (``prefill_time_s``),
     ``drafted_tokens = accepted_tokens = 0`` and ``emitted_tokens`` = new tokens.
     """
     validate_sampling_args(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -65,11 +69,12 @@ def autoregressive_generate(
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
 
-    timer = Timer(device)
+    wall_t0 = time.perf_counter()
+    timer, prefill_timer = Timer(device), Timer(device)
     state = new_kv_state(target, bsz, device, prompt_len + max_new_tokens + 1, fast_path)
     if prompt_len > 1:
         pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
-        with timer:
+        with prefill_timer:
             state.forward(input_ids[:, :-1], pm)
     rows = torch.arange(bsz, device=device)
     last = input_ids[:, -1]
@@ -117,4 +122,7 @@ def autoregressive_generate(
         flush(step + 1)
         num_new_all[rows] = step + 1
     stats.verify_time_s = timer.seconds
+    stats.prefill_time_s = prefill_timer.seconds
+    sync(device)
+    stats.wall_time_s = time.perf_counter() - wall_t0
     return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), num_new_all, stats)

@@ -1,4 +1,4 @@
-"""A lean cached forward for Hugging Face Llama-family causal LMs (not public API).
+"""A lean cached forward for Hugging Face Llama and Mistral causal LMs (not public API).
 
 For small models at batch 1 most of the time of a Hugging Face forward is Python wrapper work (mask creation,
 rotary module, output dataclasses, config look-ups), not matmuls. :class:`FastKVState` runs the same computation
@@ -11,9 +11,12 @@ for bit against the live parameters: see ``_packed_weights``), with the same ops
     the valid prefix (boolean key mask for left padding / holes) -> o_proj -> residual -> RMSNorm -> SiLU-gated MLP
     -> residual] -> final RMSNorm -> lm_head on the kept positions only.
 
-Cropping the cache only moves the valid length (no copy). Models the lean forward does not cover (another
-architecture, rope scaling, attention / MLP bias, sliding window, a non-SiLU activation, ...) fall back to the
-Hugging Face forward (:func:`fast_path_supported` says which and why).
+Cropping the cache only moves the valid length (no copy). Mistral is Llama plus a sliding window W: the cache keeps
+every slot (so rollback is exact) and attention is limited to keys whose *position* is within W of the query's
+(transformers' ``sliding_window_overlay``); at batch 1 without holes that is a slice of the key buffer. Models the
+lean forward does not cover (another architecture, rope scaling, attention / MLP bias, a Llama config with a
+sliding window, a non-SiLU activation, ...) fall back to the Hugging Face forward (:func:`fast_path_supported`
+says which and why).
 """
 from __future__ import annotations
 
@@ -28,10 +31,10 @@ __all__ = ["fast_path_supported", "FastKVState"]
 def _unsupported_reason(model: torch.nn.Module) -> str | None:
     """``None`` when :class:`FastKVState` reproduces ``model``'s forward, else why not."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) != "llama":
-        return f"model_type {getattr(cfg, 'model_type', None)!r} is not 'llama'"
-    if type(model).__name__ != "LlamaForCausalLM":
-        return f"{type(model).__name__} is not LlamaForCausalLM"
+    if cfg is None or getattr(cfg, "model_type", None) not in _CLASSES:
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(_CLASSES)}"
+    if type(model).__name__ != _CLASSES[cfg.model_type]:
+        return f"{type(model).__name__} is not {_CLASSES[cfg.model_type]}"
     if model.training:
         return "model is in training mode (dropout)"
     base = getattr(model, "model", None)
@@ -46,8 +49,12 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "rotary attention_scaling != 1"
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         return "attention / MLP bias"
-    if getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False):
+    if cfg.model_type == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
         return "sliding window attention"
+    if getattr(cfg, "layer_types", None) and len(set(cfg.layer_types)) > 1:
+        return "mixed full / sliding layers"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attn_implementation {cfg._attn_implementation!r}"
     if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         return f"hidden_act {cfg.hidden_act!r} is not SiLU"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
@@ -58,17 +65,28 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
+    qkv_bias = cfg.model_type == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
     for layer in base.layers:
         attn = layer.self_attn
         for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                     layer.mlp.down_proj):
-            if type(lin) is not torch.nn.Linear or lin.bias is not None:
-                return "a projection is not a plain bias-free nn.Linear (quantized / adapted?)"
+            biased = qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)
+            if type(lin) is not torch.nn.Linear or (lin.bias is not None) != biased:
+                return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
+        if cfg.model_type == "qwen3" and not all(
+                type(getattr(attn, n, None)).__name__ == "Qwen3RMSNorm" for n in ("q_norm", "k_norm")):
+            return "Qwen3 attention without its q_norm / k_norm"
         if getattr(attn, "scaling", None) != attn.head_dim ** -0.5:
             return "attention scaling differs from head_dim ** -0.5"
     if any(p.device.type == "meta" for p in model.parameters()):
         return "meta parameters"
     return None
+
+
+# Mistral = Llama + a sliding window; Qwen2 = Llama + q/k/v biases (+ a window); Qwen3 = Llama + per-head RMSNorm
+# of q and k before rotary (+ a window). Windows only where every layer has the same type (mixed: HF forward).
+_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:
@@ -202,6 +220,23 @@ class FastKVState:
             ]
             self.lm_w = model.lm_head.weight
         self.inv_freq = base.rotary_emb.inv_freq
+        # Mistral's sliding window W: a query at position p sees keys at positions p - W < q <= p
+        # (transformers' sliding_window_overlay); None = full attention
+        if cfg.model_type == "mistral":
+            self.window = getattr(cfg, "sliding_window", None)
+        elif cfg.model_type in ("qwen2", "qwen3") and set(getattr(cfg, "layer_types", None) or ()) == {
+                "sliding_attention"}:
+            self.window = cfg.sliding_window
+        else:
+            self.window = None
+        # per layer: concatenated q/k/v bias (Qwen2) and (q_norm weight, k_norm weight, eps) (Qwen3), else None;
+        # built per state from the live parameters (never cached across calls)
+        self.extras = []
+        for layer in base.layers:
+            a = layer.self_attn
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
+            qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None
+            self.extras.append((bias, qk_norm))
         self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=device)
         self.cap = 0
         self.length = 0  # physical slots in use
@@ -262,14 +297,22 @@ class FastKVState:
         if token_mask is not None and self.dense and not bool(token_mask.all()):
             self.dense = False
         arange = self.arange
+        window = self.window
+        kv_start = 0  # keys before this slot are outside every query's window (dense: slot == position)
         if self.dense:
             self.valid[:, start:end] = True
             cos = self.cos4[:, start:end]  # (1, T, 1, D)
             sin = self.sin4[:, start:end]
+            if window is not None:
+                kv_start = max(0, start - window + 1)
             if t == 1:
                 attn_mask = None
             else:  # (T, L+T) causal, additive (SDPA would convert a boolean mask again in every layer)
-                attn_mask = torch.where(arange[:end][None, :] <= arange[start:end][:, None], 0.0, self._neg_inf)
+                kpos, qpos = arange[kv_start:end][None, :], arange[start:end][:, None]
+                allowed = kpos <= qpos
+                if window is not None:
+                    allowed = allowed & (kpos > qpos - window)
+                attn_mask = torch.where(allowed, 0.0, self._neg_inf)
             self.num_valid = self.num_valid + t
         else:
             if token_mask is None:
@@ -285,7 +328,11 @@ class FastKVState:
             kpos, qpos = arange[:end][None, :], arange[start:end][:, None]
             # every query also sees its own slot, so a padding / hole query never has an all-masked row (NaN);
             # its output is never read and its key stays masked for every other query
-            allowed = (keys & (kpos <= qpos)[None]) | (kpos == qpos)[None]  # (B, T, L+T)
+            allowed = keys & (kpos <= qpos)[None]  # (B, T, L+T)
+            if window is not None:  # the window counts positions (valid tokens), not slots: holes are skipped
+                key_pos = self.valid[:, :end].cumsum(1) - 1  # (B, L+T) position of each valid slot
+                allowed = allowed & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
+            allowed = allowed | (kpos == qpos)[None]
             attn_mask = torch.where(allowed[:, None], 0.0, self._neg_inf)  # (B, 1, T, L+T) additive
             self.num_valid = self.num_valid + tm.sum(1)
         self.length = end
@@ -299,24 +346,35 @@ class FastKVState:
             # --- attention block
             hs = norm(x, ln1, eps1)
             kbuf, vbuf = self.k[i], self.v[i]
+            b_qkv, qk_norm = self.extras[i]
             if packed:  # (E, (H + 2 H_kv) D) = [q_proj; k_proj; v_proj]^T
                 qkv = torch.matmul(hs, w_qkv)  # (B, T, (H + 2 H_kv) D)
+                if b_qkv is not None:
+                    qkv = qkv + b_qkv
                 qk = qkv[..., :qd + kd].view(bsz, t, h_q + h_kv, d)  # (B, T, H + H_kv, D)
+                if qk_norm is not None:  # Qwen3: RMSNorm over head_dim, q and k heads with their own weights
+                    qk = torch.cat([self._head_norm(qk[:, :, :h_q], qk_norm[0], qk_norm[2]),
+                                    self._head_norm(qk[:, :, h_q:], qk_norm[1], qk_norm[2])], 2)
                 qk = qk * cos + qk.roll(half, -1) * sin  # apply_rotary_pos_emb on q and k at once
                 q = qk[:, :, :h_q]  # (B, T, H, D)
                 kbuf[:, start:end] = qk[:, :, h_q:]
                 vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
             else:
-                q = F.linear(hs, w_qkv[0]).view(bsz, t, h_q, d)  # (B, T, H, D)
-                k = F.linear(hs, w_qkv[1]).view(bsz, t, h_kv, d)
+                bq, bk, bv = (None, None, None) if b_qkv is None else b_qkv.split([qd, kd, kd])
+                q = F.linear(hs, w_qkv[0], bq).view(bsz, t, h_q, d)  # (B, T, H, D)
+                k = F.linear(hs, w_qkv[1], bk).view(bsz, t, h_kv, d)
+                if qk_norm is not None:
+                    q = self._head_norm(q, qk_norm[0], qk_norm[2])
+                    k = self._head_norm(k, qk_norm[1], qk_norm[2])
                 q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
                 torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
-                vbuf[:, start:end] = F.linear(hs, w_qkv[2]).view(bsz, t, h_kv, d)
-            key = kbuf[:, :end].transpose(1, 2)  # (B, H_kv, L+T, D)
-            val = vbuf[:, :end].transpose(1, 2)
+                vbuf[:, start:end] = F.linear(hs, w_qkv[2], bv).view(bsz, t, h_kv, d)
+            key = kbuf[:, kv_start:end].transpose(1, 2)  # (B, H_kv, L+T, D)
+            val = vbuf[:, kv_start:end].transpose(1, 2)
             if self.n_rep > 1:  # repeat_kv
-                key = key[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
-                val = val[:, :, None].expand(bsz, h_kv, self.n_rep, end, d).reshape(bsz, h_q, end, d)
+                n_kv = end - kv_start
+                key = key[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
+                val = val[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
             o = F.scaled_dot_product_attention(q.transpose(1, 2), key, val, attn_mask=attn_mask, scale=self.scaling)
             o = o.transpose(1, 2).reshape(bsz, t, qd)  # (B, T, H D)
             x = x + (torch.matmul(o, w_o) if packed else F.linear(o, w_o))
@@ -331,6 +389,13 @@ class FastKVState:
             x = x[:, -logits_to_keep:]
         hs = norm(x, self.norm_w, self.norm_eps)
         return torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
+
+    @staticmethod
+    def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Qwen3RMSNorm over the last (head) dim: fp32 variance, rsqrt, cast back, times weight."""
+        hs = x.float()
+        hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * hs.to(x.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """LlamaRMSNorm: fp32 variance, ``x * rsqrt(var + eps)``, cast back, times weight."""

@@ -17,6 +17,8 @@ last accepted draft token and the bonus token inside its next drafting forward (
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ._common import (
@@ -29,6 +31,7 @@ from ._common import (
     normalize_eos,
     output_vocab_size,
     prepare_inputs,
+    sync,
     write_tokens,
 )
 from .policies import DraftLengthPolicy, FixedDraftLength
@@ -185,7 +188,8 @@ def speculative_generate(
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
 
-    draft_timer, verify_timer = Timer(device), Timer(device)
+    wall_t0 = time.perf_counter()
+    draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
     capacity = width_out + max_gamma + 2
     tstate = new_kv_state(target, bsz, device, capacity, fast_path)
     dstate = new_kv_state(draft, bsz, device, capacity, fast_path)
@@ -193,9 +197,8 @@ def speculative_generate(
     prompt_mask = None if bool(attention_mask.all()) else attention_mask
     if prompt_len > 1:
         pm = None if prompt_mask is None else prompt_mask[:, :-1]
-        with verify_timer:
+        with prefill_timer:
             tstate.forward(input_ids[:, :-1], pm)
-        with draft_timer:
             dstate.forward(input_ids[:, :-1], pm)
     rows = torch.arange(bsz, device=device)  # original row of each active row
     rows_list = list(range(bsz))
@@ -365,4 +368,7 @@ def speculative_generate(
 
     stats.draft_time_s = draft_timer.seconds
     stats.verify_time_s = verify_timer.seconds
+    stats.prefill_time_s = prefill_timer.seconds
+    sync(device)
+    stats.wall_time_s = time.perf_counter() - wall_t0
     return GenerationOutput(finalize(buf, width_out), num_new_all, stats)

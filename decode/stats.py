@@ -37,8 +37,13 @@ class AcceptanceStats:
         accepted_tokens: drafted tokens the target accepted (by the greedy match or the rejection-sampling rule;
             tokens accepted after an in-block EOS are counted, as the verification accepted them).
         emitted_tokens: tokens written to the output (accepted + bonus/correction, cut at EOS / max_new_tokens).
-        draft_time_s: seconds spent in the draft phase (draft forwards and draws), ``time.perf_counter``.
-        verify_time_s: seconds spent in target forward passes (verification, or decoding for the baseline).
+        draft_time_s: seconds spent in the draft phase (draft forwards and draws), ``time.perf_counter``; the
+            prompt prefill is not included (``prefill_time_s``).
+        verify_time_s: seconds spent in target forward passes (verification, or decoding for the baseline), the
+            prompt prefill excluded.
+        prefill_time_s: seconds spent prefilling the prompt into the caches (target and draft).
+        wall_time_s: seconds of the whole decoding call; ``wall - prefill - draft - verify`` is the loop's own
+            bookkeeping (acceptance, emission, cache edits).
         per_position_drafted: ``[i]`` = how often a i-th (0-based) draft token was proposed with all previous
             draft tokens of its block accepted.
         per_position_accepted: ``[i]`` = how often the i-th draft token was accepted (all previous accepted).
@@ -52,6 +57,8 @@ class AcceptanceStats:
     emitted_tokens: int = 0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    prefill_time_s: float = 0.0
+    wall_time_s: float = 0.0
     per_position_drafted: list[int] = field(default_factory=list)
     per_position_accepted: list[int] = field(default_factory=list)
     accepted_length_histogram: list[int] = field(default_factory=list)
@@ -62,6 +69,17 @@ class AcceptanceStats:
     def acceptance_rate(self) -> float:
         """alpha = accepted_tokens / drafted_tokens (pooled; Leviathan et al. 2023, Sec. 3.1). NaN if nothing drafted."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else float("nan")
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """Per-token acceptance probability: accepted / *tested* draft tokens, a draft token being tested when
+        every earlier token of its block was accepted (``sum(per_position_accepted) / sum(per_position_drafted)``).
+        This is the maximum-likelihood alpha of Leviathan et al. 2023's i.i.d. model (Sec. 3.1, each token accepted
+        with probability alpha until the first rejection), the alpha their Thm 3.8 expects; accepted / drafted
+        (:attr:`acceptance_rate`) also counts the untested tokens after a rejection, so it underestimates alpha.
+        NaN if nothing was tested."""
+        tested = sum(self.per_position_drafted)
+        return sum(self.per_position_accepted) / tested if tested else float("nan")
 
     @property
     def mean_accepted_length(self) -> float:
@@ -94,6 +112,8 @@ class AcceptanceStats:
             emitted_tokens=self.emitted_tokens + other.emitted_tokens,
             draft_time_s=self.draft_time_s + other.draft_time_s,
             verify_time_s=self.verify_time_s + other.verify_time_s,
+            prefill_time_s=self.prefill_time_s + other.prefill_time_s,
+            wall_time_s=self.wall_time_s + other.wall_time_s,
             per_position_drafted=_add_lists(self.per_position_drafted, other.per_position_drafted),
             per_position_accepted=_add_lists(self.per_position_accepted, other.per_position_accepted),
             accepted_length_histogram=_add_lists(self.accepted_length_histogram, other.accepted_length_histogram),
@@ -142,28 +162,36 @@ class AcceptanceStats:
 
         d["acceptance_rate"] = clean(self.acceptance_rate)
         d["mean_accepted_length"] = clean(self.mean_accepted_length)
+        d["per_token_acceptance"] = clean(self.per_token_acceptance)
         d["per_position_acceptance"] = [clean(x) for x in self.per_position_acceptance]
         return d
 
 
-def expected_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float) -> float:
+def expected_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: float,
+                     verify_cost_ratio: float = 1.0) -> float:
     """Expected walltime improvement of speculative decoding (Leviathan et al. 2023, Theorem 3.8).
 
-    ``(1 - a^(g+1)) / ((1 - a) (g c + 1))`` with ``a`` = acceptance rate alpha in [0, 1], ``g`` = num_draft_tokens
-    (gamma) >= 0 and ``c`` = cost ratio (draft forward time / target forward time) >= 0. At ``a = 1`` the limit
-    ``(g + 1) / (g c + 1)`` is used.
+    ``(1 - a^(g+1)) / ((1 - a) (g c + v))`` with ``a`` = per-token acceptance alpha in [0, 1]
+    (:attr:`AcceptanceStats.per_token_acceptance`), ``g`` = num_draft_tokens (gamma) >= 0, ``c`` = cost ratio
+    (one-position draft forward / one-position target forward) >= 0 and ``v`` = verify cost ratio (the target's
+    (g+1)-position verify forward / its one-position forward) > 0. The theorem assumes ``v = 1`` (the default);
+    passing the measured ``v`` gives the expectation from measured components. At ``a = 1`` the limit
+    ``(g + 1) / (g c + v)`` is used.
 
     Raises:
-        ValueError: ``a`` outside [0, 1], ``g < 0`` or ``c < 0``.
+        ValueError: ``a`` outside [0, 1], ``g < 0``, ``c < 0`` or ``v <= 0``.
     """
     a, g, c = float(acceptance_rate), int(num_draft_tokens), float(cost_ratio)
+    v = float(verify_cost_ratio)
+    if not (v > 0.0):
+        raise ValueError(f"verify_cost_ratio must be > 0 (got {verify_cost_ratio!r}).")
     if not (0.0 <= a <= 1.0):
         raise ValueError(f"acceptance_rate must be in [0, 1] (got {acceptance_rate!r}).")
     if g < 0:
         raise ValueError(f"num_draft_tokens must be >= 0 (got {num_draft_tokens!r}).")
     if not (c >= 0.0):
         raise ValueError(f"cost_ratio must be >= 0 (got {cost_ratio!r}).")
-    denom_cost = g * c + 1.0
+    denom_cost = g * c + v
     if a == 1.0:
         return (g + 1) / denom_cost
     return (1.0 - a ** (g + 1)) / ((1.0 - a) * denom_cost)

@@ -7,7 +7,7 @@ import torch
 
 from ._common import Timer, new_kv_state
 
-__all__ = ["forward_times_s", "cost_ratio"]
+__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s"]
 
 
 @torch.inference_mode()
@@ -33,3 +33,28 @@ def cost_ratio(target, draft, prompt: torch.Tensor, steps: int = 20, fast_path: 
     the two models alternating. Returns ``{"cost_ratio", "target_forward_s", "draft_forward_s"}`` (seconds)."""
     t, d = forward_times_s([target, draft], prompt, steps, fast_path)
     return {"cost_ratio": d / t, "target_forward_s": t, "draft_forward_s": d}
+
+
+@torch.inference_mode()
+def block_forward_times_s(model, prompt: torch.Tensor, widths, steps: int, fast_path: bool | None = None
+                          ) -> dict[int, float]:
+    """Median seconds of one cached forward of ``w`` new positions (``w`` in ``widths``, e.g. ``[1, gamma + 1]``:
+    a decode step and a verify block) after prefilling ``prompt`` (1, T), through the decoder's own forward. Each
+    forward is rolled back right after (the cache length stays T), and the widths alternate step by step, so load
+    changes hit them alike. ``block_forward_times_s(...)[g + 1] / [...][1]`` is the verify cost ratio v of
+    :func:`decode.expected_speedup`."""
+    widths = [int(w) for w in widths]
+    state = new_kv_state(model, 1, prompt.device, prompt.shape[1] + max(widths) + 2, fast_path)
+    state.forward(prompt[:, :-1])
+    base = state.length
+    blocks = {w: prompt[:, -1:].repeat(1, w) for w in widths}
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for _ in range(steps + 2):
+        for w in widths:
+            sync(prompt.device)
+            t0 = time.perf_counter()
+            state.forward(blocks[w], None, logits_to_keep=0 if w > 1 else 1)
+            sync(prompt.device)
+            times[w].append(time.perf_counter() - t0)
+            state.truncate(base, None, 0)
+    return {w: statistics.median(ts[2:]) for w, ts in times.items()}  # first two are warm-up

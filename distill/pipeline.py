@@ -148,8 +148,11 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         draft, init_info = build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
     else:
         draft, init_info = initial_draft(rc, opts, run_dir, target, tokenizer, events)
+    from decode import cache_policy
+
     for model, role in ((target, "target"), (draft, "draft")):
         check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
+        cache_policy(model, role=role)  # speculative decoding must be able to roll its cache back
     check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None

@@ -237,6 +237,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
             set is intact.
     """
     from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
+    from decode import cache_policy
     from decode.fast_llama import fast_path_supported
     from data.devices import runtime_record
     from decode.quantize import check_quantize_device, load_draft
@@ -254,11 +255,13 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
     what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
     check_context_fits(target, need, "target", what)
+    cache_policy(target, 1, need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2, role="target")
     drafts, meta = {}, {}
     for n in paths:
         model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
+        cache_policy(model, 1, need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2, role=f"draft {n!r}")
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)

@@ -3,7 +3,10 @@
 
     python scripts/bench_decode.py --target DIR --draft DIR [--prompts-file F.jsonl --text-field text]
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
-        [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1] [--fast-path auto|off] [--json-out F]
+        [--target-dtype D] [--draft-dtype D] [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
+        [--fast-path auto|off] [--json-out F]
+    python scripts/bench_decode.py --family mistral|qwen2|qwen3|gemma2|gemma3|phi3|llama [--family-layers 4]
+        [--family-hidden 256] [--family-window 16] ...
 
 On the same prompts (batch size 1, greedy) it runs, alternating the three methods in every repeat:
 
@@ -16,8 +19,17 @@ It prints tokens/s of each (new tokens / wall seconds, ``time.perf_counter`` aro
 ours/transformers and ours/target-only ratios, the measured acceptance rate alpha and mean accepted length tau
 (pooled), the cost ratio c (one-token cached draft forward time / target forward time, medians, the two models
 timed alternately), the expected
-speedup of Leviathan et al. 2023, Thm 3.8, from the measured per-token acceptance (accepted / positions reached,
-:func:`leviathan_expectation`) and c, and measured speedup / expected.
+speedup of Leviathan et al. 2023, Thm 3.8, from the measured per-token acceptance alpha (accepted / tested draft
+tokens, :func:`leviathan_expectation`) and c, and measured speedup / expected.
+
+Where a step's time goes: the speculative calls' wall time split into prefill (both models), draft phase, verify
+forwards and everything else (``AcceptanceStats.prefill_time_s / draft_time_s / verify_time_s / wall_time_s``); the
+*loop efficiency* (time in model forwards / wall); the *verify cost ratio* v = (gamma + 1)-position target forward /
+one-position target forward (medians, :func:`decode.block_forward_times_s`; also per step in the loop against the
+target-only decoder's per-token time); and the expected speedup from these measured components,
+``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))``, beside Leviathan's (v = 1).
+``--family NAME`` benchmarks a tiny random model of that family (draft = the target's first layer) on random ids;
+``--target-dtype`` / ``--draft-dtype`` run the two models in different dtypes (e.g. a bf16 target, fp32 draft).
 Generation ignores EOS by default (fixed-length outputs make the three comparable); ``--stop-at-eos`` uses the
 target's EOS. ``--prompt-ids`` uses random token-id prompts and needs no tokenizer (used by the tests).
 ``--num-threads`` sets ``torch.set_num_threads`` (default 1: timings on a shared CPU are steadier, and for
@@ -46,7 +58,7 @@ from decode import (  # noqa: E402
 )
 from data.devices import runtime_record  # noqa: E402
 from decode._common import sync  # noqa: E402
-from decode.timing import forward_times_s  # noqa: E402
+from decode.timing import block_forward_times_s, forward_times_s  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "The patient was admitted to the hospital with",
@@ -58,8 +70,16 @@ BUILTIN_PROMPTS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="target model directory (or hub id where reachable)")
-    ap.add_argument("--draft", required=True, help="draft model directory")
+    ap.add_argument("--target", help="target model directory (or hub id where reachable)")
+    ap.add_argument("--draft", help="draft model directory")
+    ap.add_argument("--family", choices=FAMILIES,
+                    help="instead of --target/--draft: a tiny random model of this family (target: "
+                         "--family-layers layers; draft: its first layer, embeddings and head), random-id prompts")
+    ap.add_argument("--family-layers", type=int, default=4, help="target layers for --family (default 4)")
+    ap.add_argument("--family-hidden", type=int, default=256, help="hidden size for --family (default 256)")
+    ap.add_argument("--family-window", type=int, default=16,
+                    help="sliding window for --family models that have one (default 16: shorter than prompt + "
+                         "generation, so the window is exercised)")
     ap.add_argument("--prompts-file", help="JSONL file with one prompt per line")
     ap.add_argument("--text-field", default="text", help="JSONL field holding the prompt text (default: text)")
     ap.add_argument("--max-prompts", type=int, default=8, help="use at most this many prompts from the file")
@@ -71,19 +91,67 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
+    ap.add_argument("--target-dtype", help="dtype of the target only (default: --dtype); lossless = equal to "
+                                           "target-only decoding in this dtype")
+    ap.add_argument("--draft-dtype", help="dtype of the draft only (default: --dtype)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
     ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
-                    help="ours: lean Llama forward where supported (auto) or always the Hugging Face forward (off)")
+                    help="ours: lean forward where supported (Llama, Mistral, Qwen2, Qwen3; auto) or always the "
+                         "Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     args = ap.parse_args(argv)
+    if args.family is None and (args.target is None or args.draft is None):
+        ap.error("give --target and --draft, or --family NAME")
+    if args.family is not None:
+        args.prompt_ids = True
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
                  "num_threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+def family_models(family: str, layers: int, hidden: int, window: int, vocab: int = 1024, seed: int = 0):
+    """(target, draft): a random ``family`` model (``layers`` layers, 4 heads of 2 KV groups, windowed layers as the
+    family lays them out) and a 1-layer draft sharing its embeddings, first layer, final norm and head."""
+    import transformers as tf
+
+    heads = max(4, hidden // 64)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2, max_position_embeddings=2048, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hd = hidden // heads
+
+    def build(n):
+        if family == "llama":
+            return tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_hidden_layers=n))
+        if family == "mistral":
+            return tf.MistralForCausalLM(tf.MistralConfig(**common, num_hidden_layers=n, sliding_window=window))
+        if family in ("qwen2", "qwen3"):
+            cfg_cls, cls = (tf.Qwen2Config, tf.Qwen2ForCausalLM) if family == "qwen2" else (tf.Qwen3Config,
+                                                                                             tf.Qwen3ForCausalLM)
+            return cls(cfg_cls(**common, num_hidden_layers=n, use_sliding_window=True, sliding_window=window,
+                               max_window_layers=0))  # every layer windowed
+        types = [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)]
+        if family == "gemma2":
+            return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, num_hidden_layers=n, head_dim=hd,
+                                                        sliding_window=window, layer_types=types))
+        if family == "gemma3":
+            return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, num_hidden_layers=n, head_dim=hd,
+                                                            sliding_window=window, layer_types=types))
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=n, sliding_window=window))
+
+    torch.manual_seed(seed)
+    target = build(layers).eval()
+    draft = build(1).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return target, draft
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -104,9 +172,8 @@ def leviathan_expectation(stats: AcceptanceStats, gamma: int, cost_ratio: float)
     (``sum(per_position_accepted) / sum(per_position_drafted)``; as ``token_acceptance_rate`` in metrics.json),
     not accepted / drafted (which counts the positions after the first rejection as rejected too). NaN when
     nothing was drafted."""
-    reached = sum(stats.per_position_drafted)
-    alpha = sum(stats.per_position_accepted) / reached if reached else float("nan")
-    return alpha, (expected_speedup(alpha, gamma, cost_ratio) if reached else float("nan"))
+    alpha = stats.per_token_acceptance
+    return alpha, (expected_speedup(alpha, gamma, cost_ratio) if alpha == alpha else float("nan"))
 
 
 def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
@@ -161,9 +228,16 @@ def _run(args) -> dict:
     torch.manual_seed(args.seed)
     fast_path = None if args.fast_path == "auto" else False
     device, dtype = resolve_device_dtype(args.device, args.dtype)
+    t_dtype = resolve_device_dtype(args.device, args.target_dtype)[1] if args.target_dtype else dtype
+    d_dtype = resolve_device_dtype(args.device, args.draft_dtype)[1] if args.draft_dtype else dtype
     tokenizer = None if args.prompt_ids else check_tokenizers(args.target, args.draft)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype).to(device).eval()
+    if args.family:
+        target, draft = family_models(args.family, args.family_layers, args.family_hidden, args.family_window,
+                                      seed=args.seed)
+        target, draft = target.to(device=device, dtype=t_dtype), draft.to(device=device, dtype=d_dtype)
+    else:
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=t_dtype).to(device).eval()
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=d_dtype).to(device).eval()
     shared_vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
     if tokenizer is not None:
         shared_vocab = min(shared_vocab, len(tokenizer))
@@ -206,6 +280,7 @@ def _run(args) -> dict:
     seconds = {m: 0.0 for m in methods}
     tokens = {m: 0 for m in methods}
     spec_stats: list[AcceptanceStats] = []
+    ar_stats: list[AcceptanceStats] = []
     mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
     for _ in range(args.repeats):
         for p in prompts:
@@ -221,21 +296,49 @@ def _run(args) -> dict:
                 outputs[name] = new.cpu()
                 if name == "ours_speculative":
                     spec_stats.append(res[1])
+                elif name == "target_only":
+                    ar_stats.append(res[1])
             ref = outputs["target_only"]
             for n, o in outputs.items():
                 if n != "target_only":
                     mismatches[n] += int(o.shape != ref.shape or not torch.equal(o, ref))
 
     stats = AcceptanceStats.pool(spec_stats)
+    ar = AcceptanceStats.pool(ar_stats)
     tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
     t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
+    blocks = block_forward_times_s(target, prompts[0], [1, gamma + 1], args.cost_steps, fast_path)
     cost_ratio = t_draft / t_target
+    verify_ratio = blocks[gamma + 1] / blocks[1]
     alpha = stats.acceptance_rate
     token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
+    nan = float("nan")
+    expected_comp = expected_speedup(token_alpha, gamma, cost_ratio, verify_ratio) if token_alpha == token_alpha else nan
     measured = tps["ours_speculative"] / tps["target_only"]
+
+    def breakdown(st: AcceptanceStats) -> dict:
+        """Seconds per phase (pooled over the timed calls) and the loop efficiency (time in forwards / wall)."""
+        fwd = st.prefill_time_s + st.draft_time_s + st.verify_time_s
+        return {"wall_s": st.wall_time_s, "prefill_s": st.prefill_time_s, "draft_s": st.draft_time_s,
+                "verify_s": st.verify_time_s, "other_s": st.wall_time_s - fwd,
+                "loop_efficiency": fwd / st.wall_time_s if st.wall_time_s > 0 else nan}
+
+    spec_bd = breakdown(stats)
+    steps = stats.verify_steps
+    in_loop = {
+        "verify_s_per_step": stats.verify_time_s / steps if steps else nan,
+        "draft_s_per_token": stats.draft_time_s / stats.drafted_tokens if stats.drafted_tokens else nan,
+        "other_s_per_step": spec_bd["other_s"] / steps if steps else nan,
+        "target_s_per_token_target_only": ar.verify_time_s / ar.verify_steps if ar.verify_steps else nan,
+    }
+    in_loop["verify_cost_ratio"] = in_loop["verify_s_per_step"] / in_loop["target_s_per_token_target_only"]
+    in_loop["cost_ratio"] = in_loop["draft_s_per_token"] / in_loop["target_s_per_token_target_only"]
     return {
+        "family": args.family,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
+        "target_dtype": str(t_dtype).replace("torch.", ""),
+        "draft_dtype": str(d_dtype).replace("torch.", ""),
         "num_threads": torch.get_num_threads(),
         "runtime": runtime_record(device, dtype),  # + torch / CUDA versions and the GPU name (data.devices)
         "fast_path": args.fast_path,
@@ -253,9 +356,14 @@ def _run(args) -> dict:
         "mean_accepted_length": stats.mean_accepted_length,
         "draft_forward_s": t_draft,
         "target_forward_s": t_target,
+        "target_verify_forward_s": blocks[gamma + 1],
         "cost_ratio": cost_ratio,
+        "verify_cost_ratio": verify_ratio,
         "expected_speedup": expected,
+        "expected_speedup_components": expected_comp,
         "measured_over_expected": measured / expected,
+        "time_breakdown": {"ours_speculative": spec_bd, "target_only": breakdown(ar)},
+        "in_loop": in_loop,
         "greedy_output_mismatches": mismatches,
         "stats": stats.to_dict(),
     }
@@ -263,9 +371,13 @@ def _run(args) -> dict:
 
 def format_table(r: dict) -> str:
     tps = r["tokens_per_s"]
+    bd, il = r["time_breakdown"]["ours_speculative"], r["in_loop"]
+    wall = bd["wall_s"] or float("nan")
     rows = [
-        ("device / dtype / threads", f"{r['device']} / {r['dtype']} / {r['num_threads']}"),
-        ("ours: lean Llama forward (target, draft)",
+        ("model family (tiny random, --family)", r["family"] or "-"),
+        ("device / dtype (target, draft) / threads",
+         f"{r['device']} / {r['target_dtype']}, {r['draft_dtype']} / {r['num_threads']}"),
+        ("ours: lean forward (target, draft)",
          f"{r['fast_path']} ({'yes' if r['fast_path_used']['target'] else 'no'}, "
          f"{'yes' if r['fast_path_used']['draft'] else 'no'})"),
         ("prompts x repeats", f"{r['num_prompts']} x {r['repeats']}"),
@@ -277,11 +389,21 @@ def format_table(r: dict) -> str:
         ("ours / transformers", f"{r['ours_over_transformers']:.2f}x"),
         ("ours / target-only (measured speedup)", f"{r['ours_over_target_only']:.2f}x"),
         ("acceptance rate (accepted / drafted)", f"{r['acceptance_rate']:.3f}"),
-        ("per-token acceptance alpha (Leviathan)", f"{r['token_acceptance_rate']:.3f}"),
+        ("per-token acceptance alpha (accepted / tested)", f"{r['token_acceptance_rate']:.3f}"),
         ("mean accepted length tau", f"{r['mean_accepted_length']:.2f}"),
-        ("cost ratio c (draft / target forward)", f"{r['cost_ratio']:.3f}"),
-        ("expected speedup (Leviathan Thm 3.8, per-token alpha)", f"{r['expected_speedup']:.2f}x"),
-        ("measured / expected", f"{r['measured_over_expected']:.2f}"),
+        ("one-position forward ms (target, draft)", f"{1e3 * r['target_forward_s']:.3f}, {1e3 * r['draft_forward_s']:.3f}"),
+        ("verify forward ms (gamma + 1 positions)", f"{1e3 * r['target_verify_forward_s']:.3f}"),
+        ("cost ratio c (draft / target forward)", f"{r['cost_ratio']:.3f} (in loop {il['cost_ratio']:.3f})"),
+        ("verify cost ratio v (verify / 1-pos forward)",
+         f"{r['verify_cost_ratio']:.2f} (in loop {il['verify_cost_ratio']:.2f})"),
+        ("spec wall: prefill / draft / verify / other",
+         f"{bd['prefill_s'] / wall:.0%} / {bd['draft_s'] / wall:.0%} / {bd['verify_s'] / wall:.0%} / "
+         f"{bd['other_s'] / wall:.0%}"),
+        ("loop efficiency (time in forwards / wall)",
+         f"{bd['loop_efficiency']:.2f} (target-only {r['time_breakdown']['target_only']['loop_efficiency']:.2f})"),
+        ("expected speedup (Leviathan Thm 3.8, v = 1)", f"{r['expected_speedup']:.2f}x"),
+        ("expected speedup (measured c and v)", f"{r['expected_speedup_components']:.2f}x"),
+        ("measured / expected (Leviathan)", f"{r['measured_over_expected']:.2f}"),
         ("ours: greedy outputs differing from target-only", f"{r['greedy_output_mismatches']['ours_speculative']}"),
         ("transformers: outputs differing from target-only", f"{r['greedy_output_mismatches']['hf_assisted']}"),
     ]

@@ -123,3 +123,57 @@ def save_code_target(out_dir, *, num_layers: int, hidden_size: int, seed: int = 
                      max_position_embeddings=128)
     save_hf_atomic(build_llama(arch, tok, seed=seed), tok, out_dir)
     return tok, rows
+
+
+SLIDING_FAMILIES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+def tiny_family(family: str, vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2, seed: int = 0,
+                sliding_window: int | None = 4, num_heads: int = 4, num_kv_heads: int = 2, max_window_layers: int = 1):
+    """A tiny random ``*ForCausalLM`` of ``family`` (one of :data:`SLIDING_FAMILIES`, or ``"llama"``) in eval mode.
+
+    ``sliding_window``: the attention window (``None``: full attention everywhere). Layer patterns follow each
+    family: every layer windowed (Mistral, Phi-3); the first layer full and the rest windowed (Qwen2 / Qwen3 with
+    ``max_window_layers=1``; 0: every layer windowed); alternating windowed / full (Gemma-2: even layers windowed; Gemma-3: every second
+    layer full), with Gemma's attention and final logit soft-capping.
+    """
+    import transformers as tf
+
+    head_dim = hidden_size // num_heads
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                  pad_token_id=None)
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "mistral":
+        cfg, cls = tf.MistralConfig(**common, sliding_window=sliding_window, head_dim=head_dim), tf.MistralForCausalLM
+    elif family in ("qwen2", "qwen3"):
+        extra = dict(head_dim=head_dim) if family == "qwen3" else {}
+        cfg_cls = tf.Qwen2Config if family == "qwen2" else tf.Qwen3Config
+        cfg = cfg_cls(**common, **extra, use_sliding_window=sliding_window is not None,
+                      sliding_window=sliding_window, max_window_layers=max_window_layers)
+        cls = tf.Qwen2ForCausalLM if family == "qwen2" else tf.Qwen3ForCausalLM
+    elif family == "gemma2":
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+        cfg = tf.Gemma2Config(**common, head_dim=head_dim, sliding_window=sliding_window or 4096,
+                              layer_types=types if sliding_window else ["full_attention"] * num_layers,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0, query_pre_attn_scalar=head_dim)
+        cls = tf.Gemma2ForCausalLM
+    elif family == "gemma3":
+        types = ["full_attention" if i % 2 == 1 else "sliding_attention" for i in range(num_layers)]
+        cfg = tf.Gemma3TextConfig(**common, head_dim=head_dim, sliding_window=sliding_window or 4096,
+                                  layer_types=types if sliding_window else ["full_attention"] * num_layers,
+                                  final_logit_softcapping=3.0, query_pre_attn_scalar=head_dim)
+        cls = tf.Gemma3ForCausalLM
+    elif family == "phi3":
+        cfg = tf.Phi3Config(**common, sliding_window=sliding_window, resid_pdrop=0.0, embd_pdrop=0.0,
+                            attention_dropout=0.0)
+        cls = tf.Phi3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)  # sharper distributions: structure worth drafting
+    return model.eval()

@@ -285,3 +285,68 @@ def test_packed_copies_are_reused_only_for_bitwise_equal_weights():
         assert not _same_bits(live, flipped)
     zeros = torch.zeros(3, 4)
     assert not _same_bits(zeros, -zeros) and not _same_bits(w, w.double()) and not _same_bits(w, w[:5])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("family,window", [("mistral", 3), ("mistral", None), ("qwen2", 3), ("qwen2", None),
+                                           ("qwen3", 3), ("qwen3", None)])
+def test_family_on_the_lean_forward_matches_hf(family, window, packed):
+    """Mistral (Llama + a sliding window), Qwen2 (+ q/k/v biases) and Qwen3 (+ q/k head RMSNorm) run on the lean
+    forward: the same logits as transformers' uncached forward with left padding (a padded vocabulary: the head
+    has more rows than the prompts use), and the same as the Hugging Face KV state through holes, truncation and
+    row retirement, with the window counted in positions."""
+    from tinymodels import tiny_family
+
+    def build(w):
+        return tiny_family(family, vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
+                           sliding_window=w, max_window_layers=0)
+
+    model = build(window)
+    with torch.no_grad():  # non-zero biases / norm weights (their init is 0 / 1)
+        for name, p in model.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    assert fast_path_supported(model)
+    ids, mask = left_pad(random_prompts([9, 4, 7], 64, seed=1))  # ids < 64 of 80 rows
+    ref = _hf_logits(model, ids, mask)
+    with torch.inference_mode():
+        state = FastKVState(model, 3, torch.device("cpu"), capacity=4, packed=packed)
+        out = [state.forward(ids[:, :5], mask[:, :5], logits_to_keep=0)]
+        out += [state.forward(ids[:, j:j + 1], mask[:, j:j + 1]) for j in range(5, ids.shape[1])]
+    assert (torch.cat(out, 1) - ref)[mask.bool()].abs().max().item() < 1e-4
+    if window is not None:  # the window changes these logits (else the test could not see a wrong window)
+        full = build(None)
+        full.load_state_dict(model.state_dict())
+        assert (_hf_logits(full, ids, mask) - ref)[mask.bool()].abs().max().item() > 1e-2
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        hf = KVState(model, 3, torch.device("cpu"))
+        fast = FastKVState(model, 3, torch.device("cpu"), capacity=8, packed=packed)
+        for s in (hf, fast):
+            s.forward(ids, mask)
+        for step in range(6):
+            block = torch.randint(0, 80, (hf.mask.shape[0], 4), generator=gen)
+            bmask = torch.ones_like(block)
+            bmask[0, 0] = step % 2
+            start = hf.length
+            a, b = hf.forward(block, bmask, logits_to_keep=0), fast.forward(block, bmask, logits_to_keep=0)
+            assert (a - b)[bmask.bool()].abs().max().item() < 1e-4
+            keep = torch.randint(1, 5, (block.shape[0],), generator=gen)
+            for s in (hf, fast):
+                s.truncate(start, keep, int(keep.max()))
+            if step == 3:
+                for s in (hf, fast):
+                    s.select_rows(torch.tensor([0, 2]))
+        tok = torch.randint(0, 80, (2, 1), generator=gen)
+        assert (hf.forward(tok) - fast.forward(tok)).abs().max().item() < 1e-4
+    # batch 1 (dense: keys outside the window are sliced off) against generate()
+    one = autoregressive_generate(model, ids[:1], max_new_tokens=12)
+    assert torch.equal(one.sequences, hf_greedy(model, ids[:1], mask[:1], 12))
+
+
+def test_mixed_window_layers_fall_back_to_hf():
+    from tinymodels import tiny_family
+
+    mixed = tiny_family("qwen2", sliding_window=3, max_window_layers=1)  # layer 0 full, layer 1 windowed
+    assert not fast_path_supported(mixed)
+    assert isinstance(new_kv_state(mixed, 1, torch.device("cpu")), KVState)

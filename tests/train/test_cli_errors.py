@@ -249,3 +249,22 @@ def test_ctrl_c_ends_with_the_interrupted_line_and_no_progress_bar_after_it(tmp_
     assert "Traceback" not in stderr, stderr[-3000:]
     last = [l for l in stderr.replace("\r", "\n").splitlines() if l.strip()][-1]
     assert last.startswith("interrupted: ") and "trainer.resume=true" in last, stderr[-2000:]
+
+
+def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_path):
+    """A draft with chunked attention (Llama 4): speculative decoding could not crop its cache exactly, so eval
+    stops with the one-line error (exit 2) before decoding anything, instead of a traceback mid-run."""
+    import sys as _sys
+
+    from transformers import AutoTokenizer
+
+    _sys.path.insert(0, str(ROOT / "tests" / "decode"))
+    from test_decode_sliding_window import tiny_chunked_llama4
+
+    tok = AutoTokenizer.from_pretrained(models["target"])
+    chunked = tiny_chunked_llama4(vocab=len(tok))
+    chunked.save_pretrained(tmp_path / "chunked")
+    tok.save_pretrained(tmp_path / "chunked")
+    proc = cli("eval", *_eval_args(models, **{"eval.drafts": f"{{chunked: {tmp_path / 'chunked'}}}"}),
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert_clean_error(proc, 2, "draft 'chunked'", "cannot roll back the KV cache", "chunked_attention")

@@ -51,10 +51,8 @@ def block_forward_times_s(model, prompt: torch.Tensor, widths, steps: int, fast_
     times: dict[int, list[float]] = {w: [] for w in widths}
     for _ in range(steps + 2):
         for w in widths:
-            sync(prompt.device)
-            t0 = time.perf_counter()
-            state.forward(blocks[w], None, logits_to_keep=0 if w > 1 else 1)
-            sync(prompt.device)
-            times[w].append(time.perf_counter() - t0)
+            with Timer(prompt.device) as timer:  # CUDA: events, one wait when read below
+                state.forward(blocks[w], None, logits_to_keep=0 if w > 1 else 1)
+            times[w].append(timer)
             state.truncate(base, None, 0)
-    return {w: statistics.median(ts[2:]) for w, ts in times.items()}  # first two are warm-up
+    return {w: statistics.median(t.seconds for t in ts[2:]) for w, ts in times.items()}  # first two: warm-up

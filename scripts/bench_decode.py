@@ -81,9 +81,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ours: lean Llama forward where supported (auto) or always the Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",
-                    help="ours: draft-length policy (decode.draft_length_policy; adaptive starts at --num-draft-tokens)")
+                    help="ours: draft-length policy (decode.draft_length_policy; adaptive starts at "
+                         "--num-draft-tokens)")
     ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
-                    help="a decode.* policy key, e.g. max_draft_tokens=8, adaptive_window=4, confidence_threshold=0.6")
+                    help="a decode.* policy key, e.g. max_draft_tokens=8, adaptive_window=4, "
+                         "confidence_threshold=0.6")
     args = ap.parse_args(argv)
     from decode.config import DecodeConfig
 

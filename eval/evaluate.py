@@ -1,8 +1,9 @@
 """Per-domain acceptance evaluation: one implementation for the pipeline's eval stage and ``python -m eval``.
 
 Each prompt is decoded in alternation on the same inputs: target-only (the baseline and the lossless reference),
-then speculative decoding with each draft at each swept ``num_draft_tokens``. This module only decodes and times;
-it returns one row per (draft, domain, prompt, num_draft_tokens) with the counts that rebuild every pooled number
+then speculative decoding with each draft at each swept ``num_draft_tokens`` and under each draft-length policy. This
+module only decodes and times; it returns one row per (draft, domain, prompt, num_draft_tokens or policy) with the
+counts (and the draft length of every verify step) that rebuild every pooled number
 (see :mod:`eval.metrics`).
 """
 from __future__ import annotations
@@ -71,7 +72,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
 
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "num_draft_tokens": [gammas], "max_new_tokens",
-        "sampling", "truncated_prompts"}``; rows have the columns of :data:`eval.metrics.PER_PROMPT_COLUMNS`.
+        "sampling", "truncated_prompts", "draft_length_policies": [names]}``; rows have the columns of
+        :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
     decode_kwargs = dict(decode_kwargs or {})
     gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))

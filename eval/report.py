@@ -88,12 +88,19 @@ def domains_of(doc: dict) -> list[str]:
     return list(seen)
 
 
+def setting_entry(entry: dict, r: dict) -> dict | None:
+    """The entry of setting ``r`` (a recommendation: gamma or draft-length policy) in a (draft, domain) ``entry``;
+    None when that setting was not measured there."""
+    policy = r.get("draft_length_policy", "fixed")
+    if policy != "fixed":
+        return entry.get("policies", {}).get(policy)
+    return entry["sweep"].get(str(r["num_draft_tokens"]))
+
+
 def recommended_entry(doc: dict, domain: str) -> dict:
     """The metrics entry behind ``recommendation.<domain>`` (a sweep gamma, or a draft-length policy)."""
     r = doc["recommendation"][domain]
-    e = doc["drafts"][r["draft"]][domain]
-    policy = r.get("draft_length_policy", "fixed")
-    return e["policies"][policy] if policy != "fixed" else e["sweep"][str(r["num_draft_tokens"])]
+    return setting_entry(doc["drafts"][r["draft"]][domain], r)
 
 
 def setting_label(r: dict) -> str:
@@ -120,8 +127,7 @@ def verdict(doc: dict, domain: str) -> str:
         parts[0] += f", mean draft length {_fmt(e['mean_draft_length'], 2)}"
     others = [n for n in doc["drafts"] if n != r["draft"] and domain in doc["drafts"][n]]
     for n in others:
-        o = recommended_entry({**doc, "recommendation": {domain: {**r, "draft": n}}}, domain) \
-            if _has_setting(doc["drafts"][n][domain], r) else None
+        o = setting_entry(doc["drafts"][n][domain], r)
         if o is not None:
             parts.append(f"`{n}` at the same setting: tau {_fmt(o['mean_accepted_length'], 2)}, "
                          f"{_fmt(o['measured_speedup'], 2)}x")
@@ -144,11 +150,6 @@ def verdict(doc: dict, domain: str) -> str:
     if False in lossless:
         line += " **LOSSLESS CHECK FAILED** (speculative greedy output differs from target-only)."
     return line
-
-
-def _has_setting(entry: dict, r: dict) -> bool:
-    policy = r.get("draft_length_policy", "fixed")
-    return policy in entry.get("policies", {}) if policy != "fixed" else str(r["num_draft_tokens"]) in entry["sweep"]
 
 
 def histogram_text(hist: list[int]) -> str:

@@ -221,3 +221,26 @@ def test_bad_policy_parameters_are_one_line_config_errors(case):
             check(cfg)
         text = str(ei.value)
         assert text.startswith("invalid config: ") and message in text and "\n" not in text, text
+
+
+@pytest.mark.slow
+def test_python_m_eval_compares_the_three_policies(models, tmp_path):
+    """The real command line (a subprocess): fixed, adaptive and confidence side by side, all lossless, the
+    recommendation printed per domain."""
+    import os
+    import subprocess
+    import sys
+
+    args = _base(models) + POLICY_ARGS["adaptive"][1:] + [
+        "decode.confidence_threshold=0.8", "eval.domains=[chat,medical]",
+        "eval.draft_length_policies=[fixed,adaptive,confidence]", f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run([sys.executable, "-m", "eval", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "WANDB_MODE": "offline", "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "metrics.json").read_text())
+    assert doc["lossless_all"] is True
+    for domain in ("chat", "medical"):
+        assert sorted(doc["drafts"]["noisy"][domain]["policies"]) == ["adaptive", "confidence"]
+        assert f"{domain}: use noisy with " in proc.stdout
+    policies = {r["draft_length_policy"] for r in _csv_rows(tmp_path)}
+    assert policies == {"fixed", "adaptive", "confidence"}

@@ -6,6 +6,8 @@ target and the drafts (``eval.drafts`` or ``<run_dir>/drafts/*``), the prompts o
 ``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`), ``routing.json`` (domain -> the draft
 with the best measured speedup, :mod:`eval.routing`) and, with ``logger=wandb``, a wandb run.
 With ``decode.draft_routing=PATH`` each domain is decoded only with the draft the table routes it to.
+Beside the fixed-gamma sweep every draft also decodes under each draft-length policy of
+``eval.draft_length_policies`` (default: ``decode.draft_length_policy``), a fresh policy per prompt.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-__all__ = ["AcceptanceStats", "expected_speedup"]
+__all__ = ["AcceptanceStats", "expected_speedup", "expected_speedup_mixture"]
 
 
 def _add_lists(a: list, b: list) -> list:
@@ -195,3 +195,27 @@ def expected_speedup(acceptance_rate: float, num_draft_tokens: int, cost_ratio: 
     if a == 1.0:
         return (g + 1) / denom_cost
     return (1.0 - a ** (g + 1)) / ((1.0 - a) * denom_cost)
+
+
+def expected_speedup_mixture(acceptance_rate: float, draft_length_histogram: list[int], cost_ratio: float) -> float:
+    """Expected walltime improvement when the draft length varies from step to step (a draft-length policy).
+
+    Leviathan et al. 2023, Theorem 3.8 per step, pooled over steps: with ``h[k]`` steps of draft length ``k``,
+    ``sum_k h[k] (1 - a^(k+1)) / (1 - a)  /  sum_k h[k] (k c + 1)`` (expected emitted tokens over the cost of the
+    steps in target-forward units, i.i.d. acceptance ``a``). A histogram with a single length ``g`` gives
+    :func:`expected_speedup` ``(a, g, c)``. NaN when the histogram is empty.
+
+    Raises:
+        ValueError: ``a`` outside [0, 1], ``c < 0``, or a negative count.
+    """
+    a, c = float(acceptance_rate), float(cost_ratio)
+    if not (0.0 <= a <= 1.0):
+        raise ValueError(f"acceptance_rate must be in [0, 1] (got {acceptance_rate!r}).")
+    if not (c >= 0.0):
+        raise ValueError(f"cost_ratio must be >= 0 (got {cost_ratio!r}).")
+    if any(h < 0 for h in draft_length_histogram):
+        raise ValueError(f"draft_length_histogram counts must be >= 0 (got {draft_length_histogram!r}).")
+    tokens = sum(h * ((k + 1) if a == 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a))
+                 for k, h in enumerate(draft_length_histogram))
+    cost = sum(h * (k * c + 1.0) for k, h in enumerate(draft_length_histogram))
+    return tokens / cost if cost else float("nan")

@@ -188,8 +188,13 @@ class OnPolicyHook:
 
 def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *, num_draft_tokens: int,
                          max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int | None = None,
-                         vocab_size: int | None = None, move_target: bool = True) -> EvalFn:
+                         vocab_size: int | None = None, move_target: bool = True,
+                         draft_length_policy=None) -> EvalFn:
     """An :data:`distill.trainer.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
+
+    ``draft_length_policy``: ``None`` (a fixed ``num_draft_tokens``) or a factory returning a fresh
+    :class:`decode.policies.DraftLengthPolicy` (``DecodeConfig.make_policy``), called once per prompt so each
+    evaluation of each checkpoint starts from the same policy state.
 
     The returned function maps a draft to ``{"mean_accepted_length", "acceptance_rate", "verify_steps",
     "emitted_tokens", "eval_decode_s"}``, pooled over prompts (sum of emitted tokens / sum of verify steps).
@@ -219,10 +224,12 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
         stats = AcceptanceStats.pool(
             speculative_generate(target, draft, ids.to(device), max_new_tokens=max_new_tokens,
                                  num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id,
-                                 pad_token_id=pad_token_id, vocab_size=vocab_size).stats
+                                 pad_token_id=pad_token_id, vocab_size=vocab_size,
+                                 draft_length_policy=draft_length_policy() if draft_length_policy else None).stats
             for ids in prompts)
         return {"mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
                 "verify_steps": stats.verify_steps, "emitted_tokens": stats.emitted_tokens,
+                "mean_draft_length": stats.drafted_tokens / stats.verify_steps if stats.verify_steps else None,
                 "eval_decode_s": time.perf_counter() - t0}
 
     return evaluate

@@ -349,7 +349,8 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
         evaluate = make_acceptance_eval(
             target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
             num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=lc.eval_max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared)
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared,
+            draft_length_policy=rc.decode.make_policy)
         with torch.no_grad():
             base_score = evaluate(draft.eval())["mean_accepted_length"]
     base_val_loss = evaluate_loss(draft, val_blocks)
@@ -379,7 +380,8 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
         "base_mean_accepted_length": base_score,
         "selection": {"metric": "mean_accepted_length", "eval_every": lc.eval_every, "eval_prompts": lc.eval_prompts,
                       "eval_max_new_tokens": lc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
-                      "split": "validation", "best": best} if best else None,
+                      "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
+                      "best": best} if best else None,
         "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": val_loss,
         "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),

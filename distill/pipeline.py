@@ -210,7 +210,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
             target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
             num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared,
-            move_target=teacher is not target)  # the online teacher stays where training placed it
+            move_target=teacher is not target,  # the online teacher stays where training placed it
+            draft_length_policy=rc.decode.make_policy)
     n_draft, n_target = count_parameters(draft), count_parameters(target)  # before ZeRO-3 may partition them
     log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, n_draft, n_target,
              train_blocks.size(0), rc.data.block_size)
@@ -238,7 +239,8 @@ def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -
         "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
         "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
                       "eval_max_new_tokens": dc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
-                      "split": "validation", "best": best} if best else None,
+                      "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
+                      "best": best} if best else None,
         "draft_parameters": n_draft, "target_parameters": n_target,
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
         "precision": precision,

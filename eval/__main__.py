@@ -85,8 +85,8 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as e:
         exit_on_error(e)
         raise
-    for domain, (draft, g) in out["recommendation"].items():
-        print(f"{domain}: use {draft} with num_draft_tokens={g}")
+    for domain, (draft, _) in out["recommendation"].items():
+        print(f"{domain}: use {draft} with {out['recommended_setting'][domain]}")
     print(f"report: {out['report']}")
     print(f"run directory: {run_dir}")
 

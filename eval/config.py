@@ -37,6 +37,9 @@ class EvalConfig:
     check_lossless: bool = True  # compare speculative greedy output with target-only greedy output
     cost_ratio_trials: int = 20  # forwards timed per model to measure the cost ratio c
     num_draft_tokens: list[int] | None = None  # sweep of gamma values; null: just decode.num_draft_tokens
+    # draft-length policies measured beside the fixed-gamma sweep (fixed | adaptive | confidence, parameters from
+    # decode.*); null: just decode.draft_length_policy. The fixed sweep is always measured.
+    draft_length_policies: list[str] | None = None
     bootstrap_samples: int = 1000  # resamples of the prompts for the 95% confidence intervals (0: none)
     confidence: float = 0.95  # level of the bootstrap percentile intervals, in (0, 1)
     alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
@@ -58,6 +61,13 @@ class EvalConfig:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "
                                  f"got {self.num_draft_tokens}")
+        if self.draft_length_policies is not None:
+            from decode.config import DRAFT_LENGTH_POLICIES
+
+            bad = [p for p in self.draft_length_policies if p not in DRAFT_LENGTH_POLICIES]
+            if not self.draft_length_policies or bad:
+                raise ValueError(f"eval.draft_length_policies must be null or a non-empty list of "
+                                 f"{', '.join(DRAFT_LENGTH_POLICIES)}, got {self.draft_length_policies}")
         if self.bootstrap_samples < 0:
             raise ValueError(f"eval.bootstrap_samples must be >= 0 (0 disables the intervals), "
                              f"got {self.bootstrap_samples}")
@@ -105,6 +115,12 @@ class EvalConfig:
         """The gamma values to measure: the sweep sorted without duplicates, or ``[default]``."""
         return sorted(set(self.num_draft_tokens)) if self.num_draft_tokens else [default]
 
+    def policies(self, default: str) -> list[str]:
+        """The draft-length policies other than ``fixed`` to measure beside the fixed sweep, in order, no
+        duplicates: ``draft_length_policies``, else ``[default]`` (``decode.draft_length_policy``)."""
+        names = self.draft_length_policies if self.draft_length_policies else [default]
+        return [p for p in dict.fromkeys(names) if p != "fixed"]
+
 
 @dataclass
 class LoggerConfig:
@@ -135,6 +151,10 @@ class EvalRootConfig:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    def __post_init__(self):
+        for name in self.eval.policies(self.decode.draft_length_policy):
+            self.decode.check_policy(name)  # e.g. adaptive needs decode.num_draft_tokens within its bounds
 
 
 def validate_eval(cfg: Any) -> EvalRootConfig:

@@ -1,8 +1,9 @@
 """Per-domain acceptance evaluation: one implementation for the pipeline's eval stage and ``python -m eval``.
 
 Each prompt is decoded in alternation on the same inputs: target-only (the baseline and the lossless reference),
-then speculative decoding with each draft at each swept ``num_draft_tokens``. This module only decodes and times;
-it returns one row per (draft, domain, prompt, num_draft_tokens) with the counts that rebuild every pooled number
+then speculative decoding with each draft at each swept ``num_draft_tokens`` and under each draft-length policy. This
+module only decodes and times; it returns one row per (draft, domain, prompt, num_draft_tokens or policy) with the
+counts (and the draft length of every verify step) that rebuild every pooled number
 (see :mod:`eval.metrics`).
 """
 from __future__ import annotations
@@ -50,8 +51,11 @@ def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens
 def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain: dict[str, list[Prompt]], *,
                     num_draft_tokens: int | list[int], max_new_tokens: int, max_prompt_tokens: int,
                     check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
-                    seed: int = 0, events: Callable[..., None] | None = None, warn_truncation: bool = True) -> dict:
-    """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``.
+                    seed: int = 0, events: Callable[..., None] | None = None,
+                    draft_length_policies: dict[str, Callable[[], Any]] | None = None,
+                    warn_truncation: bool = True) -> dict:
+    """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``, then
+    with every draft under every draft-length policy of ``draft_length_policies``.
 
     The same prompt is decoded in alternation (target-only, then each gamma x draft), so slow drift of the machine
     affects all settings alike. Sampling uses one generator seeded with ``seed + prompt index`` per decode.
@@ -60,13 +64,19 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         target: HF causal LM (eval mode). tokenizer: the target's tokenizer (drafts must share it).
         drafts: name -> HF causal LM.
         prompts_by_domain: domain -> prompts.
-        num_draft_tokens: gamma, or a list of gammas to sweep.
+        num_draft_tokens: gamma, or a list of gammas to sweep (the fixed policy).
+        draft_length_policies: policy name -> factory of a fresh :class:`decode.policies.DraftLengthPolicy`
+            (e.g. ``DecodeConfig.make_policy``); each decode gets its own policy, so every prompt is an independent
+            run and its row does not depend on the order of prompts. Their rows carry the policy's name in
+            ``draft_length_policy`` and its cap ``max_draft_tokens`` in ``num_draft_tokens``.
         decode_kwargs: sampling settings (``do_sample``, ``temperature``, ``top_k``, ``top_p``); greedy by default.
         events: optional ``events(name, **fields)`` callback (the run's event log).
+        warn_truncation: warn when prompts were truncated (the pipeline passes False: it warned once already).
 
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "num_draft_tokens": [gammas], "max_new_tokens",
-        "sampling", "truncated_prompts"}``; rows have the columns of :data:`eval.metrics.PER_PROMPT_COLUMNS`.
+        "sampling", "truncated_prompts", "draft_length_policies": [names]}``; rows have the columns of
+        :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
     decode_kwargs = dict(decode_kwargs or {})
     gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
@@ -82,7 +92,9 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
     rows: list[dict] = []
     truncated_total = 0
-    runs_per_prompt = 1 + len(gammas) * len(drafts)
+    policies = dict(draft_length_policies or {})
+    settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
+    runs_per_prompt = 1 + len(settings) * len(drafts)
     for domain, prompts in prompts_by_domain.items():
         t_domain = time.perf_counter()
         bar = tqdm(total=len(prompts) * runs_per_prompt, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
@@ -97,18 +109,21 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             t_ref = time.perf_counter() - t0
             n_ref = int(ref.num_new_tokens[0])
             bar.update(1)
-            for gamma in gammas:
+            for policy_name, gamma, make in settings:
                 for name, draft in drafts.items():
                     g = torch.Generator(device=device).manual_seed(seed + i)
+                    policy = make() if make is not None else None
                     t0 = time.perf_counter()
                     out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
-                                               num_draft_tokens=gamma, eos_token_id=eos, pad_token_id=pad,
-                                               generator=g, **decode_kwargs)
+                                               num_draft_tokens=gamma or 1, draft_length_policy=policy,
+                                               eos_token_id=eos, pad_token_id=pad, generator=g, **decode_kwargs)
                     sync(device)
                     t_spec = time.perf_counter() - t0
                     s = out.stats
                     rows.append({
-                        "draft": name, "domain": domain, "prompt_id": p.id, "num_draft_tokens": gamma,
+                        "draft": name, "domain": domain, "prompt_id": p.id,
+                        "num_draft_tokens": gamma if policy is None else int(policy.max_draft_tokens),
+                        "draft_length_policy": policy_name, "draft_lengths": list(s.draft_lengths),
                         "prompt_tokens": ids.size(1), "truncated": truncated,
                         "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
                         "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
@@ -129,4 +144,4 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
     return {"rows": rows, "cost_ratio": cost, "num_draft_tokens": gammas, "max_new_tokens": max_new_tokens,
-            "sampling": decode_kwargs, "truncated_prompts": truncated_total}
+            "sampling": decode_kwargs, "truncated_prompts": truncated_total, "draft_length_policies": list(policies)}

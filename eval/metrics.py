@@ -18,16 +18,19 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from decode.stats import expected_speedup
+from decode.stats import expected_speedup, expected_speedup_mixture
 
 # per_prompt.csv columns, in order. List-valued columns are space-separated integers.
 PER_PROMPT_COLUMNS = (
     "draft", "domain", "prompt_id", "num_draft_tokens", "prompt_tokens", "truncated", "new_tokens", "verify_steps",
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
-    "accepted_length_histogram",
+    "accepted_length_histogram", "draft_length_policy", "draft_lengths",
 )
-LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram")
+LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
+# columns added after the first files were written: their value in an older per_prompt.csv / row
+COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": []}
+FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
                "emitted_tokens", "target_new_tokens")
 FLOAT_COLUMNS = ("draft_time_s", "verify_time_s", "speculative_time_s", "target_time_s")
@@ -86,11 +89,34 @@ def _cell_seed(seed: int, *key: Any) -> int:
     return int.from_bytes(h[:4], "big")
 
 
+def policy_of(row: dict) -> str:
+    """The draft-length policy of a per-prompt row (``fixed`` for rows written before the column existed)."""
+    return row.get("draft_length_policy") or FIXED
+
+
+def draft_length_histogram(rows: Iterable[dict]) -> list[int]:
+    """``[k]`` = verify steps (row-steps) that drafted ``k`` tokens, pooled over the rows' ``draft_lengths``."""
+    hist: list[int] = []
+    for r in rows:
+        for k in r.get("draft_lengths") or []:
+            if len(hist) <= k:
+                hist.extend([0] * (k + 1 - len(hist)))
+            hist[k] += 1
+    return hist
+
+
 def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, bootstrap_samples: int = 1000,
-                 confidence: float = 0.95, seed: int = 0, check_lossless: bool = True) -> dict:
-    """All metrics of one (draft, domain, num_draft_tokens) cell from its per-prompt rows (see README,
-    "Report fields")."""
+                 confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
+                 draft_length_policy: str = FIXED) -> dict:
+    """All metrics of one (draft, domain, num_draft_tokens) cell, or of one (draft, domain, policy) cell, from its
+    per-prompt rows (see README, "Report fields").
+
+    The draft lengths the decoder used are ``draft_length_histogram`` (pooled from the rows' ``draft_lengths``) and
+    ``mean_draft_length`` = drafted tokens / verify steps. A fixed gamma's expected speedup is Leviathan et al.'s
+    Thm 3.8 at that gamma; a policy's is the same formula pooled over the draft lengths it used
+    (:func:`decode.stats.expected_speedup_mixture`)."""
     g = int(num_draft_tokens)
+    dl_hist = draft_length_histogram(rows)
     col = lambda k: np.asarray([r[k] for r in rows], dtype=float)  # noqa: E731  (n,) per-prompt column
     steps, emitted, drafted, accepted = col("verify_steps"), col("emitted_tokens"), col("drafted_tokens"), \
         col("accepted_tokens")
@@ -108,7 +134,10 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     spec_tps = _ratio(new.sum(), spec_t.sum())
     speedup = _ratio(spec_tps, target_tps) if math.isfinite(target_tps) else float("nan")
     c = float(cost_ratio)
-    if math.isfinite(token_alpha):
+    if math.isfinite(token_alpha) and draft_length_policy != FIXED:
+        exp_speedup = expected_speedup_mixture(token_alpha, dl_hist, c) if dl_hist else float("nan")
+        exp_tau = expected_speedup_mixture(token_alpha, dl_hist, 0.0) if dl_hist else float("nan")
+    elif math.isfinite(token_alpha):
         exp_speedup = expected_speedup(token_alpha, g, c)
         exp_tau = expected_speedup(token_alpha, g, 0.0)  # (1 - a^(g+1)) / (1 - a): tokens per step, i.i.d. model
     else:
@@ -116,8 +145,13 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
+    if draft_length_policy != FIXED:
+        key = (*key, draft_length_policy)
     entry = {
         "num_draft_tokens": g,
+        "draft_length_policy": draft_length_policy,
+        "mean_draft_length": _ratio(drafted.sum(), steps.sum()),
+        "draft_length_histogram": dl_hist,
         "acceptance_rate": alpha,
         "acceptance_rate_ci": bootstrap_ratio_ci(accepted, drafted, seed=_cell_seed(seed, "alpha", *key), **boot),
         "token_acceptance_rate": token_alpha,
@@ -146,6 +180,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
             "target_new_tokens": int(tnew.sum()), "target_time_s": float(tgt_t.sum()),
             "draft_time_s": float(col("draft_time_s").sum()), "verify_time_s": float(col("verify_time_s").sum()),
             "per_position_drafted": ppd, "per_position_accepted": ppa, "accepted_length_histogram": hist,
+            "draft_length_histogram": dl_hist,
         },
     }
     return entry
@@ -166,7 +201,7 @@ def ratios_vs_reference(rows: list[dict], *, num_draft_tokens: int, reference: s
     """
     cells: dict[tuple[str, str], dict[str, dict]] = {}
     for r in rows:
-        if int(r["num_draft_tokens"]) == num_draft_tokens:
+        if int(r["num_draft_tokens"]) == num_draft_tokens and policy_of(r) == FIXED:
             cells.setdefault((r["draft"], r["domain"]), {})[r["prompt_id"]] = r
     out: dict[str, dict] = {}
     for (draft, domain), by_prompt in sorted(cells.items()):
@@ -197,10 +232,24 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     acceptance rate pooled over the sweep). ``recommendation[domain]`` = the (draft, gamma) with the highest measured
     speedup. ``vs_baseline`` = :func:`ratios_vs_reference` at the primary gamma when a draft is named
     ``baseline``. ``cost_ratio`` maps draft -> c.
+
+    Rows of a draft-length policy other than ``fixed`` (column ``draft_length_policy``) are pooled per (draft,
+    domain, policy) into ``policies.<name>`` of the entry; they compete with the sweep for ``recommendation``
+    (whose ``draft_length_policy`` then names the policy; ``num_draft_tokens`` is its cap).
     """
     cells: dict[tuple[str, str, int], list[dict]] = {}
+    policy_cells: dict[tuple[str, str, str], list[dict]] = {}
     for r in rows:
-        cells.setdefault((r["draft"], r["domain"], int(r["num_draft_tokens"])), []).append(r)
+        if policy_of(r) == FIXED:
+            cells.setdefault((r["draft"], r["domain"], int(r["num_draft_tokens"])), []).append(r)
+        else:
+            policy_cells.setdefault((r["draft"], r["domain"], policy_of(r)), []).append(r)
+    policies: dict[tuple[str, str], dict[str, dict]] = {}
+    for (draft, domain, name), cell in policy_cells.items():
+        policies.setdefault((draft, domain), {})[name] = cell_metrics(
+            cell, cost_ratio[draft], num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
+            bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed, check_lossless=check_lossless,
+            draft_length_policy=name)
     drafts: dict[str, dict[str, dict]] = {}
     for (draft, domain, g), cell in cells.items():
         e = cell_metrics(cell, cost_ratio[draft], num_draft_tokens=g, bootstrap_samples=bootstrap_samples,
@@ -224,15 +273,19 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
             entry.update(best_num_draft_tokens=best, token_acceptance_rate_pooled_over_sweep=alpha,
                          leviathan_curve={"num_draft_tokens": list(range(1, top + 1)), "expected_speedup": curve},
                          sweep={str(x): sweep[x] for x in gammas})
+            by_policy = policies.get((draft, domain), {})
+            if by_policy:
+                entry["policies"] = by_policy
             out.setdefault(draft, {})[domain] = entry
-            cand = {"draft": draft, "num_draft_tokens": best, "measured_speedup": sweep[best]["measured_speedup"],
-                    "measured_speedup_ci": sweep[best]["measured_speedup_ci"],
-                    "mean_accepted_length": sweep[best]["mean_accepted_length"],
-                    "mean_accepted_length_ci": sweep[best]["mean_accepted_length_ci"],
-                    "expected_speedup": sweep[best]["expected_speedup"]}
-            cur = recommendation.get(domain)
-            if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
-                recommendation[domain] = cand
+            for name, e in [(FIXED, sweep[best])] + list(by_policy.items()):
+                cand = {"draft": draft, "draft_length_policy": name, "num_draft_tokens": e["num_draft_tokens"],
+                        "measured_speedup": e["measured_speedup"], "measured_speedup_ci": e["measured_speedup_ci"],
+                        "mean_accepted_length": e["mean_accepted_length"],
+                        "mean_accepted_length_ci": e["mean_accepted_length_ci"],
+                        "expected_speedup": e["expected_speedup"], "mean_draft_length": e["mean_draft_length"]}
+                cur = recommendation.get(domain)
+                if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
+                    recommendation[domain] = cand
     vs = ratios_vs_reference(rows, num_draft_tokens=primary_num_draft_tokens, bootstrap_samples=bootstrap_samples,
                              confidence=confidence, seed=seed) if any(r["draft"] == REFERENCE_DRAFT for r in rows) else {}
     return {"drafts": out, "recommendation": recommendation, "vs_baseline": vs}
@@ -255,7 +308,7 @@ def json_clean(obj):
 def row_to_csv(row: dict) -> dict:
     out = {}
     for k in PER_PROMPT_COLUMNS:
-        v = row[k]
+        v = row[k] if k not in COLUMN_DEFAULTS else row.get(k, COLUMN_DEFAULTS[k])
         if k in LIST_COLUMNS:
             v = " ".join(str(int(x)) for x in v)
         elif v is None:
@@ -265,6 +318,8 @@ def row_to_csv(row: dict) -> dict:
 
 
 def row_from_csv(rec: dict[str, str]) -> dict:
+    rec = {**{k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in COLUMN_DEFAULTS.items()
+              if rec.get(k) is None}, **{k: v for k, v in rec.items() if v is not None}}
     out: dict[str, Any] = dict(rec)
     for k in INT_COLUMNS:
         out[k] = int(rec[k])

@@ -6,6 +6,8 @@ target and the drafts (``eval.drafts`` or ``<run_dir>/drafts/*``), the prompts o
 ``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`), ``routing.json`` (domain -> the draft
 with the best measured speedup, :mod:`eval.routing`) and, with ``logger=wandb``, a wandb run.
 With ``decode.draft_routing=PATH`` each domain is decoded only with the draft the table routes it to.
+Beside the fixed-gamma sweep every draft also decodes under each draft-length policy of
+``eval.draft_length_policies`` (default: ``decode.draft_length_policy``), a fresh policy per prompt.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from data.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
 
 from .evaluate import Prompt, evaluate_drafts
-from .report import render_markdown, write_report
+from .report import render_markdown, setting_label, write_report
 from .routing import routing_section, write_routing
 
 log = logging.getLogger(__name__)
@@ -265,10 +267,13 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
+    policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
+    policies = {p: (lambda p=p: rc.decode.make_policy(p)) for p in policy_names}  # a fresh policy per decode
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
+       draft_length_policies={p: rc.decode.policy_settings(p) for p in policy_names},
        prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
     # Without routing every draft decodes every domain; with routing each domain only its routed draft.
     groups = [(drafts, prompts)] if routed is None else [
@@ -280,11 +285,13 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
             target, tokenizer, group_drafts, group_prompts, num_draft_tokens=gammas,
             max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
             check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
-            decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev, warn_truncation=False)
+            decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev, draft_length_policies=policies,
+            warn_truncation=False)
             for group_drafts, group_prompts in groups if group_prompts]
     results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
-               "truncated_prompts": sum(p["truncated_prompts"] for p in parts)}
+               "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
+               "draft_length_policy_settings": {p: rc.decode.policy_settings(p) for p in policy_names}}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:
@@ -316,6 +323,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
            "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
            "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
+           "recommended_setting": {d: setting_label(r) for d, r in doc["recommendation"].items()},
            "routing": str(routing_path) if routing_path else None, "routed": routed}
     if rc.logger.name == "wandb":
         from .tracking import log_to_wandb

@@ -123,6 +123,9 @@ def accepted_length_histograms(doc: dict, path: Path) -> Path:
     return _save(fig, path)
 
 
+POLICY_MARKERS = ("^", "s", "D", "v")
+
+
 def speedup_vs_num_draft_tokens(doc: dict, path: Path) -> Path:
     drafts, domains = list(doc["drafts"]), _domains(doc)
     fig, axes = _grid(len(domains))
@@ -153,12 +156,21 @@ def speedup_vs_num_draft_tokens(doc: dict, path: Path) -> Path:
                 if not math.isnan(y):
                     ax.annotate(f"{y:.2f}", (g, y), xytext=(4, -9), textcoords="offset points", fontsize=6,
                                 color=color)
+            # draft-length policies: one marker each at the mean draft length they used
+            for k, (name, pe) in enumerate(e.get("policies", {}).items()):
+                x, y = _v(pe.get("mean_draft_length")), _v(pe["measured_speedup"])
+                if not (math.isnan(x) or math.isnan(y)):
+                    (hp,) = ax.plot([x], [y], POLICY_MARKERS[k % len(POLICY_MARKERS)], color=color, ms=7)
+                    handles.setdefault(f"{draft}: {name} policy (at its mean draft length)", hp)
         r = rec.get(dom)
         title = dom
         if r and not math.isnan(_v(r["measured_speedup"])):
-            (h3,) = ax.plot([r["num_draft_tokens"]], [r["measured_speedup"]], "o", ms=11, mfc="none", mec="black")
+            policy = r.get("draft_length_policy", "fixed")
+            x = r["num_draft_tokens"] if policy == "fixed" else _v(r.get("mean_draft_length"))
+            (h3,) = ax.plot([x], [r["measured_speedup"]], "o", ms=11, mfc="none", mec="black")
             handles.setdefault("recommended (best measured)", h3)
-            title += f"\nbest: {r['draft']}, gamma={r['num_draft_tokens']} ({_v(r['measured_speedup']):.2f}x)"
+            how = f"gamma={r['num_draft_tokens']}" if policy == "fixed" else policy
+            title += f"\nbest: {r['draft']}, {how} ({_v(r['measured_speedup']):.2f}x)"
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(title, fontsize=8)
         ax.set_xlabel("num_draft_tokens (gamma)", fontsize=8)

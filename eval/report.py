@@ -54,13 +54,16 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
     agg = aggregate(results["rows"], cost, primary_num_draft_tokens=primary, bootstrap_samples=bootstrap_samples,
                     confidence=confidence, seed=seed, check_lossless=check_lossless)
     all_lossless = [e["lossless"] for by_domain in agg["drafts"].values() for entry in by_domain.values()
-                    for e in entry["sweep"].values() if e["lossless"] is not None]
+                    for e in [*entry["sweep"].values(), *entry.get("policies", {}).values()]
+                    if e["lossless"] is not None]
     sampling = results.get("sampling") or {}
     doc = {
         "schema_version": SCHEMA_VERSION,
         "context": context,
         "num_draft_tokens": primary,
         "num_draft_tokens_swept": gammas,
+        "draft_length_policies": results.get("draft_length_policy_settings")
+        or {n: {"draft_length_policy": n} for n in results.get("draft_length_policies", [])},
         "max_new_tokens": results["max_new_tokens"],
         "sampling": sampling,
         "decoding": "sampling" if sampling.get("do_sample") else "greedy",
@@ -86,23 +89,48 @@ def domains_of(doc: dict) -> list[str]:
     return list(seen)
 
 
+def setting_entry(entry: dict, r: dict) -> dict | None:
+    """The entry of setting ``r`` (a recommendation: gamma or draft-length policy) in a (draft, domain) ``entry``;
+    None when that setting was not measured there."""
+    policy = r.get("draft_length_policy", "fixed")
+    if policy != "fixed":
+        return entry.get("policies", {}).get(policy)
+    return entry["sweep"].get(str(r["num_draft_tokens"]))
+
+
+def recommended_entry(doc: dict, domain: str) -> dict:
+    """The metrics entry behind ``recommendation.<domain>`` (a sweep gamma, or a draft-length policy)."""
+    r = doc["recommendation"][domain]
+    return setting_entry(doc["drafts"][r["draft"]][domain], r)
+
+
+def setting_label(r: dict) -> str:
+    """``num_draft_tokens=G`` for a fixed gamma, ``draft_length_policy=NAME`` for a policy (a recommendation or
+    an entry)."""
+    policy = r.get("draft_length_policy", "fixed")
+    return f"num_draft_tokens={r['num_draft_tokens']}" if policy == "fixed" else f"draft_length_policy={policy}"
+
+
 def verdict(doc: dict, domain: str) -> str:
-    """One line: which draft and gamma to use on ``domain``, the measured and expected speedup, and any alert."""
+    """One line: which draft and gamma (or draft-length policy) to use on ``domain``, the measured and expected
+    speedup, and any alert."""
     r = doc["recommendation"].get(domain)
     if r is None:
         return f"{domain}: no measurement."
     alert = doc["alert_mean_accepted_length"]
-    e = doc["drafts"][r["draft"]][domain]["sweep"][str(r["num_draft_tokens"])]
+    e = recommended_entry(doc, domain)
     tau = e["mean_accepted_length"]
     s = e["measured_speedup"]
-    parts = [f"use `{r['draft']}` with num_draft_tokens={r['num_draft_tokens']}: measured speedup "
+    parts = [f"use `{r['draft']}` with {setting_label(r)}: measured speedup "
              f"{_ci(s, e.get('measured_speedup_ci'), 2, 'x')} (Leviathan expects {_fmt(e['expected_speedup'], 2)}x), "
              f"tau {_ci(tau, e.get('mean_accepted_length_ci'), 2)}"]
+    if r.get("draft_length_policy", "fixed") != "fixed":
+        parts[0] += f", mean draft length {_fmt(e['mean_draft_length'], 2)}"
     others = [n for n in doc["drafts"] if n != r["draft"] and domain in doc["drafts"][n]]
     for n in others:
-        o = doc["drafts"][n][domain]["sweep"].get(str(r["num_draft_tokens"]))
+        o = setting_entry(doc["drafts"][n][domain], r)
         if o is not None:
-            parts.append(f"`{n}` at the same gamma: tau {_fmt(o['mean_accepted_length'], 2)}, "
+            parts.append(f"`{n}` at the same setting: tau {_fmt(o['mean_accepted_length'], 2)}, "
                          f"{_fmt(o['measured_speedup'], 2)}x")
     line = "; ".join(parts) + "."
     taus = {n: _num(doc["drafts"][n][domain]["mean_accepted_length"]) for n in doc["drafts"]
@@ -118,10 +146,63 @@ def verdict(doc: dict, domain: str) -> str:
     if isinstance(s, (int, float)) and s is not None and (ci[1] < 1.0 if ci else s < 1.0):
         line += " Speculative decoding is slower than target-only here."
     lossless = [x["lossless"] for n in doc["drafts"] if domain in doc["drafts"][n]
-                for x in doc["drafts"][n][domain]["sweep"].values()]
+                for x in [*doc["drafts"][n][domain]["sweep"].values(),
+                          *doc["drafts"][n][domain].get("policies", {}).values()]]
     if False in lossless:
         line += " **LOSSLESS CHECK FAILED** (speculative greedy output differs from target-only)."
     return line
+
+
+def histogram_text(hist: list[int]) -> str:
+    """``"1:3 2:10 4:40"``: draft length : verify steps, lengths never used left out."""
+    return " ".join(f"{k}:{h}" for k, h in enumerate(hist or []) if h) or "-"
+
+
+def policy_label(name: str, settings: dict | None) -> str:
+    """A policy and its parameters in words, e.g. ``adaptive (start 4, [1, 8], window 4, step 1)``."""
+    s = settings or {}
+    if name == "adaptive" and "min_draft_tokens" in s:
+        return (f"adaptive (start {s['num_draft_tokens']}, [{s['min_draft_tokens']}, {s['max_draft_tokens']}], "
+                f"window {s['adaptive_window']}, step {s['adaptive_step']})")
+    if name == "confidence" and "confidence_threshold" in s:
+        return f"confidence (threshold {s['confidence_threshold']:g}, at most {s['max_draft_tokens']})"
+    return name
+
+
+def policies_section(doc: dict) -> list[str]:
+    """Markdown lines: per domain, every draft-length policy beside the fixed-gamma sweep (empty without
+    policies)."""
+    if not any(e.get("policies") for by_domain in doc["drafts"].values() for e in by_domain.values()):
+        return []
+    level = int(round(100 * doc["confidence"]))
+    settings = doc.get("draft_length_policies") or {}
+    lines = ["", f"## Draft-length policies ([{level}% CI])", "",
+             "Each policy decodes the same prompts as the fixed-gamma sweep (parameters: `decode.*`). Expected "
+             "speedup: Leviathan et al.'s Thm 3.8 with the token acceptance rate, pooled over the draft lengths "
+             "actually used for a policy. Draft lengths used: `length:verify steps` (the last step of a prompt drafts "
+             "fewer when fewer tokens remain).", "",
+             "| domain | draft | setting | tau | acceptance rate | measured speedup | expected speedup | "
+             "mean draft length | draft lengths used | lossless |", "|" + "---|" * 10]
+    for d in domains_of(doc):
+        rec = doc["recommendation"].get(d, {})
+        for n, by_domain in doc["drafts"].items():
+            entry = by_domain.get(d)
+            if entry is None:
+                continue
+            rows = [(f"fixed gamma={g}", "fixed", e) for g, e in entry["sweep"].items()]
+            rows += [(policy_label(p, settings.get(p)), p, e) for p, e in entry.get("policies", {}).items()]
+            for label, policy, e in rows:
+                best = rec.get("draft") == n and rec.get("draft_length_policy", "fixed") == policy and (
+                    policy != "fixed" or rec.get("num_draft_tokens") == e["num_draft_tokens"])
+                lines.append(f"| {d} | {n} | {'**' + label + '**' if best else label} | "
+                             f"{_ci(e['mean_accepted_length'], e.get('mean_accepted_length_ci'))} | "
+                             f"{_fmt(e['acceptance_rate'])} | "
+                             f"{_ci(e['measured_speedup'], e.get('measured_speedup_ci'), 2, 'x')} | "
+                             f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e.get('mean_draft_length'), 2)} | "
+                             f"{histogram_text(e.get('draft_length_histogram'))} | {_fmt(e['lossless'])} |")
+    lines += ["", "Bold: the recommended setting of the domain (highest measured speedup over drafts, gammas and "
+              "policies)."]
+    return lines
 
 
 def _num(x) -> float:
@@ -177,6 +258,7 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                          f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e['target_tokens_per_s'], 1)} | "
                          f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
                          f"{_fmt(e['lossless'])} |")
+    lines += policies_section(doc)
     if plots:
         lines += ["", "## Plots", ""]
         titles = {"acceptance_by_domain": "Acceptance by domain",
@@ -218,7 +300,7 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                 lines.append(f"| {g} | " + " | ".join(cells) + " |")
             r = doc["recommendation"].get(d)
             if r:
-                lines += ["", f"Recommended for {d}: `{r['draft']}` with num_draft_tokens={r['num_draft_tokens']}."]
+                lines += ["", f"Recommended for {d}: `{r['draft']}` with {setting_label(r)}."]
             lines.append("")
     if sources:
         lines += ["## Data sources", "", "| domain | sources (license) |", "|---|---|"]

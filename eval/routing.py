@@ -17,11 +17,12 @@ from data.io import write_json_atomic
 from decode.routing import DEFAULT_KEY, SCHEMA
 
 
-def _entry(doc: dict, draft: str, domain: str, gamma: int | None = None) -> dict:
+def _entry(doc: dict, draft: str, domain: str, gamma: int | None = None, policy: str = "fixed") -> dict:
     e = doc["drafts"][draft][domain]
     g = gamma if gamma is not None else e.get("best_num_draft_tokens", e["num_draft_tokens"])
-    s = e["sweep"].get(str(g), e)
-    return {"num_draft_tokens": int(s["num_draft_tokens"]), "measured_speedup": s["measured_speedup"],
+    s = e["policies"][policy] if policy != "fixed" else e["sweep"].get(str(g), e)
+    return {"num_draft_tokens": int(s["num_draft_tokens"]), "draft_length_policy": policy,
+            "measured_speedup": s["measured_speedup"],
             "measured_speedup_ci": s.get("measured_speedup_ci"), "mean_accepted_length": s["mean_accepted_length"],
             "mean_accepted_length_ci": s.get("mean_accepted_length_ci"), "acceptance_rate": s["acceptance_rate"],
             "expected_speedup": s["expected_speedup"], "num_prompts": s.get("num_prompts")}
@@ -49,7 +50,8 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
         name = rec["draft"]
         cands = {n: _entry(doc, n, domain) for n in doc["drafts"] if domain in doc["drafts"][n]}
         routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
-                          **_entry(doc, name, domain, rec["num_draft_tokens"]), "candidates": cands}
+                          **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
+                          "candidates": cands}
     domains = list(routes)
     default = None
     full = [n for n in doc["drafts"] if all(d in doc["drafts"][n] for d in domains)]
@@ -87,7 +89,9 @@ def routing_section(table: dict, path: str) -> str:
     for d, r in table["routes"].items():
         others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {f(c['measured_speedup'])}x"
                            for n, c in r["candidates"].items() if n != r["draft"]) or "-"
-        lines.append(f"| {d} | `{r['draft']}` | {r['num_draft_tokens']} | {f(r['measured_speedup'])}x | "
+        policy = r.get("draft_length_policy", "fixed")
+        setting = r["num_draft_tokens"] if policy == "fixed" else f"{policy} policy"
+        lines.append(f"| {d} | `{r['draft']}` | {setting} | {f(r['measured_speedup'])}x | "
                      f"{f(r['mean_accepted_length'])} | {others} |")
     if table.get(DEFAULT_KEY):
         dflt = table[DEFAULT_KEY]

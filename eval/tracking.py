@@ -49,7 +49,7 @@ def _num(x) -> Any:
 
 def flat_metrics(doc: dict) -> dict[str, Any]:
     """``{"<draft>/<domain>/<field>": value}`` for the primary gamma, plus ``.../gamma<g>/<field>`` per swept gamma,
-    ``recommendation/<domain>/...`` and ``lossless_all``."""
+    ``.../<policy>/<field>`` per draft-length policy, ``recommendation/<domain>/...`` and ``lossless_all``."""
     out: dict[str, Any] = {"lossless_all": doc.get("lossless_all")}
     for draft, by_domain in doc["drafts"].items():
         for domain, e in by_domain.items():
@@ -61,9 +61,14 @@ def flat_metrics(doc: dict) -> dict[str, Any]:
             for g, s in e.get("sweep", {}).items():
                 for f in ("mean_accepted_length", "measured_speedup", "expected_speedup", "acceptance_rate"):
                     out[f"{draft}/{domain}/gamma{g}/{f}"] = _num(s.get(f))
+            for p, s in e.get("policies", {}).items():
+                for f in ("mean_accepted_length", "measured_speedup", "expected_speedup", "acceptance_rate",
+                          "mean_draft_length"):
+                    out[f"{draft}/{domain}/{p}/{f}"] = _num(s.get(f))
     for domain, r in doc.get("recommendation", {}).items():
         out[f"recommendation/{domain}/draft"] = r["draft"]
         out[f"recommendation/{domain}/num_draft_tokens"] = r["num_draft_tokens"]
+        out[f"recommendation/{domain}/draft_length_policy"] = r.get("draft_length_policy", "fixed")
         out[f"recommendation/{domain}/measured_speedup"] = _num(r["measured_speedup"])
     return out
 

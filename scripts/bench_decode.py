@@ -3,7 +3,8 @@
 
     python scripts/bench_decode.py --target DIR --draft DIR [--prompts-file F.jsonl --text-field text]
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
-        [--target-dtype D] [--draft-dtype D] [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
+        [--target-dtype D] [--draft-dtype D]
+        [--draft-length-policy fixed|adaptive|confidence --policy-param max_draft_tokens=8 ...] [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
         [--fast-path auto|off] [--json-out F]
     python scripts/bench_decode.py --family mistral|qwen2|qwen3|gemma2|gemma3|phi3|llama [--family-layers 4]
         [--family-hidden 256] [--family-window 16] ...
@@ -35,6 +36,8 @@ target's EOS. ``--prompt-ids`` uses random token-id prompts and needs no tokeniz
 ``--num-threads`` sets ``torch.set_num_threads`` (default 1: timings on a shared CPU are steadier, and for
 models this small more threads do not help); ``--fast-path off`` runs ours through the Hugging Face forward
 instead of the lean Llama forward (:mod:`decode.fast_llama`), to measure what the lean forward buys.
+``--draft-length-policy`` runs ours with a draft-length policy (the ``decode.*`` keys through ``--policy-param``,
+checked like the config); transformers assisted keeps its constant schedule of ``--num-draft-tokens``.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ from decode import (  # noqa: E402
     speculative_generate,
 )
 from data.devices import runtime_record  # noqa: E402
+from decode.stats import expected_speedup_mixture  # noqa: E402
 from decode._common import sync  # noqa: E402
 from decode.timing import block_forward_times_s, forward_times_s  # noqa: E402
 
@@ -102,11 +106,35 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="ours: lean forward where supported (Llama, Mistral, Qwen2, Qwen3; auto) or always the "
                          "Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
+    ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",
+                    help="ours: draft-length policy (decode.draft_length_policy; adaptive starts at "
+                         "--num-draft-tokens)")
+    ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a decode.* policy key, e.g. max_draft_tokens=8, adaptive_window=4, "
+                         "confidence_threshold=0.6")
     args = ap.parse_args(argv)
     if args.family is None and (args.target is None or args.draft is None):
         ap.error("give --target and --draft, or --family NAME")
     if args.family is not None:
         args.prompt_ids = True
+    from decode.config import DecodeConfig
+
+    params = {}
+    for kv in args.policy_param:
+        key, _, value = kv.partition("=")
+        if key not in ("min_draft_tokens", "max_draft_tokens", "adaptive_window", "adaptive_step",
+                       "confidence_threshold") or not value:
+            ap.error(f"--policy-param {kv!r}: expected KEY=VALUE with KEY one of min_draft_tokens, max_draft_tokens, "
+                     f"adaptive_window, adaptive_step, confidence_threshold")
+        try:
+            params[key] = float(value) if key == "confidence_threshold" else int(value)
+        except ValueError:
+            ap.error(f"--policy-param {kv!r}: {value!r} is not a number")
+    try:  # the same checks as the config keys
+        args.policy_config = DecodeConfig(num_draft_tokens=max(1, args.num_draft_tokens),
+                                          draft_length_policy=args.draft_length_policy, **params)
+    except ValueError as e:
+        ap.error(str(e))
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
                  "num_threads"):
         if getattr(args, name) < 1:
@@ -269,7 +297,8 @@ def _run(args) -> dict:
 
     def ours_spec(p):
         out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=eos,
-                                   pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
+                                   pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path,
+                                   draft_length_policy=args.policy_config.make_policy())
         return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
     methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
@@ -314,6 +343,10 @@ def _run(args) -> dict:
     token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
     nan = float("nan")
     expected_comp = expected_speedup(token_alpha, gamma, cost_ratio, verify_ratio) if token_alpha == token_alpha else nan
+    if args.draft_length_policy != "fixed" and token_alpha == token_alpha:  # Thm 3.8 over the lengths used
+        lengths = stats.draft_lengths
+        expected = expected_speedup_mixture(token_alpha, [lengths.count(k) for k in range(max(lengths) + 1)],
+                                            cost_ratio)
     measured = tps["ours_speculative"] / tps["target_only"]
 
     def breakdown(st: AcceptanceStats) -> dict:
@@ -347,6 +380,8 @@ def _run(args) -> dict:
         "num_prompts": len(prompts),
         "repeats": args.repeats,
         "num_draft_tokens": gamma,
+        "draft_length_policy": args.policy_config.policy_settings(),
+        "mean_draft_length": stats.drafted_tokens / stats.verify_steps if stats.verify_steps else float("nan"),
         "max_new_tokens": n_new,
         "tokens_per_s": tps,
         "ours_over_transformers": tps["ours_speculative"] / tps["hf_assisted"],
@@ -382,6 +417,8 @@ def format_table(r: dict) -> str:
          f"{'yes' if r['fast_path_used']['draft'] else 'no'})"),
         ("prompts x repeats", f"{r['num_prompts']} x {r['repeats']}"),
         ("num_draft_tokens (gamma)", f"{r['num_draft_tokens']}"),
+        ("ours: draft-length policy (mean draft length)",
+         f"{r['draft_length_policy']['draft_length_policy']} ({r['mean_draft_length']:.2f})"),
         ("max_new_tokens", f"{r['max_new_tokens']}"),
         ("tokens/s target-only (ours AR)", f"{tps['target_only']:.1f}"),
         ("tokens/s transformers assisted", f"{tps['hf_assisted']:.1f}"),

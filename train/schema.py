@@ -36,6 +36,7 @@ class RootConfig(EvalRootConfig):
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
 
     def __post_init__(self):
+        super().__post_init__()
         bad = [s for s in self.stages if s not in KNOWN_STAGES]
         if bad:
             raise ValueError(f"stages: unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")

@@ -101,3 +101,32 @@ def test_an_unavailable_device_ends_the_benchmark_with_one_line(monkeypatch):
     else:
         raise AssertionError("cuda was accepted without a GPU")
     assert bench.resolve_device_dtype("auto", "auto") == (torch.device("cpu"), torch.float32)
+
+
+def test_bench_decode_with_a_draft_length_policy(tmp_path, capsys):
+    """--draft-length-policy reaches our decoder (lossless, its draft lengths recorded); bad parameters are refused
+    with the config's own message before any model loads."""
+    target, draft = make_pair(seed=2, noise=0.3)
+    target.save_pretrained(tmp_path / "target")
+    draft.save_pretrained(tmp_path / "draft")
+    bench = _load_script()
+    common = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
+              "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "2", "--max-new-tokens", "12",
+              "--repeats", "1", "--cost-steps", "3"]
+    result = bench.main(common + ["--draft-length-policy", "adaptive", "--policy-param", "max_draft_tokens=5",
+                                  "--policy-param", "adaptive_window=1"])
+    assert result["greedy_output_mismatches"]["ours_speculative"] == 0
+    assert result["draft_length_policy"] == {"draft_length_policy": "adaptive", "num_draft_tokens": 2,
+                                             "min_draft_tokens": 1, "max_draft_tokens": 5, "adaptive_window": 1,
+                                             "adaptive_step": 1}
+    lengths = result["stats"]["draft_lengths"]
+    assert max(lengths) <= 5 and len(set(lengths)) > 1  # the adaptive policy moved the draft length
+    assert result["mean_draft_length"] == sum(lengths) / len(lengths)
+    assert "ours: draft-length policy (mean draft length)" in capsys.readouterr().out
+    for bad, needle in ((["--policy-param", "confidence_threshold=2"], "decode.confidence_threshold"),
+                        (["--policy-param", "window=3"], "expected KEY=VALUE"),
+                        (["--draft-length-policy", "adaptive", "--policy-param", "max_draft_tokens=1"],
+                         "decode.num_draft_tokens (the adaptive policy's starting draft length)")):
+        with pytest.raises(SystemExit) as ei:
+            bench.parse_args(common + bad)
+        assert ei.value.code == 2 and needle in capsys.readouterr().err

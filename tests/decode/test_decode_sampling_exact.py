@@ -11,6 +11,8 @@ see a wrong distribution.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,3 +107,31 @@ def test_same_seed_same_output_and_identical_draft(pair):
     same = speculative_generate(target, target, prompts, generator=torch.Generator().manual_seed(3), **kw)
     # p and q are the same model: p(x)/q(x) = 1 up to float rounding between cached and block forwards
     assert same.stats.acceptance_rate >= 0.99
+
+
+def test_sampling_with_the_confidence_policy_from_the_config_has_the_target_distribution(pair):
+    """The confidence policy built from ``decode.*`` overrides, sampling: the first two new tokens of 4000 copies of
+    one prompt follow the target's exact joint p(x1) p(x2 | x1) (chi-square). False-failure probability: the test
+    fails when p < 1e-4, i.e. with probability 1e-4 for a correct decoder (deterministic under the fixed seed).
+    Power: the same sample must reject the draft's own joint (p < 1e-4). Each row stops drafting by its own draft
+    probabilities, so the rows are independent samples, and the lengths really vary (asserted)."""
+    from hydra import compose, initialize_config_dir
+
+    import eval.__main__  # noqa: F401  (registers the specdraft_root resolver)
+    from eval.config import validate_eval
+
+    overrides = ["decode.draft_length_policy=confidence", "decode.max_draft_tokens=3",
+                 "decode.confidence_threshold=0.15", "decode.do_sample=true", "decode.temperature=0.9"]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base="1.3"):
+        rc = validate_eval(compose("config", overrides=overrides))
+    target, draft = pair
+    # 4 new tokens so the token budget never caps the first block (3 drafted at most); the first two are tested
+    out = speculative_generate(target, draft, PROMPT.repeat(N, 1), max_new_tokens=4,
+                               draft_length_policy=rc.decode.make_policy(),
+                               generator=torch.Generator().manual_seed(0), **rc.decode.sampling_kwargs())
+    assert set(out.stats.draft_lengths) >= {1, 2}  # confidence stopped some rows early, not others
+    x = out.sequences[:, PROMPT.shape[1]:PROMPT.shape[1] + 2]
+    counts = torch.bincount(x[:, 0] * V + x[:, 1], minlength=V * V).double()
+    cfg = {k: v for k, v in rc.decode.sampling_kwargs().items() if k != "do_sample"}
+    assert chi_square_pvalue(counts, exact_joint(target, cfg)) > ALPHA
+    assert chi_square_pvalue(counts, exact_joint(draft, cfg)) < ALPHA

@@ -96,3 +96,28 @@ def test_acceptance_eval_identical_draft_accepts_everything():
     assert other["mean_accepted_length"] == pytest.approx(other["emitted_tokens"] / other["verify_steps"])
     with pytest.raises(ValueError, match="at least one prompt"):
         make_acceptance_eval(target, [], num_draft_tokens=4, max_new_tokens=4)
+
+
+def test_acceptance_eval_for_checkpoint_selection_uses_the_configured_draft_length_policy():
+    """Checkpoint selection decodes with ``decode.draft_length_policy`` (a fresh policy per prompt, so every
+    checkpoint is scored from the same policy state): an identical draft under the adaptive policy grows its draft
+    length past the starting gamma, and scoring twice gives the same numbers."""
+    from decode import AcceptanceStats, speculative_generate
+    from decode.config import DecodeConfig
+
+    dc = DecodeConfig(num_draft_tokens=2, draft_length_policy="adaptive", max_draft_tokens=6, adaptive_window=1)
+    target = tiny_llama(vocab_size=V, hidden_size=32, seed=1)
+    draft = tiny_llama(vocab_size=V, hidden_size=32, seed=1)
+    prompts = [torch.tensor([p]) for p in _prompts(3)]
+    evaluate = make_acceptance_eval(target, prompts, num_draft_tokens=dc.num_draft_tokens, max_new_tokens=16,
+                                    draft_length_policy=dc.make_policy)
+    first, second = evaluate(draft), evaluate(draft)
+    assert first["mean_draft_length"] > 2 and first["acceptance_rate"] == 1.0
+    keys = ("mean_accepted_length", "acceptance_rate", "verify_steps", "emitted_tokens", "mean_draft_length")
+    assert {k: first[k] for k in keys} == {k: second[k] for k in keys}
+    direct = AcceptanceStats.pool(speculative_generate(target, draft, p, max_new_tokens=16,
+                                                       draft_length_policy=dc.make_policy()).stats for p in prompts)
+    assert first["verify_steps"] == direct.verify_steps
+    assert first["mean_draft_length"] == pytest.approx(direct.drafted_tokens / direct.verify_steps)
+    fixed = make_acceptance_eval(target, prompts, num_draft_tokens=2, max_new_tokens=16)(draft)
+    assert fixed["verify_steps"] > first["verify_steps"]  # gamma 2 needs more steps than the grown lengths

@@ -9,16 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode.stats import expected_speedup
+from decode.stats import expected_speedup, expected_speedup_mixture
 from eval.metrics import (PER_PROMPT_COLUMNS, aggregate, bootstrap_ratio_ci, cell_metrics, json_clean, percentiles,
                           read_per_prompt_csv)
 from eval.report import metrics_document, render_markdown, write_per_prompt_csv, write_report
 
 
 def row(draft="d", domain="x", g=2, steps=4, accepted=4, emitted=8, new=8, spec_t=1.0, tnew=8, tgt_t=2.0, pid="p",
-        hist=None, ppd=None, ppa=None, equal=True):
-    return {"draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
-            "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": steps * g,
+        hist=None, ppd=None, ppa=None, equal=True, policy="fixed", lengths=None):
+    lengths = lengths if lengths is not None else [g] * steps
+    return {"draft_length_policy": policy, "draft_lengths": lengths, "draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
+            "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": sum(lengths),
             "accepted_tokens": accepted, "emitted_tokens": emitted, "draft_time_s": 0.25 * spec_t,
             "verify_time_s": 0.5 * spec_t, "speculative_time_s": spec_t, "target_new_tokens": tnew,
             "target_time_s": tgt_t, "greedy_equal": equal,
@@ -185,3 +186,56 @@ def test_ratio_vs_baseline_pairs_prompts_and_needs_the_baseline():
     assert r["num_prompts"] == 2 and r["mean_accepted_length_ratio"] == pytest.approx((30 / 10) / (30 / 20))
     assert r["ci"] is None
     assert ratios_vs_reference(_vs_rows("distilled", [1], [1]), num_draft_tokens=4) == {}
+
+
+def _policy_rows(speed: float, lengths: list[int], domain: str = "y", policy: str = "adaptive"):
+    """3 prompts of one draft-length policy on draft "b": measured speedup ``speed``, these draft lengths each."""
+    return [row(draft="b", domain=domain, g=max(lengths), steps=len(lengths), spec_t=2.0 / speed, tgt_t=2.0,
+                pid=str(i), policy=policy, lengths=lengths, ppd=[len(lengths), 2], ppa=[2, 1]) for i in range(3)]
+
+
+def test_a_policy_faster_than_every_gamma_is_recommended_and_reported_per_domain(tmp_path):
+    lengths = [2, 3, 4, 3]
+    rows = _sweep_rows() + _policy_rows(1.6, lengths) + _policy_rows(0.5, [5, 1, 1, 0], policy="confidence")
+    out = aggregate(rows, {"a": 0.2, "b": 0.1}, primary_num_draft_tokens=2, bootstrap_samples=0)
+    rec = out["recommendation"]
+    assert rec["y"]["draft"] == "b" and rec["y"]["draft_length_policy"] == "adaptive"  # 1.6x beats b@2's 1.3x
+    assert rec["y"]["measured_speedup"] == pytest.approx(1.6) and rec["y"]["num_draft_tokens"] == 4  # its cap
+    assert rec["x"]["draft_length_policy"] == "fixed" and rec["x"]["num_draft_tokens"] == 4  # the sweep still wins x
+    pol = out["drafts"]["b"]["y"]["policies"]
+    assert sorted(pol) == ["adaptive", "confidence"] and "policies" not in out["drafts"]["a"]["y"]
+    a = pol["adaptive"]
+    assert a["draft_length_histogram"] == [0, 0, 3, 6, 3] and a["mean_draft_length"] == pytest.approx(3.0)
+    alpha = a["token_acceptance_rate"]
+    assert a["expected_speedup"] == pytest.approx(expected_speedup_mixture(alpha, [0, 0, 3, 6, 3], 0.1))
+    # policy rows never leak into the sweep's cells
+    assert out["drafts"]["b"]["y"]["sweep"]["4"]["num_prompts"] == 3
+    assert pol["confidence"]["draft_length_histogram"] == [3, 6, 0, 0, 0, 3]
+    doc = metrics_document(_results(rows), {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=2,
+                           bootstrap_samples=0)
+    assert doc["verdicts"]["y"].startswith("use `b` with draft_length_policy=adaptive: measured speedup 1.60x")
+    md = render_markdown(doc)
+    assert "## Draft-length policies" in md and "| y | b | **adaptive** |" in md
+    assert "2:3 3:6 4:3" in md  # the draft lengths actually used, as length:steps
+    # and the CSV rebuilds it all
+    write_per_prompt_csv(tmp_path / "per_prompt.csv", rows)
+    again = aggregate(read_per_prompt_csv(tmp_path / "per_prompt.csv"), {"a": 0.2, "b": 0.1},
+                      primary_num_draft_tokens=2, bootstrap_samples=0)
+    assert json_clean(again) == json_clean(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(a=st.floats(0.0, 1.0), g=st.integers(0, 12), c=st.floats(0.0, 2.0), n=st.integers(1, 50))
+def test_expected_speedup_of_one_draft_length_is_leviathans(a, g, c, n):
+    hist = [0] * g + [n]
+    assert expected_speedup_mixture(a, hist, c) == pytest.approx(expected_speedup(a, g, c))
+
+
+def test_expected_speedup_mixture_pools_over_steps_not_a_mean_of_speedups():
+    a, c = 0.6, 0.3
+    tokens = 3 * (1 - a ** 2) / (1 - a) + 1 * (1 - a ** 6) / (1 - a)  # 3 steps of length 1, 1 step of length 5
+    cost = 3 * (c + 1) + (5 * c + 1)
+    assert expected_speedup_mixture(a, [0, 3, 0, 0, 0, 1], c) == pytest.approx(tokens / cost)
+    assert expected_speedup_mixture(a, [], c) != expected_speedup_mixture(a, [], c)  # NaN: no steps
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        expected_speedup_mixture(1.5, [1], c)

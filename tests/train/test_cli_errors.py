@@ -140,6 +140,14 @@ EVAL_CASES = {
     "unknown_eval_domain": (dict(**{"eval.domains": "[nope]"}), "nope", "chat"),
     "tokenizer_mismatch": (dict(**{"eval.drafts": "{bad: OTHER}"}), "tokenizer", "vocabulary differs"),
     "partial_checkpoint": (dict(**{"eval.drafts": "{broken: PARTIAL}"}), "incomplete", "model weights"),
+    "unknown_draft_length_policy": (dict(**{"decode.draft_length_policy": "greedy"}),
+                                    "error: invalid config: decode.draft_length_policy must be one of fixed, adaptive, "
+                                    "confidence, got 'greedy'"),
+    "adaptive_start_outside_its_bounds": (dict(**{"decode.draft_length_policy": "adaptive",
+                                                  "decode.max_draft_tokens": "2"}),
+                                          "error: invalid config: decode.num_draft_tokens (the adaptive policy's "
+                                          "starting draft length) must be in [decode.min_draft_tokens, "
+                                          "decode.max_draft_tokens] = [1, 2], got 4"),
 }
 
 

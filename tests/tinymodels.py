@@ -42,10 +42,11 @@ def tiny_llama(
     return model.eval()
 
 
-def tiny_family(family: str, vocab_size: int = 64, seed: int = 0, **overrides):
+def tiny_family_lm(family: str, vocab_size: int = 64, seed: int = 0, **overrides):
     """A tiny randomly initialised causal LM of one model family (eval mode, fp32, CPU), built from its config:
     ``llama``, ``qwen2``, ``qwen3``, ``mistral``, ``gemma``, ``phi3``, ``gpt2``, ``gpt_neox``, ``opt``, ``falcon``.
-    Embeddings tied as the family's config defaults unless ``overrides`` say otherwise."""
+    Embeddings tied as the family's config defaults unless ``overrides`` say otherwise (the LoRA tests need the
+    families as their configs ship them; :func:`tiny_family` builds the sliding-window variants)."""
     import transformers as tf
 
     h, layers, heads = 32, 2, 4

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tinymodels import tiny_family, tiny_llama
+from tinymodels import tiny_family_lm, tiny_llama
 
 from distill.losses import get_loss
 from distill.lora import (LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
@@ -90,7 +90,7 @@ def test_config_and_module_errors():
         with pytest.raises(ValueError, match="lora.target_modules"):
             LoraSectionConfig(target_modules=bad)
     with pytest.raises(LoraError, match="no default LoRA target modules for model type 'phi3'.*all-linear"):
-        wrap_lora(tiny_family("phi3"), LoraSectionConfig(target_modules=None))
+        wrap_lora(tiny_family_lm("phi3"), LoraSectionConfig(target_modules=None))
 
 
 # ------------------------------------------------------------------ model families (issue 12)
@@ -129,7 +129,7 @@ def test_default_targets_exist_in_every_family_and_merge_exactly(family):
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as MAPPING
     from transformers.pytorch_utils import Conv1D
 
-    base = tiny_family(family)
+    base = tiny_family_lm(family)
     linear = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D))}
     assert LoraSectionConfig().target_modules == "all-linear"
     model = wrap_lora(copy.deepcopy(base), LoraSectionConfig(rank=2, alpha=4.0), seed=1)
@@ -152,7 +152,7 @@ def test_tied_head_or_embedding_as_target_is_untied_so_merged_equals_adapted(tmp
     one changed too): the head now gets its own copy first, and the saved merged draft reloads untied."""
     from transformers import AutoModelForCausalLM
 
-    base = tiny_family(family)
+    base = tiny_family_lm(family)
     assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
     draft = copy.deepcopy(base)
     model = wrap_lora(draft, LoraSectionConfig(rank=4, alpha=8.0, target_modules=targets), seed=0)
@@ -181,7 +181,7 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
     from train.schema import validate
 
     _, tok = load_causal_lm("distill/reference_target", role="target")
-    draft = tiny_family("gpt2", vocab_size=tok.vocab_size if len(tok) <= tok.vocab_size else len(tok), seed=2,
+    draft = tiny_family_lm("gpt2", vocab_size=tok.vocab_size if len(tok) <= tok.vocab_size else len(tok), seed=2,
                         n_positions=256)
     save_hf_atomic(draft, tok, tmp_path / "drafts" / "distilled")
     ids = tok("The patient was admitted with chest pain", return_tensors="pt").input_ids

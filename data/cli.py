@@ -32,14 +32,16 @@ log = logging.getLogger("specdraft")
 
 
 class _DropMessages(logging.Filter):
-    """Drop log records whose message starts with one of ``prefixes`` (known-benign library chatter)."""
+    """Drop log records whose message contains one of ``phrases`` (known-benign library chatter; accelerate
+    prefixes its messages with ``[RANK n]``, so this matches anywhere in the message)."""
 
-    def __init__(self, *prefixes: str):
+    def __init__(self, *phrases: str):
         super().__init__()
-        self.prefixes = prefixes
+        self.phrases = phrases
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefixes)
+        msg = record.getMessage()
+        return not any(p in msg for p in self.phrases)
 
 
 def quiet_libraries() -> None:
@@ -202,12 +204,31 @@ def _split_by_shell(argv: list[str]) -> bool:
     return len(keys) != len(set(keys)) or any("=" not in a for a in argv)
 
 
+def _rejoined_override(argv: list[str]) -> str | None:
+    """The override the shell split at spaces, put back together: from the first ``KEY=`` argument holding ``[``
+    or ``{`` through the arguments until its brackets balance (``None`` when no argument opens a bracket or the
+    first one already closes it)."""
+    start = next((i for i, a in enumerate(argv) if "=" in a and any(ch in a.split("=", 1)[1] for ch in "[{")), None)
+    if start is None:
+        return None
+    parts, depth = [], 0
+    for a in argv[start:]:
+        parts.append(a)
+        depth += sum(a.count(ch) for ch in "[{") - sum(a.count(ch) for ch in "]}")
+        if depth <= 0:
+            break
+    return " ".join(parts) if len(parts) > 1 else None  # one argument: not split at spaces (brace expansion?)
+
+
 def quoting_hint(argv: list[str]) -> str:
-    """The fix for a list/dict value that reached Hydra in pieces, or ``""`` when the command shows no such sign."""
+    """The fix for a list/dict value that reached Hydra in pieces (the user's own override, rejoined and quoted,
+    when it can be told apart), or ``""`` when the command shows no such sign."""
     if not _split_by_shell(argv) and not any(ch in a for a in argv for ch in "[{"):
         return ""
+    rejoined = _rejoined_override(argv)
+    example = f"'{rejoined}'" if rejoined and "'" not in rejoined else _QUOTE_EXAMPLE
     return (f". A list or dict value must reach Hydra as one argument: put the whole override in single quotes, "
-            f"e.g. {_QUOTE_EXAMPLE} (unquoted, the shell splits it at spaces and expands {{a,b}})")
+            f"e.g. {example} (unquoted, the shell splits it at spaces and expands {{a,b}})")
 
 
 def _unknown_override_key(msg: str) -> str | None:
@@ -222,13 +243,18 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
     bad override, so the experiment's own keys count), and why Hydra's ``+key`` suggestion does not help."""
     from .config import closest_keys
 
+    value = next((a.split("=", 1)[1] for a in argv if _override_key(a) == key and "=" in a), "...")
+    group = Path(config_dir) / key
+    if group.is_dir():  # a config group the defaults do not select: Hydra needs the '+' to add it
+        options = sorted(p.stem for p in group.glob("*.yaml"))
+        return (f"invalid config: '{key}' is a config group the default config does not select: add it with "
+                f"+{key}={value} (note the '+'); options: {', '.join(options)}")
     rest = [a for a in argv if _override_key(a) != key]
     try:
         composed = compose(rest, config_dir)
     except Exception:  # noqa: BLE001  (another bad override: suggest from the defaults alone)
         composed = compose([a for a in rest if a.startswith("+experiment=")], config_dir)
     close = closest_keys(composed[0], key) if composed else []
-    value = next((a.split("=", 1)[1] for a in argv if _override_key(a) == key and "=" in a), "...")
     hint = f"; did you mean {' or '.join(f'{k}={value}' for k in close)}?" if close else \
         "; see README 'Config keys you change' for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "

@@ -38,7 +38,12 @@ def hydra_main(cfg: DictConfig) -> None:
     try:
         run(cfg, run_dir)
     except KeyboardInterrupt:
-        interrupted(f"rerun with hydra.run.dir={run_dir} trainer.resume=true to continue from the last checkpoint")
+        from pathlib import Path
+
+        from train.run import run_command
+
+        interrupted(f"continue from the last checkpoint with: "
+                    f"{run_command(Path(run_dir), 'train', ('trainer.resume=true',))}")
     except Exception as e:
         exit_on_error(e)
         raise

@@ -93,10 +93,17 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
 
 
 def reevaluate_command(run_dir: Path, experiment_name: str | None = None) -> str:
-    """The ``python -m eval`` command that re-evaluates a run's drafts as the run evaluated them: the overrides of
-    the command that made it (Hydra's ``.hydra/overrides.yaml``; without it ``+experiment=`` the run's
-    ``experiment_name`` from ``resolved_config.json``, else ``experiment_name``), shell-quoted, pointed at
-    ``run_dir``."""
+    """The ``python -m eval`` command that re-evaluates a run's drafts as the run evaluated them (see
+    :func:`run_command`)."""
+    return run_command(run_dir, "eval", experiment_name=experiment_name)
+
+
+def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:
+    """``python -m <module>`` with the overrides of the command that made the run in ``run_dir`` (Hydra's
+    ``.hydra/overrides.yaml``; without it ``+experiment=`` the run's ``experiment_name`` from
+    ``resolved_config.json``, else ``experiment_name``), then ``extra``, shell-quoted and pointed at ``run_dir``:
+    ``module="eval"`` re-evaluates the run as it was evaluated, ``module="train", extra=("trainer.resume=true",)``
+    resumes it with the settings it was started with."""
     import shlex
 
     import yaml
@@ -114,7 +121,7 @@ def reevaluate_command(run_dir: Path, experiment_name: str | None = None) -> str
         if experiment_name and (PROJECT_ROOT / "conf" / "experiment" / f"{experiment_name}.yaml").is_file():
             overrides = [f"+experiment={experiment_name}"]
     keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "overwrite=", "trainer.resume="))]
-    return " ".join(["python -m eval", *map(shlex.quote, keep), shlex.quote(f"hydra.run.dir={run_dir}")])
+    return " ".join([f"python -m {module}", *map(shlex.quote, [*keep, *extra, f"hydra.run.dir={run_dir}"])])
 
 
 def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:

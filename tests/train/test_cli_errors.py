@@ -110,9 +110,13 @@ TRAIN_CASES = {
     "misspelt_key": (["trainer.max_step=5"], "unknown key 'trainer.max_step'", "did you mean trainer.max_steps=5?"),
     "misspelt_key_added": (["+trainer.max_step=5"], "did you mean trainer.max_steps?"),
     "misspelt_key_without_section": (["max_steps=5"], "did you mean trainer.max_steps=5"),
+    "config_group_without_plus": (["experiment=smoke"], "'experiment' is a config group", "+experiment=smoke",
+                                  "distill_med"),
     # a list of dicts the shell split at spaces / brace-expanded, as an unquoted value arrives
     "unquoted_list_of_dicts": (["eval.extra_domains=[{name:", "x,", "path:", "/tmp/x.jsonl}]"],
-                               "put the whole override in single quotes", "'eval.extra_domains=[{name: mine"),
+                               "put the whole override in single quotes",
+                               "'eval.extra_domains=[{name: x, path: /tmp/x.jsonl}]'"),  # the user's own, rejoined
+    "unquoted_list": (["eval.domains=[medical,", "code]"], "'eval.domains=[medical, code]'"),
     "brace_expanded_list_of_dicts": (["eval.extra_domains=[name:x]", "eval.extra_domains=[path:/tmp/x.jsonl]"],
                                      "put the whole override in single quotes"),
 }
@@ -257,6 +261,9 @@ def test_ctrl_c_ends_with_the_interrupted_line_and_no_progress_bar_after_it(tmp_
     assert "Traceback" not in stderr, stderr[-3000:]
     last = [l for l in stderr.replace("\r", "\n").splitlines() if l.strip()][-1]
     assert last.startswith("interrupted: ") and "trainer.resume=true" in last, stderr[-2000:]
+    # the command it names is the one that resumes: the run's own overrides, then trainer.resume=true
+    assert last.endswith(f"python -m train +experiment=smoke 'stages=[distill]' trainer.max_steps=400 "
+                         f"trainer.resume=true hydra.run.dir={run_dir}"), last
 
 
 def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_path):

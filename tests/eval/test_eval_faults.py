@@ -106,7 +106,8 @@ def test_kill_9_during_eval_keeps_the_old_report_and_rerun_gives_the_same_number
 
     kill_9_when(proc, eval_started, timeout_s=120, what="the evaluation did not start", poll_s=0.02)
     assert _report_set(run_dir) == before  # the previous complete set, byte for byte
-    assert (run_dir / ".hydra-eval").is_dir() and not (run_dir / ".hydra").exists()
+    # the killed command left only its attempt record; the record behind the current report is unchanged
+    assert (run_dir / ".hydra-eval-last").is_dir() and not (run_dir / ".hydra").exists()
 
     _run_in_process(models, run_dir)  # rerun: same numbers, the set replaced whole, no staging left behind
     assert _deterministic(run_dir) == numbers

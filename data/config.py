@@ -1,6 +1,7 @@
 """Typed config sections owned by the data layer, and the one validation helper every entry point uses."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -69,7 +70,15 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
         if key and key not in msg:
             msg = f"{key}: {msg}"
         if key and isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:
-            close = closest_keys(OmegaConf.structured(schema), key)
+            owner = getattr(e, "object_type", None)
+            if dataclasses.is_dataclass(owner) and owner is not schema and "." not in str(key):
+                # a key inside a list item (eval.extra_domains[i]): OmegaConf names only the item's class, so the
+                # suggestion comes from that class's own fields
+                fields = [f.name for f in dataclasses.fields(owner)]
+                close = _closest_leaves(str(key), fields, 3)
+                msg += f" (its keys: {', '.join(fields)})"
+            else:
+                close = closest_keys(OmegaConf.structured(schema), key)
             if close:
                 msg += f"; did you mean {' or '.join(close)}?"
         raise ValueError(f"invalid config: {msg}") from None

@@ -76,7 +76,10 @@ class RunDirInUseError(ValueError):
 
 def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
     """A run never replaces another run's artifacts unless told to: a run directory that already holds a run
-    (its ``resolved_config.json``) needs ``trainer.resume=true`` (continue it) or ``overwrite=true`` (replace it).
+    (its ``resolved_config.json`` and a draft, report, checkpoint or reference-training folder) needs
+    ``trainer.resume=true`` (continue it) or ``overwrite=true`` (replace it). A directory whose earlier command
+    stopped on bad input before writing any of those (only Hydra's record, ``events.jsonl`` and the resolved
+    config) is free: the corrected command runs there.
 
     Raises:
         RunDirInUseError: naming the directory, what is in it, and the three ways on.
@@ -84,8 +87,10 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
     if rc.trainer.resume or rc.overwrite or not (run_dir / "resolved_config.json").exists():
         return
     held = [n for n in ("drafts", "report.md", "train", "reference_train") if (run_dir / n).exists()]
+    if not held:  # an earlier attempt that stopped on bad input before producing anything: nothing to lose
+        return
     raise RunDirInUseError(
-        f"run directory {run_dir} already holds a run (resolved_config.json{', ' if held else ''}{', '.join(held)}); "
+        f"run directory {run_dir} already holds a run (resolved_config.json, {', '.join(held)}); "
         f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
         f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
         f"with the run's own settings: {reevaluate_command(run_dir, rc.experiment_name)}"

@@ -110,6 +110,8 @@ TRAIN_CASES = {
     "misspelt_key": (["trainer.max_step=5"], "unknown key 'trainer.max_step'", "did you mean trainer.max_steps=5?"),
     "misspelt_key_added": (["+trainer.max_step=5"], "did you mean trainer.max_steps?"),
     "misspelt_key_without_section": (["max_steps=5"], "did you mean trainer.max_steps=5"),
+    "misspelt_key_in_a_list_item": (["eval.extra_domains=[{name: mine, path: /tmp/x.jsonl, text_feild: text}]"],
+                                    "Key 'text_feild' not in 'ExtraDomainConfig'", "did you mean text_field?"),
     "config_group_without_plus": (["experiment=smoke"], "'experiment' is a config group", "+experiment=smoke",
                                   "distill_med"),
     # a list of dicts the shell split at spaces / brace-expanded, as an unquoted value arrives
@@ -213,6 +215,16 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
         check_run_dir_free(rc(), finished_run)
     check_run_dir_free(rc("overwrite=true"), finished_run)
     check_run_dir_free(rc("trainer.resume=true"), finished_run)
+    # a command that stopped on bad input after Hydra started (e.g. a LoRA target found missing once the draft
+    # loaded) left its record and resolved config but no artifact: the corrected command may use the directory
+    failed = finished_run.parent / "failed_attempt"
+    (failed / ".hydra").mkdir(parents=True)
+    (failed / "resolved_config.json").write_text(json.dumps({"seed": 0}))
+    (failed / "events.jsonl").write_text('{"event": "stage_failed"}\n')
+    check_run_dir_free(rc(), failed)
+    (failed / "train").mkdir()  # a started training is something to resume or overwrite
+    with pytest.raises(RunDirInUseError):
+        check_run_dir_free(rc(), failed)
     check_run_dir_free(rc(), finished_run.parent / "fresh")
 
 

@@ -178,3 +178,17 @@ def tiny_family(family: str, vocab_size: int = 64, hidden_size: int = 32, num_la
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(4.0)  # sharper distributions: structure worth drafting
     return model.eval()
+
+
+def compose_config(overrides: list[str]):
+    """The project's Hydra config composed with ``overrides`` as ``python -m eval`` / ``python -m train`` compose
+    it (without the hydra node), for in-process runs."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    import eval.__main__  # noqa: F401  (registers the specdraft_root resolver)
+
+    root = Path(__file__).resolve().parents[1]
+    with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)

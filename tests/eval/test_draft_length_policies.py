@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinymodels import tiny_llama
+from tinymodels import compose_config, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
@@ -30,15 +30,6 @@ POLICY_ARGS = {
     "confidence": ["decode.draft_length_policy=confidence", "decode.max_draft_tokens=5",
                    "decode.confidence_threshold=0.8"],
 }
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    import eval.__main__  # noqa: F401  (registers the specdraft_root resolver)
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +68,7 @@ def policy_runs(models, tmp_path_factory):
     out = {}
     for policy, args in POLICY_ARGS.items():
         run_dir = tmp_path_factory.mktemp(f"eval_{policy}")
-        cfg = _compose(_base(models) + args)
+        cfg = compose_config(_base(models) + args)
         run(cfg, run_dir)
         out[policy] = run_dir, cfg
     return out
@@ -165,7 +156,7 @@ def test_eval_compares_all_policies_and_can_recommend_one(models, tmp_path):
 
     compare = ["decode.confidence_threshold=0.8", "eval.num_draft_tokens=[1,3]",
                "eval.draft_length_policies=[fixed,adaptive,confidence]"]
-    cfg = _compose(_base(models) + POLICY_ARGS["adaptive"][1:] + compare)
+    cfg = compose_config(_base(models) + POLICY_ARGS["adaptive"][1:] + compare)
     out = run(cfg, tmp_path)
     doc = json.loads((tmp_path / "metrics.json").read_text())
     entry = doc["drafts"]["noisy"]["chat"]
@@ -215,7 +206,7 @@ def test_bad_policy_parameters_are_one_line_config_errors(case):
     from train.schema import validate
 
     overrides, message = BAD[case]
-    cfg = _compose(overrides)
+    cfg = compose_config(overrides)
     for check in (validate_eval, validate):
         with pytest.raises(ValueError) as ei:
             check(cfg)

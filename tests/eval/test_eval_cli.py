@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tinymodels import tiny_llama
+from tinymodels import compose_config, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
@@ -43,15 +43,6 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    import eval.__main__  # noqa: F401  (registers the specdraft_root resolver)
-
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
@@ -67,7 +58,7 @@ def test_tokenizer_mismatch_is_a_clear_error(models, tmp_path):
     from eval.__main__ import run
 
     target, _, other, _ = models
-    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{bad: {other}}}", "eval.domains=[chat]",
+    cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{bad: {other}}}", "eval.domains=[chat]",
                     "eval.max_prompts=1", "eval.max_new_tokens=4"])
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path)
@@ -221,7 +212,7 @@ def test_bad_eval_input_is_rejected_before_decoding(models, tmp_path, override, 
     from eval.__main__ import run
 
     _, same, _, _ = models
-    cfg = _compose([f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]", override])
+    cfg = compose_config([f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]", override])
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path)
     assert needle in str(ei.value)
@@ -235,7 +226,7 @@ def test_unreadable_draft_checkpoint_is_a_clear_error(models, tmp_path):
     partial = tmp_path / "partial_draft"
     partial.mkdir()
     (partial / "config.json").write_text("{}")
-    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{broken: {partial}}}", "eval.domains=[chat]"])
+    cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{broken: {partial}}}", "eval.domains=[chat]"])
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path / "run")
     msg = str(ei.value)
@@ -254,7 +245,7 @@ def test_draft_with_fewer_rows_than_the_tokenizer_is_rejected_before_decoding(mo
     model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(same)) - 10)
     model.save_pretrained(small)
     AutoTokenizer.from_pretrained(same).save_pretrained(small)
-    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{small: {small}}}", "eval.domains=[chat]",
+    cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{small: {small}}}", "eval.domains=[chat]",
                     "eval.max_prompts=1", "eval.max_new_tokens=4"])
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path / "run")
@@ -270,7 +261,7 @@ def test_any_draft_name_works_and_a_foreign_specdraft_json_is_fine(models, tmp_p
     target, _, _, twin = models
     (twin / "specdraft.json").write_text(json.dumps({"kind": "reference_target", "train": {"steps": 3}}))
     try:
-        cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{{name}: {twin}}}", "eval.domains=[chat]",
+        cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{{name}: {twin}}}", "eval.domains=[chat]",
                         "eval.max_prompts=1", "eval.max_new_tokens=4", "eval.cost_ratio_trials=2",
                         "eval.bootstrap_samples=0"])
         run(cfg, tmp_path)
@@ -286,7 +277,7 @@ def test_prompt_plus_generation_beyond_the_context_is_rejected(models, tmp_path)
     from eval.__main__ import run
 
     target, same, _, _ = models  # tiny_llama: max_position_embeddings 256
-    cfg = _compose([f"target.name_or_path={target}", f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]",
+    cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{mine: {same}}}", "eval.domains=[chat]",
                     "eval.max_prompt_tokens=250", "eval.max_new_tokens=10"])
     with pytest.raises(ValueError) as ei:
         run(cfg, tmp_path)

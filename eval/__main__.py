@@ -31,6 +31,9 @@ OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), rep
 quiet_libraries()
 log = logging.getLogger("specdraft")
 
+ATTEMPT_RECORD = ".hydra-eval-last"  # Hydra's record of the latest python -m eval command, failed or not
+COMMAND_RECORD = ".hydra-eval"  # the record of the command behind the current report (part of the report set)
+
 
 def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
     """The typed eval config, then the inputs (drafts, checkpoints, tokenizers, user files), without loading any
@@ -89,10 +92,6 @@ def hydra_main(cfg: DictConfig) -> None:
         print(f"{domain}: use {draft} with {out['recommended_setting'][domain]}")
     print(f"report: {out['report']}")
     print(f"run directory: {run_dir}")
-
-
-ATTEMPT_RECORD = ".hydra-eval-last"  # Hydra's record of the latest python -m eval command, failed or not
-COMMAND_RECORD = ".hydra-eval"  # the record of the command behind the current report (part of the report set)
 
 
 def main() -> None:

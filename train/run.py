@@ -93,14 +93,8 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
         f"run directory {run_dir} already holds a run (resolved_config.json, {', '.join(held)}); "
         f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
         f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
-        f"with the run's own settings: {reevaluate_command(run_dir, rc.experiment_name)}"
+        f"with the run's own settings: {run_command(run_dir, 'eval', experiment_name=rc.experiment_name)}"
     )
-
-
-def reevaluate_command(run_dir: Path, experiment_name: str | None = None) -> str:
-    """The ``python -m eval`` command that re-evaluates a run's drafts as the run evaluated them (see
-    :func:`run_command`)."""
-    return run_command(run_dir, "eval", experiment_name=experiment_name)
 
 
 def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:

@@ -7,7 +7,9 @@ naming the key, what was found and the fix.
 """
 from __future__ import annotations
 
+import contextlib
 import platform
+from typing import Iterator
 
 import torch
 
@@ -108,3 +110,17 @@ def run_precision(mixed_precision: str, device: torch.device | str):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=dtype)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch CPU threads, restoring the previous count after. ``None`` or ``0`` leaves
+    torch's setting unchanged (``eval.num_threads: null``, ``trainer.num_threads: 0``)."""
+    prev = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n:
+            torch.set_num_threads(prev)

@@ -221,3 +221,16 @@ def _link_names(folder: Path, store: Path, names: list[str]) -> None:
         tmp_link.unlink(missing_ok=True)
         os.symlink(target, tmp_link)
         os.replace(tmp_link, dest)
+
+
+class EventLog:
+    """Append-only JSONL event log (``events.jsonl`` in the run directory): one JSON object per line with
+    ``time`` (unix seconds), ``event`` and the event's fields. Written by ``python -m train`` and ``python -m eval``."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, event: str, **fields) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")

@@ -1,4 +1,4 @@
-"""Tokenizer compatibility between the target and the draft, checked before any work (DESIGN.md, "lossless").
+"""Tokenizer compatibility between the target and the draft, checked before any work (docs/architecture.md, "The decoder's lossless contract").
 
 Speculative decoding feeds the draft the target's token ids and verifies the draft's proposed ids with the target,
 so both must mean the same thing by every id: same vocabulary (token -> id), same BPE merges (so a prompt

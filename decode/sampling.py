@@ -1,7 +1,7 @@
 """The one logits pipeline shared by the target (p) and the draft (q).
 
 Speculative sampling is only lossless when q is *exactly* the distribution the draft token was drawn from and p is
-the target's distribution after the *same* transformations (DESIGN.md, "Terms": p, q). Both therefore go through
+the target's distribution after the *same* transformations (docs/architecture.md, "Terms": p, q). Both therefore go through
 :func:`process_logits`, which follows Hugging Face transformers' warper semantics and order:
 temperature -> top-k -> top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``, ``TopPLogitsWarper``).
 """

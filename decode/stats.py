@@ -1,4 +1,4 @@
-"""Acceptance statistics of speculative decoding, defined once for the whole project (DESIGN.md, "Terms").
+"""Acceptance statistics of speculative decoding, defined once for the whole project (docs/architecture.md, "Terms").
 
 Definitions (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"):
 

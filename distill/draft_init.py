@@ -170,10 +170,11 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
         ValueError: ``draft.init=config`` (a fresh random draft is not worth evaluating; use the distill stage).
     """
     from data.checkpoints import load_causal_lm
+    from data.devices import torch_threads
     from data.loading import files_fingerprint
 
     from .models import count_parameters
-    from .trainer import evaluate_loss, torch_threads
+    from .trainer import evaluate_loss
 
     if rc.draft.init == "config":
         raise ValueError("stage draft_init needs draft.init=layer_pruned or draft.init=pretrained (a fresh "

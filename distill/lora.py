@@ -298,7 +298,7 @@ def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None
         LoraError / CheckpointError / ValueError: missing base draft, tokenizer mismatch, bad target modules,
         a domain without text.
     """
-    from .trainer import torch_threads
+    from data.devices import torch_threads
 
     with torch_threads(rc.trainer.num_threads):
         return _adapt_draft(rc, opts, Path(run_dir), base, domain, name, events)

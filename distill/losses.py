@@ -5,7 +5,7 @@ Every divergence here is a pure function with one signature::
     loss = fn(student_logits, teacher_logits, mask, *, temperature=1.0, <own keyword>,
               hard_label_weight=0.0, labels=None, chunk_size=None, reduction="mean")
 
-Notation (DESIGN.md, Terms): ``p`` is the target (teacher) next-token distribution, ``q`` (``q_theta``) is the
+Notation (docs/architecture.md, "Terms"): ``p`` is the target (teacher) next-token distribution, ``q`` (``q_theta``) is the
 draft (student) one, both computed at the *same* temperature ``T``:
 ``p = softmax(teacher_logits / T)``, ``q = softmax(student_logits / T)``.
 
@@ -21,7 +21,7 @@ Conventions shared by every divergence
     * Token mean over the mask: ``sum_{masked tokens} loss_t / token_count(mask)``. An all-masked batch gives
       ``0`` (finite, with zero gradients), never NaN.
     * ``reduction="sum"`` returns the sum over masked tokens instead. For gradient accumulation with a global
-      token normalisation (DESIGN.md Style 7) the trainer sums these per micro-batch and divides by
+      token normalisation (docs/architecture.md, "Conventions") the trainer sums these per micro-batch and divides by
       ``token_count`` of the whole optimizer step; that gives exactly the gradient of the full-batch mean.
       ``reduction="none"`` returns the per-token losses ``(B, T)`` with zeros at masked positions.
     * Masked positions are replaced by zeros before any arithmetic, so garbage or ``-inf`` logits there change
@@ -265,7 +265,7 @@ def token_count(mask: Tensor) -> Tensor:
 
     ``mask``: ``(B, T)`` bool or 0/1 integer. For gradient accumulation sum this over all micro-batches of an
     optimizer step (and all-reduce it across ranks), then divide each micro-batch's ``reduction="sum"`` loss by
-    it (DESIGN.md Style 7). ``.item()`` gives a Python int.
+    it (docs/architecture.md, "Conventions"). ``.item()`` gives a Python int.
     """
     return mask.to(torch.bool).sum()
 

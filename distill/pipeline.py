@@ -119,7 +119,7 @@ def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) ->
     Raises:
         ValueError: inconsistent config (see :func:`check_draft_config`), a domain without text or prompts.
     """
-    from .trainer import torch_threads
+    from data.devices import torch_threads
 
     with torch_threads(rc.trainer.num_threads):
         return _train_draft(rc, opts, run_dir, kind, events)

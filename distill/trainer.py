@@ -3,7 +3,7 @@
 The loop runs on ``accelerate`` (one process here; several under ``accelerate launch``). Loss normalisation is
 explicit: each micro-batch returns a *summed* loss over its counted tokens, and the optimizer step divides by the
 global token count of the whole step, so the update does not depend on how a batch is split into micro-batches
-(DESIGN.md, style point 7; tested for 8x1 / 4x2 / 2x4 splits).
+(docs/architecture.md, "Conventions"; tested for 8x1 / 4x2 / 2x4 splits).
 
 Data: the optimizer step ``s`` uses the blocks :func:`_batch_indices` picks for ``s`` (a pure function of the step
 and seed). A ``batch_hook`` may replace a micro-batch (on-policy distillation swaps in the draft's own
@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from data.devices import torch_threads
 from data.io import atomic_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,9 @@ class TrainerConfig:
     """Optimisation settings (the ``trainer`` config group). Steps count optimizer updates."""
 
     max_steps: int = 300
-    micro_batch_size: int = 8  # sequences per micro-batch per process
+    micro_batch_size: int = 16  # sequences per micro-batch per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
-    lr: float = 2e-3
+    lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
     weight_decay: float = 0.0
@@ -540,18 +540,6 @@ def _trim_log(path: Path, step: int) -> None:
         return
     keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
     path.write_text("".join(l + "\n" for l in keep))
-
-
-@contextmanager
-def torch_threads(n: int):
-    """Run the block with ``n`` torch CPU threads (``n = 0``: unchanged), restoring the previous count after."""
-    prev = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def _with_cfg_threads(fn):

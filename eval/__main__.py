@@ -58,7 +58,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         ValueError: bad config (before any model loads), no drafts, unreadable checkpoints, unknown domains.
     """
     from eval.pipeline import evaluate_run
-    from eval.tracking import EventLog
+    from data.io import EventLog
 
     run_dir = Path(run_dir)
     rc = check_before_eval(cfg, run_dir)

@@ -4,7 +4,7 @@ Everything in ``metrics.json`` is a pure function of the rows written to ``per_p
 ratio), so the two files cannot disagree: :func:`aggregate` is what the report calls, and what a reader can call on
 the CSV (:func:`read_per_prompt_csv`) to recompute every number.
 
-Pooling follows DESIGN.md: ratios are ratios of sums over prompts (never means of per-prompt means). Bootstrap:
+Pooling follows docs/architecture.md ("Terms"): ratios are ratios of sums over prompts (never means of per-prompt means). Bootstrap:
 resample the prompts of a (draft, domain, gamma) cell with replacement ``bootstrap_samples`` times (fixed seed),
 recompute the pooled ratio on each resample, report the percentile interval.
 """

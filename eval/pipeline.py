@@ -11,13 +11,13 @@ Beside the fixed-gamma sweep every draft also decodes under each draft-length po
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from data.checkpoints import one_off_pass_seconds
+from data.devices import torch_threads
 from data.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
 
@@ -123,21 +123,6 @@ def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None)
         paths[name] = Path(r.path)
         routed[d] = name
     return paths, routed
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int | None):
-    import torch
-
-    if n is None:
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 class PromptTooLongError(ValueError):
@@ -278,7 +263,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     # Without routing every draft decodes every domain; with routing each domain only its routed draft.
     groups = [(drafts, prompts)] if routed is None else [
         ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts]
-    with _torch_threads(rc.eval.num_threads):
+    with torch_threads(rc.eval.num_threads):
         runtime = runtime_record(device, dtype)  # threads: as set while timing
         ev("eval_runtime", **runtime)
         parts = [evaluate_drafts(

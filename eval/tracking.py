@@ -13,7 +13,6 @@ import json
 import logging
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,19 +27,6 @@ TABLE_COLUMNS = ("draft", "domain", "num_draft_tokens", "acceptance_rate", "acce
                  "measured_speedup_ci_high", "expected_speedup", "target_tokens_per_s", "speculative_tokens_per_s",
                  "speculative_latency_p50_s", "speculative_latency_p95_s", "speculative_latency_p99_s",
                  "num_prompts", "lossless")
-
-
-class EventLog:
-    """Append-only JSONL event log (``events.jsonl`` in the run directory): one JSON object per line with
-    ``time`` (unix seconds), ``event`` and the event's fields. Same format as the training pipeline's log."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def __call__(self, event: str, **fields) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
 
 
 def _num(x) -> Any:

@@ -8,24 +8,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from data.io import write_json_atomic
+from data.io import EventLog, write_json_atomic
 
 from .schema import RootConfig, validate
 
 log = logging.getLogger("specdraft")
-
-
-class EventLog:
-    """Append-only JSONL event log of every stage (``events.jsonl`` in the run directory)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def __call__(self, event: str, **fields) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
 
 
 # Keys that may change between an interrupted run and its resumption (they don't change the trained weights).

@@ -106,10 +106,29 @@ def _overridden_groups(experiment: str) -> set[str]:
     return {k.split("/")[-1] for d in defaults if isinstance(d, dict) for k in d if k.startswith("override /")}
 
 
-def test_every_group_option_with_every_experiment():
-    for name in EXPERIMENTS:
-        fixed = _overridden_groups(name)  # e.g. selfdraft_med needs its own draft group
-        _check(compose_cfg([f"+experiment={name}", *(o for o in GROUP_OPTIONS if o.split("=")[0] not in fixed)]))
+# Each group option composed with PAIRINGS experiments (rotating, so every experiment meets several options):
+# Hydra keeps only the last option of a group given twice, so one command line with every option would test one
+# option per group. The full matrix costs about 0.3 s per composition, ~60 s in all; three per option cover each
+# option under different experiments at a fifth of that.
+PAIRINGS = 3
+
+
+@pytest.mark.parametrize("option", GROUP_OPTIONS)
+def test_every_group_option_with_experiments(option):
+    group, choice = option.split("=")
+    usable = [e for e in EXPERIMENTS if group not in _overridden_groups(e)]  # e.g. selfdraft_med fixes its draft
+    start = GROUP_OPTIONS.index(option) * PAIRINGS
+    chosen = [usable[(start + k) % len(usable)] for k in range(min(PAIRINGS, len(usable)))]
+    assert chosen, f"no experiment leaves group {group} free"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):  # one Hydra context for all of them
+        cfgs = [compose("config", overrides=[f"+experiment={e}", option, *REQUIRED.get(option, [])]) for e in chosen]
+    for experiment, cfg in zip(chosen, cfgs):
+        rc = _check(cfg)
+        assert rc.experiment_name == experiment
+        if group == "trainer":  # the option really is in the composed run, not overridden by the experiment
+            assert rc.trainer.strategy == choice
+        if group == "draft":
+            assert rc.draft.init == OmegaConf.load(CONF / "draft" / f"{choice}.yaml").get("init", "config")
 
 
 def test_lora_stages_need_the_lora_settings():
@@ -212,3 +231,35 @@ def test_cli_strategy_that_does_not_fit_the_launch_fails_before_any_model(tmp_pa
     assert proc.returncode == 2 and "not launched with DeepSpeed" in out, out[-2000:]
     assert "accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml" in out
     assert not (tmp_path / "run" / "resolved_config.json").exists()
+
+
+def _leaves(node, prefix: str = "") -> dict:
+    out = {}
+    for k, v in node.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Keys whose YAML value is a group's *selector* rather than a default (lora=default turns LoRA on, logger=wandb
+# names the logger), or an interpolation (paths, env variables) that the dataclass states as its plain fallback.
+SELECTORS = {"lora.enabled", "logger.name"}
+
+
+@pytest.mark.parametrize("options", [[], ["lora=default", "logger=wandb"]])
+def test_yaml_defaults_agree_with_the_dataclass_defaults(options):
+    """One default per key: Python callers (``TrainerConfig()``, ``RootConfig()``) and the command line get the
+    same run. Every key the default group files set literally must equal the dataclass default."""
+    from dataclasses import asdict
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=options)
+    yaml = _leaves(OmegaConf.to_container(cfg, resolve=False))
+    python = _leaves(asdict(RootConfig()))
+    compared = [k for k in yaml if k in python and k not in SELECTORS
+                and not (isinstance(yaml[k], str) and "${" in yaml[k])]
+    assert len(compared) > 100  # most of the tree is compared, not a handful of keys
+    differ = {k: (yaml[k], python[k]) for k in compared if yaml[k] != python[k]}
+    assert not differ, f"YAML default != dataclass default (yaml, python): {differ}"

@@ -1,0 +1,99 @@
+"""The package structure docs/architecture.md describes: imports go one way between packages, no module imports
+itself back through others (function-level imports included), and the docs never point outside the repository."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("data", "decode", "distill", "eval", "train")
+# package -> the packages it may import (docs/architecture.md, "Packages and the direction of imports")
+ALLOWED = {"data": set(), "decode": {"data"}, "distill": {"data", "decode"}, "eval": {"data", "decode"},
+           "train": {"data", "decode", "distill", "eval"}}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for f in (ROOT / pkg).rglob("*.py"):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Project modules that ``name`` imports anywhere in its body (function-level imports too)."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join([*base, *([node.module] if node.module else [])])
+            candidates = [mod, *(f"{mod}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in modules and c != name}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def test_packages_import_one_way():
+    bad = sorted(f"{a} imports {b}" for a, targets in _graph().items() for b in targets
+                 if b.split(".")[0] != a.split(".")[0] and b.split(".")[0] not in ALLOWED[a.split(".")[0]])
+    assert not bad, "imports against the package order of docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"modules that import each other (directly or through others): {cycles}"
+
+
+def test_the_import_graph_sees_function_level_imports(tmp_path):
+    """The checks above would pass vacuously if the parser missed imports: it must find both kinds."""
+    graph = _graph()
+    assert "data.io" in graph["train.run"]  # a module-level import
+    assert "distill.reference" in graph["train.run"]  # imported inside a function
+
+
+def test_docs_point_only_inside_the_repository():
+    texts = [p for p in ROOT.rglob("*") if p.suffix in {".py", ".md", ".yaml", ".sh", ".toml"}
+             and not any(part in {"outputs", ".git", "multirun"} or part.startswith(".") for part in
+                         p.relative_to(ROOT).parts[:-1])]
+    assert (ROOT / "docs" / "architecture.md").is_file()
+    outside = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in texts if p.resolve() != Path(__file__).resolve()
+               for m in re.finditer(r"DESIGN\.md|\.\./shared/DESIGN", p.read_text(errors="ignore"))]
+    assert not outside, "references to a design file the repository does not contain:\n" + "\n".join(outside)

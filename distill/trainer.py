@@ -534,12 +534,205 @@ def _score(value) -> float:
     return -math.inf if value is None or value != value else float(value)
 
 
-def _trim_log(path: Path, step: int) -> None:
-    """Drop records after ``step`` (written by a run killed after its last checkpoint; they are replayed)."""
-    if not path.exists():
-        return
-    keep = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l).get("step", 0) <= step]
-    path.write_text("".join(l + "\n" for l in keep))
+@dataclass
+class TrainState:
+    """What a resumable checkpoint records (``checkpoint-last/trainer_state.json``, same keys)."""
+
+    step: int = 0  # optimizer steps done
+    elapsed_s: float = 0.0  # training-loop wall clock so far, resumed parts included, selection evaluations not
+    tokens_seen: int = 0
+    final_loss: float | None = None  # mean loss per token of the last logged window
+    best: dict | None = None  # {"step", "metrics"} of the selected weights
+    last_eval_step: int | None = None
+    stopped_early: str | None = None  # "max_time_s" when the budget ended the run
+    selection_eval_s: float = 0.0  # time spent in selection evaluations
+    global_batch_sequences: int = 0
+    num_processes: int = 1
+    strategy: str = "single"
+
+
+class BudgetClock:
+    """The ``trainer.max_time_s`` clock: training-loop seconds, continued across resumed parts, paused during
+    selection evaluations; every process follows the main process's reading (same stop step, same LR)."""
+
+    def __init__(self, cfg: TrainerConfig, run: "_Run", elapsed_s: float = 0.0):
+        self.cfg, self.run = cfg, run
+        self.t0 = time.perf_counter() - elapsed_s
+        self.shared_s = elapsed_s  # the last reading shared by all processes
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def sync(self) -> float:
+        self.shared_s = self.run.main_value(self.elapsed())
+        return self.shared_s
+
+    def pause(self, seconds: float) -> None:
+        self.t0 += seconds
+
+    def progress(self) -> float:
+        """Spent fraction of the budget with ``schedule_over="time"`` (0 otherwise): drives the cosine."""
+        return min(1.0, self.shared_s / self.cfg.max_time_s) if self.cfg.schedule_over == "time" else 0.0
+
+    def exhausted(self) -> bool:
+        return bool(self.cfg.max_time_s) and self.sync() >= self.cfg.max_time_s
+
+
+class TrainLog:
+    """``train_log.jsonl`` (main process only): one JSON record per logged step and per evaluation. A resumed run
+    first drops the records written after its checkpoint (they are replayed)."""
+
+    def __init__(self, path: Path, start_step: int, is_main: bool):
+        self.path, self.is_main = path, is_main
+        if is_main and start_step == 0:
+            path.unlink(missing_ok=True)
+        elif is_main and path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    def __call__(self, rec: dict) -> None:
+        if self.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _resume(run: "_Run", cfg: TrainerConfig, ckpt: Path, state: TrainState, desc: str) -> dict | None:
+    """Load ``ckpt`` into the prepared objects and ``state`` (with ``cfg.resume``); returns the selected weights
+    saved with it (None when there are none or this process does not keep them).
+
+    Raises:
+        ValueError: a damaged checkpoint, or one that cannot resume under this launch (:func:`_check_resumable`).
+    """
+    from safetensors.torch import load_file
+
+    if not cfg.resume:
+        return None
+    if not (ckpt / "trainer_state.json").exists():
+        log.warning("%s: trainer.resume=true but no checkpoint in %s (checkpoints are written every "
+                    "trainer.save_every=%d steps); starting from step 0", desc, ckpt, cfg.save_every)
+        return None
+    try:
+        saved = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{desc}: cannot resume, {ckpt / 'trainer_state.json'} is damaged ({e}). Delete "
+                         f"{ckpt} to start this stage over, or start a new run directory.") from None
+    _check_resumable(saved, asdict(state), ckpt)
+    try:
+        run.accelerator.load_state(str(ckpt))
+    except Exception as e:  # noqa: BLE001  (safetensors, torch.load, missing files: all mean a damaged checkpoint)
+        raise ValueError(f"{desc}: cannot resume, the checkpoint {ckpt} is damaged or incomplete "
+                         f"({type(e).__name__}: {e}). Delete {ckpt} to start this stage over, or start a new run "
+                         f"directory.") from None
+    known = {k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__}
+    # the launch's own process count and strategy; a new budget (or none) applies to the continuation
+    state.__dict__.update({**known, "num_processes": state.num_processes, "strategy": state.strategy,
+                           "stopped_early": None})
+    log.info("resumed %s from step %d", desc, state.step)
+    if state.best is not None and (ckpt / "best_model.safetensors").exists() and run.keeps_best:
+        return load_file(str(ckpt / "best_model.safetensors"))
+    return None
+
+
+class CheckpointSelector:
+    """Scores the student with ``evaluate`` and keeps a CPU copy of the best weights by ``select_key`` (higher is
+    better; ties keep the earlier step). Evaluation time pauses the budget clock."""
+
+    def __init__(self, run: "_Run", state: TrainState, clock: BudgetClock, evaluate: EvalFn, select_key: str,
+                 desc: str, write_log: TrainLog, on_eval, best_weights: dict | None):
+        self.run, self.state, self.clock, self.evaluate = run, state, clock, evaluate
+        self.select_key, self.desc, self.write_log, self.on_eval = select_key, desc, write_log, on_eval
+        self.best_weights = best_weights
+
+    def __call__(self, done: int, last_loss: float | None) -> None:
+        t_eval = time.perf_counter()
+        model = self.run.eval_model()  # ZeRO-3: full weights gathered on the main process only (None elsewhere)
+        metrics = None
+        if model is not None:
+            model.eval()
+            with torch.no_grad():
+                metrics = dict(self.evaluate(model))
+            model.train(model is self.run.raw_student)
+        metrics = self.run.main_value(metrics)  # every process selects by the main process's numbers
+        if self.select_key not in metrics:
+            raise ValueError(f"{self.desc}: the evaluation returned {sorted(metrics)}, without {self.select_key!r}")
+        best = self.state.best
+        if best is None or _score(metrics[self.select_key]) > _score(best["metrics"][self.select_key]):
+            self.state.best = {"step": done, "metrics": metrics}
+            self.best_weights = _state_dict_copy(model) if model is not None else None
+        self.state.last_eval_step = done
+        eval_s = time.perf_counter() - t_eval
+        self.clock.pause(eval_s)  # selection evaluations are not training: they don't spend the budget
+        self.state.selection_eval_s += eval_s
+        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": eval_s,
+               "best_step": self.state.best["step"]}
+        self.write_log(rec)
+        if self.on_eval is not None:
+            self.on_eval(done, rec)
+
+
+def _micro_batches(run: "_Run", cfg: TrainerConfig, blocks: torch.Tensor, step: int, seed: int,
+                   batch_hook: BatchHook | None) -> list[MicroBatch]:
+    """This process's micro-batches of optimizer step ``step`` (each of ``cfg.micro_batch_size`` blocks)."""
+    acc, accum = run.accelerator, run.accum
+    global_batch = cfg.micro_batch_size * accum * acc.num_processes
+    idx = _batch_indices(blocks.size(0), step, global_batch, seed)  # (global_batch,)
+    # This process's share, then split into micro-batches: (world*accum*mb) -> accum x (mb,)
+    mine = idx.view(acc.num_processes, -1)[acc.process_index].view(accum, cfg.micro_batch_size)
+    micro = []
+    for j, m in enumerate(mine):
+        batch = MicroBatch.from_blocks(blocks[m].to(acc.device), m)
+        if batch_hook is not None:
+            batch = batch_hook(batch, step, acc.process_index * accum + j, run.raw_student)
+        micro.append(batch)
+    return micro
+
+
+def _precision_context(run: "_Run", cfg: TrainerConfig):
+    """The teacher runs in the run's precision under every strategy: accelerate autocasts on one process / DDP;
+    under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in fp32), so the
+    step runs in torch.autocast there."""
+    from accelerate.utils import DistributedType
+
+    from data.devices import run_precision
+
+    acc = run.accelerator
+    if acc.distributed_type != DistributedType.DEEPSPEED or cfg.mixed_precision == "no":
+        return acc.autocast()
+    return run_precision(cfg.mixed_precision, acc.device)
+
+
+def _optimizer_step(run: "_Run", cfg: TrainerConfig, clock: BudgetClock, micro: list[MicroBatch],
+                    step_loss: StepLoss, step: int, desc: str, ckpt: Path) -> tuple[float, int]:
+    """Forward and backward every micro-batch, then one optimizer and scheduler step. Returns the summed loss and
+    the token count over all processes (the loss normaliser: a global token mean, whatever the split)."""
+    acc, world, accum = run.accelerator, run.accelerator.num_processes, run.accum
+    # Global token count of this optimizer step (all processes, all micro-batches), known before any backward
+    # so each micro-batch's backward runs right after its forward (DDP / DeepSpeed sync on the last one).
+    counts = [count_tokens(step_loss, b) for b in micro]
+    global_tokens = acc.reduce(torch.tensor(float(sum(counts)), device=acc.device), reduction="sum").clamp_min(1.0)
+    acc.step = 0  # accumulate() below syncs gradients on this step's last micro-batch
+    losses = []
+    for batch, expected in zip(micro, counts):
+        with acc.accumulate(run.engine):
+            with _precision_context(run, cfg):
+                loss_sum, n_tok = step_loss(run.engine, run.teacher, batch)
+            if n_tok != expected:
+                raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")
+            if not torch.isfinite(loss_sum.detach()):
+                raise FloatingPointError(_diverged(desc, f"loss is {loss_sum.item()}", step + 1, ckpt))
+            losses.append(loss_sum.detach().float())
+            # DDP / DeepSpeed average gradients over processes and accelerator.backward divides by the
+            # accumulation steps; x world x accum turns that into sum over all micro-batches / global tokens.
+            acc.backward(loss_sum * (world * accum) / global_tokens)
+    if cfg.max_grad_norm > 0:
+        acc.clip_grad_norm_(run.engine.parameters(), cfg.max_grad_norm)  # DeepSpeed: gradient_clipping
+    run.optimizer.step()
+    if cfg.schedule_over == "time":
+        clock.sync()  # the LR of the next step follows the spent budget
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return acc.reduce(torch.stack(losses).sum(), reduction="sum").item(), int(global_tokens.item())
 
 
 def _with_cfg_threads(fn):
@@ -612,202 +805,73 @@ def train(
             (:func:`_check_resumable`), a student without a parameter that requires grad.
     """
     from accelerate.utils import set_seed
-    from safetensors.torch import load_file
 
     if eval_every < 0:
         raise ValueError(f"eval_every must be >= 0 (0 disables evaluation), got {eval_every}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    # The budget clock: t0 moves past resumed parts and evaluations; elapsed_s is the main process's reading,
-    # shared with every process so they stop at the same step and follow the same LR.
-    clock = {"t0": time.perf_counter(), "elapsed_s": 0.0}
-
-    def time_progress() -> float:
-        if cfg.schedule_over != "time":
-            return 0.0
-        return min(1.0, clock["elapsed_s"] / cfg.max_time_s)
-
-    run = _prepare_run(student, teacher, cfg, lambda s: cosine_with_warmup(s, cfg.warmup_steps, cfg.max_steps,
-                                                                           cfg.min_lr_ratio, time_progress()))
-    accelerator, teacher, optimizer, scheduler = run.accelerator, run.teacher, run.optimizer, run.scheduler
-    raw_student, student = run.raw_student, run.engine
+    clock: BudgetClock | None = None  # set once the run is prepared; the schedule reads it from the first step
+    run = _prepare_run(student, teacher, cfg, lambda s: cosine_with_warmup(
+        s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, clock.progress() if clock else 0.0))
+    acc = run.accelerator
     set_seed(seed)
-    world, rank, accum = accelerator.num_processes, accelerator.process_index, run.accum
-    global_batch = cfg.micro_batch_size * accum * world  # sequences per optimizer step
-
+    global_batch = cfg.micro_batch_size * run.accum * acc.num_processes  # sequences per optimizer step
     ckpt = out_dir / "checkpoint-last"
-    state: dict = {"step": 0, "elapsed_s": 0.0, "tokens_seen": 0, "final_loss": None, "best": None,
-                   "last_eval_step": None, "stopped_early": None, "selection_eval_s": 0.0,
-                   "global_batch_sequences": global_batch, "num_processes": world, "strategy": cfg.strategy}
-    best_weights: dict[str, torch.Tensor] | None = None
-    if cfg.resume and (ckpt / "trainer_state.json").exists():
-        try:
-            saved = json.loads((ckpt / "trainer_state.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{desc}: cannot resume, {ckpt / 'trainer_state.json'} is damaged ({e}). Delete "
-                             f"{ckpt} to start this stage over, or start a new run directory.") from None
-        _check_resumable(saved, state, ckpt)
-        try:
-            accelerator.load_state(str(ckpt))
-        except Exception as e:  # noqa: BLE001  (safetensors, torch.load, missing files: all mean a damaged checkpoint)
-            raise ValueError(f"{desc}: cannot resume, the checkpoint {ckpt} is damaged or incomplete "
-                             f"({type(e).__name__}: {e}). Delete {ckpt} to start this stage over, or start a new run "
-                             f"directory.") from None
-        state.update(saved)
-        state.update(num_processes=world, strategy=cfg.strategy)
-        state["stopped_early"] = None  # a new budget (or none) applies to the continuation
-        if state["best"] is not None and (ckpt / "best_model.safetensors").exists() and run.keeps_best:
-            best_weights = load_file(str(ckpt / "best_model.safetensors"))
-        log.info("resumed %s from step %d", desc, state["step"])
-    elif cfg.resume:
-        log.warning("%s: trainer.resume=true but no checkpoint in %s (checkpoints are written every "
-                    "trainer.save_every=%d steps); starting from step 0", desc, ckpt, cfg.save_every)
-    start_step = state["step"]
-
-    log_path = out_dir / "train_log.jsonl"
-    if accelerator.is_main_process:
-        if start_step == 0:
-            log_path.unlink(missing_ok=True)
-        else:
-            _trim_log(log_path, start_step)
-
-    def write_log(rec: dict) -> None:
-        if accelerator.is_main_process:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-    # Precision policy: the teacher runs in the run's precision under every strategy. accelerate autocasts on one
-    # process / DDP; under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in
-    # fp32), so the step runs in torch.autocast there.
-    from accelerate.utils import DistributedType
-
-    from data.devices import run_precision
-
-    def amp():
-        if accelerator.distributed_type != DistributedType.DEEPSPEED or cfg.mixed_precision == "no":
-            return accelerator.autocast()
-        return run_precision(cfg.mixed_precision, accelerator.device)
-
-    def run_eval(done: int, last_loss: float | None) -> None:
-        nonlocal best_weights
-        t_eval = time.perf_counter()
-        model = run.eval_model()  # ZeRO-3: full weights gathered on the main process only (None elsewhere)
-        metrics = None
-        if model is not None:
-            model.eval()
-            with torch.no_grad():
-                metrics = dict(evaluate(model))
-            model.train(model is raw_student)
-        metrics = run.main_value(metrics)  # every process selects by the main process's numbers
-        if select_key not in metrics:
-            raise ValueError(f"{desc}: the evaluation returned {sorted(metrics)}, without {select_key!r}")
-        best = state["best"]
-        if best is None or _score(metrics[select_key]) > _score(best["metrics"][select_key]):
-            state["best"] = {"step": done, "metrics": metrics}
-            best_weights = _state_dict_copy(model) if model is not None else None
-        state["last_eval_step"] = done
-        eval_s = time.perf_counter() - t_eval
-        clock["t0"] += eval_s  # selection evaluations are not training: they don't spend the budget
-        state["selection_eval_s"] = state.get("selection_eval_s", 0.0) + eval_s
-        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": eval_s,
-               "best_step": state["best"]["step"]}
-        write_log(rec)
-        if on_eval is not None:
-            on_eval(done, rec)
-
-    window_loss, window_tokens = 0.0, 0
-    clock["t0"] = time.perf_counter() - float(state["elapsed_s"])  # the budget counts every resumed part
-    last_loss: float | None = None
+    state = TrainState(global_batch_sequences=global_batch, num_processes=acc.num_processes, strategy=cfg.strategy)
+    best_weights = _resume(run, cfg, ckpt, state, desc)
+    start_step = step = state.step
+    clock = BudgetClock(cfg, run, state.elapsed_s)  # the budget counts every resumed part
+    write_log = TrainLog(out_dir / "train_log.jsonl", start_step, acc.is_main_process)
+    select = CheckpointSelector(run, state, clock, evaluate, select_key, desc, write_log, on_eval, best_weights) \
+        if evaluate is not None else None
+    window_loss, window_tokens, last_loss = 0.0, 0, None
     # A budgeted run says so: its step total is only a cap, the budget usually ends it first.
-    bar_desc = f"{desc} (stops at {cfg.max_time_s:.0f} s of training)" if cfg.max_time_s else desc
-    bar = tqdm(total=cfg.max_steps, desc=bar_desc, initial=start_step, disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    step = start_step
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not acc.is_main_process, dynamic_ncols=True,
+               desc=f"{desc} (stops at {cfg.max_time_s:.0f} s of training)" if cfg.max_time_s else desc)
     while step < cfg.max_steps:
-        if cfg.max_time_s:
-            clock["elapsed_s"] = run.main_value(time.perf_counter() - clock["t0"])  # one reading for all processes
-        if cfg.max_time_s and clock["elapsed_s"] >= cfg.max_time_s:
-            state["stopped_early"] = "max_time_s"
+        if clock.exhausted():
+            state.stopped_early = "max_time_s"
             log.info("%s: wall-clock budget trainer.max_time_s=%.0f s reached after %d steps", desc, cfg.max_time_s,
                      step)
             break
-        idx = _batch_indices(blocks.size(0), step, global_batch, seed)  # (global_batch,)
-        # This process's share, then split into micro-batches: (world*accum*mb) -> accum x (mb,)
-        mine = idx.view(world, -1)[rank].view(accum, cfg.micro_batch_size)
-        micro = []
-        for j, m in enumerate(mine):
-            batch = MicroBatch.from_blocks(blocks[m].to(accelerator.device), m)
-            if batch_hook is not None:
-                batch = batch_hook(batch, step, rank * accum + j, raw_student)
-            micro.append(batch)
-        # Global token count of this optimizer step (all processes, all micro-batches), known before any backward
-        # so each micro-batch's backward runs right after its forward (DDP / DeepSpeed sync on the last one).
-        counts = [count_tokens(step_loss, b) for b in micro]
-        local_tokens = torch.tensor(float(sum(counts)), device=accelerator.device)
-        global_tokens = accelerator.reduce(local_tokens.clone(), reduction="sum").clamp_min(1.0)
-        accelerator.step = 0  # accumulate() below syncs gradients on this step's last micro-batch
-        losses = []
-        for batch, expected in zip(micro, counts):
-            with accelerator.accumulate(student):
-                with amp():
-                    loss_sum, n_tok = step_loss(student, teacher, batch)
-                if n_tok != expected:
-                    raise RuntimeError(f"{desc}: the step loss counted {n_tok} tokens, count_tokens {expected}")
-                if not torch.isfinite(loss_sum.detach()):
-                    raise FloatingPointError(_diverged(desc, f"loss is {loss_sum.item()}", step + 1, ckpt))
-                losses.append(loss_sum.detach().float())
-                # DDP / DeepSpeed average gradients over processes and accelerator.backward divides by the
-                # accumulation steps; x world x accum turns that into sum over all micro-batches / global tokens.
-                accelerator.backward(loss_sum * (world * accum) / global_tokens)
-        step_loss_sum = torch.stack(losses).sum()
-        if cfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(student.parameters(), cfg.max_grad_norm)  # DeepSpeed: gradient_clipping
-        optimizer.step()
-        if cfg.schedule_over == "time":
-            clock["elapsed_s"] = run.main_value(time.perf_counter() - clock["t0"])
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        global_loss_sum = accelerator.reduce(step_loss_sum.clone(), reduction="sum").item()
-        n_global = int(global_tokens.item())
-        last_loss = global_loss_sum / max(1, n_global)
-        window_loss += global_loss_sum
-        window_tokens += n_global
-        state["tokens_seen"] += n_global
-        step = done = step + 1
-        state["step"] = done
-        state["elapsed_s"] = time.perf_counter() - clock["t0"]
+        micro = _micro_batches(run, cfg, blocks, step, seed, batch_hook)
+        loss_sum, n_tokens = _optimizer_step(run, cfg, clock, micro, step_loss, step, desc, ckpt)
+        last_loss = loss_sum / max(1, n_tokens)
+        window_loss, window_tokens = window_loss + loss_sum, window_tokens + n_tokens
+        state.tokens_seen += n_tokens
+        step = state.step = step + 1
+        state.elapsed_s = clock.elapsed()
         bar.update(1)
-        if done % cfg.log_every == 0 or done == cfg.max_steps:
-            state["final_loss"] = window_loss / max(1, window_tokens)
-            record = {"kind": "train", "step": done, "loss": state["final_loss"],
-                      "lr": scheduler.get_last_lr()[0], "tokens_seen": state["tokens_seen"],
-                      "elapsed_s": state["elapsed_s"]}
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            state.final_loss = window_loss / max(1, window_tokens)
+            record = {"kind": "train", "step": step, "loss": state.final_loss, "lr": run.scheduler.get_last_lr()[0],
+                      "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s}
             window_loss, window_tokens = 0.0, 0
             if on_step is not None:
-                on_step(done, record)
+                on_step(step, record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
             write_log(record)
-        if evaluate is not None and eval_every and done % eval_every == 0:
-            run_eval(done, last_loss)
-        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.max_steps:
-            _check_finite_params(raw_student, desc, done, ckpt)  # never checkpoint diverged weights
-            save_checkpoint(accelerator, ckpt, state, best_weights)
+        if select is not None and eval_every and step % eval_every == 0:
+            select(step, last_loss)
+        if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
+            _check_finite_params(run.raw_student, desc, step, ckpt)  # never checkpoint diverged weights
+            save_checkpoint(acc, ckpt, asdict(state), select.best_weights if select else best_weights)
     bar.close()
-    if evaluate is not None and state["last_eval_step"] not in (None, step):
-        run_eval(step, last_loss)  # once selection is on, the last weights compete too
-    state["elapsed_s"] = time.perf_counter() - clock["t0"]
-    accelerator.wait_for_everyone()
-    _check_finite_params(raw_student, desc, step, ckpt)
-    save_checkpoint(accelerator, ckpt, state, best_weights)
-    run.finish(state["best"] is not None, best_weights, cfg.gradient_checkpointing)
-    return {"final_loss": state["final_loss"], "steps": step, "max_steps": cfg.max_steps,
-            "train_time_s": state["elapsed_s"], "selection_eval_s": state.get("selection_eval_s", 0.0),
-            "tokens_seen": state["tokens_seen"],
-            "global_batch_sequences": global_batch, "num_processes": world, "grad_accum_steps": accum,
-            "optimizer_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer_parameters(optimizer)),
-            "resumed_from_step": start_step,
-            "stopped_early": state["stopped_early"], "best": state["best"], "config": asdict(cfg)}
+    if select is not None and state.last_eval_step not in (None, step):
+        select(step, last_loss)  # once selection is on, the last weights compete too
+    best_weights = select.best_weights if select else best_weights
+    state.elapsed_s = clock.elapsed()
+    acc.wait_for_everyone()
+    _check_finite_params(run.raw_student, desc, step, ckpt)
+    save_checkpoint(acc, ckpt, asdict(state), best_weights)
+    run.finish(state.best is not None, best_weights, cfg.gradient_checkpointing)
+    return {"final_loss": state.final_loss, "steps": step, "max_steps": cfg.max_steps,
+            "train_time_s": state.elapsed_s, "selection_eval_s": state.selection_eval_s,
+            "tokens_seen": state.tokens_seen, "global_batch_sequences": global_batch,
+            "num_processes": acc.num_processes, "grad_accum_steps": run.accum,
+            "optimizer_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer_parameters(run.optimizer)),
+            "resumed_from_step": start_step, "stopped_early": state.stopped_early, "best": state.best,
+            "config": asdict(cfg)}
 
 
 def _diverged(desc: str, what: str, step: int, ckpt: Path) -> str:

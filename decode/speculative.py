@@ -18,6 +18,7 @@ last accepted draft token and the bonus token inside its next drafting forward (
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -109,6 +110,158 @@ def _check_models(target, draft, device):
         raise ValueError(f"target and draft must be on the same device (target {device}, draft {model_device(draft)}).")
 
 
+@dataclass
+class _Rows:
+    """The rows still decoding. ``ids``/``index``: their original batch rows (host list / device tensor);
+    ``num_new``: tokens emitted so far per row (host); ``last (b,)``: last emitted token, not yet in the target's
+    cache; ``pending (b, w)``: tokens not yet in the draft's cache (w = 1, or 2 after a fully accepted block), with
+    ``pending_mask (b, w)`` (1 real, 0 hole; ``None``: all real)."""
+
+    ids: list[int]
+    index: torch.Tensor
+    num_new: list[int]
+    last: torch.Tensor
+    pending: torch.Tensor
+    pending_mask: torch.Tensor | None = None
+
+
+@dataclass
+class _Block:
+    """One draft phase. ``tokens (b, G)`` drafted, ``probs (b, G, V)`` the distributions q they were drawn from
+    (sampling; ``None`` for greedy), ``lengths (b,)`` tokens proposed per row (``None``: all ``G``), ``fed`` drafted
+    tokens already in the draft's cache, ``cache_start`` the draft cache length before the phase, ``width`` the
+    pending tokens fed first."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    lengths: torch.Tensor | None
+    fed: int
+    cache_start: int
+    width: int
+
+
+@dataclass
+class _Verdict:
+    """Acceptance of one verify step, on the host: per row tokens proposed ``k``, accepted ``n``, emitted ``m``
+    (``n + 1``, or fewer at an EOS) and whether the row is finished; on the device ``emitted (b, G+1)`` (the
+    accepted drafts then the correction / bonus token) and ``next_token (b,)``."""
+
+    k: list[int]
+    n: list[int]
+    m: list[int]
+    done: list[bool]
+    emitted: torch.Tensor
+    next_token: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def _draft(dstate, rows: _Rows, caps: list[int], policy: DraftLengthPolicy, vocab: int, do_sample: bool,
+           sampling: dict, generator) -> _Block:
+    """Up to ``max(caps)`` draft tokens per row, autoregressively through the draft's cache (row ``i`` proposes at
+    most ``caps[i]``; a confidence policy may stop rows earlier)."""
+    b, steps, device = len(rows.ids), max(caps), rows.last.device
+    capped = min(caps) != steps
+    caps_t = torch.tensor(caps, dtype=torch.long, device=device) if capped else None  # (b,)
+    confidence = policy.uses_confidence
+    tokens, probs, lengths, alive, forwards = [], [], None, None, 0
+    start, width = dstate.length, rows.pending.shape[1]
+    feed, feed_mask = rows.pending, rows.pending_mask
+    for j in range(steps):
+        logits = dstate.forward(feed, feed_mask)[:, -1, :vocab]  # (b, V)
+        forwards += 1
+        q = process_logits(logits, **sampling) if do_sample else None  # (b, V)
+        d = sample_tokens(q, generator) if do_sample else greedy_tokens(logits)  # (b,)
+        if confidence or capped:
+            proposing = caps_t > j if capped else torch.ones(b, dtype=torch.bool, device=device)
+            if confidence and j > 0:
+                top = (q if q is not None else logits.float().softmax(-1)).amax(-1)  # (b,)
+                alive = policy.keep_drafting(top) if alive is None else alive & policy.keep_drafting(top)
+                proposing = proposing & alive
+                if not bool(proposing.any()):
+                    break
+            lengths = (0 if lengths is None else lengths) + proposing.to(torch.long)
+        tokens.append(d)
+        if do_sample:
+            probs.append(q)
+        feed, feed_mask = d[:, None], None
+    fed = max(0, forwards - 1)  # drafted tokens in the draft's cache (forward j > 0 fed token j - 1)
+    empty = torch.empty(b, 0, dtype=torch.long, device=device)
+    return _Block(torch.stack(tokens, 1) if tokens else empty, torch.stack(probs, 1) if probs else None,
+                  lengths, fed, start, width)
+
+
+def _verify(target_logits: torch.Tensor, block: _Block, rows: _Rows, max_new_tokens: int, eos_t, do_sample: bool,
+            sampling: dict, generator) -> _Verdict:
+    """:func:`verify_block` on the step's target logits ``(b, G+1, V)``, the cut at the first EOS, and one host
+    sync for every decision the loop takes."""
+    num_acc, next_tok = verify_block(target_logits, block.tokens, block.probs, block.lengths, do_sample=do_sample,
+                                     generator=generator, **sampling)
+    emitted = torch.cat([block.tokens, next_tok[:, None]], 1)  # (b, G+1)
+    emitted.scatter_(1, num_acc[:, None], next_tok[:, None])  # the extra token right after the accepted prefix
+    # Fetch only what the host cannot know: accepted counts, plus proposed counts / EOS cuts when they vary.
+    fetch = [num_acc]
+    if block.lengths is not None:
+        fetch.append(block.lengths)
+    if eos_t is not None:
+        num_emit, hit_eos = first_stop(emitted, num_acc + 1, eos_t)
+        fetch += [num_emit, hit_eos.long()]
+    host = torch.stack(fetch).tolist() if len(fetch) > 1 else [num_acc.tolist()]  # the one host sync
+    n = host[0]
+    k = host[1] if block.lengths is not None else [block.tokens.shape[1]] * len(n)
+    m, hit = (host[-2], host[-1]) if eos_t is not None else ([x + 1 for x in n], [0] * len(n))
+    done = [bool(h) or t + mi >= max_new_tokens for h, t, mi in zip(hit, rows.num_new, m)]
+    return _Verdict(k, n, m, done, emitted, next_tok, num_acc)
+
+
+def _emit(buf: torch.Tensor, rows: _Rows, v: _Verdict, prompt_len: int, pad: int) -> None:
+    """Write each row's emitted tokens after its earlier ones and count them."""
+    if len(rows.ids) <= 8:  # a few rows: one slice copy each is cheaper than building index tensors
+        for i, (row, t, mi) in enumerate(zip(rows.ids, rows.num_new, v.m)):
+            buf[row, prompt_len + t:prompt_len + t + mi] = v.emitted[i, :mi]
+    else:
+        start = torch.tensor([prompt_len + t for t in rows.num_new], dtype=torch.long, device=buf.device)  # (b,)
+        write_tokens(buf, rows.index, start, v.emitted, torch.tensor(v.m, dtype=torch.long, device=buf.device), pad)
+    rows.num_new = [t + mi for t, mi in zip(rows.num_new, v.m)]
+
+
+def _roll_back(tstate, dstate, rows: _Rows, block: _Block, v: _Verdict, verify_start: int) -> None:
+    """Crop both caches to the accepted prefix (rows that accepted fewer keep holes) and set what each model has
+    not seen yet: the target the extra token; the draft the extra token, after the last drafted token when a row
+    accepted every draft (that token was drafted but never fed back)."""
+    uniform = min(v.n) == max(v.n)
+    max_acc = max(v.n)
+    tstate.truncate(verify_start, None if uniform else v.num_accepted + 1, max_acc + 1)  # last + accepted stay
+    g = block.tokens.shape[1]
+    if g > 0:
+        keep = v.num_accepted.clamp(max=block.fed) + block.width
+        dstate.truncate(block.cache_start, None if uniform else keep, block.width + min(max_acc, block.fed))
+    rows.last = v.next_token
+    catch_up = [n > block.fed for n in v.n] if g > 0 else [False]
+    if not any(catch_up):  # (g == 0 only when every row had one token left: every row is done)
+        rows.pending, rows.pending_mask = v.next_token[:, None], None
+    elif all(catch_up):
+        rows.pending, rows.pending_mask = torch.stack([block.tokens[:, -1], v.next_token], 1), None  # (b, 2)
+    else:
+        need = v.num_accepted > block.fed  # (b,)
+        rows.pending = torch.stack([torch.where(need, block.tokens[:, -1], v.next_token), v.next_token], 1)
+        rows.pending_mask = torch.stack([need.to(torch.long), torch.ones_like(need, dtype=torch.long)], 1)
+
+
+def _retire(tstate, dstate, rows: _Rows, done: list[bool], num_new_all: torch.Tensor) -> None:
+    """Record the final counts of every row and drop the finished ones from the batch and both caches."""
+    num_new_all[rows.index] = torch.tensor(rows.num_new, dtype=torch.long, device=num_new_all.device)
+    keep = [i for i, d in enumerate(done) if not d]
+    if len(keep) == len(done) or not keep:
+        rows.ids = [rows.ids[i] for i in keep]
+        return
+    sel = torch.tensor(keep, dtype=torch.long, device=rows.index.device)
+    rows.ids, rows.num_new = [rows.ids[i] for i in keep], [rows.num_new[i] for i in keep]
+    rows.index, rows.last, rows.pending = rows.index[sel], rows.last[sel], rows.pending[sel]
+    rows.pending_mask = rows.pending_mask[sel] if rows.pending_mask is not None else None
+    tstate.select_rows(sel)
+    dstate.select_rows(sel)
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: torch.nn.Module,
@@ -169,7 +322,6 @@ def speculative_generate(
         raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
     eos = normalize_eos(eos_token_id)
     eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    eos_set = set(eos)
     pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     vocab = min(output_vocab_size(target), output_vocab_size(draft))
     if vocab_size is not None:
@@ -179,10 +331,9 @@ def speculative_generate(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
 
     bsz, prompt_len = input_ids.shape
-    stats = AcceptanceStats()
-    max_gamma = int(policy.max_draft_tokens)
+    stats, max_gamma = AcceptanceStats(), int(policy.max_draft_tokens)
     width_out = prompt_len + max_new_tokens
-    buf = torch.full((bsz, width_out + max_gamma + 1), pad, dtype=torch.long, device=device)
+    buf = torch.full((bsz, width_out + max_gamma + 1), pad, dtype=torch.long, device=device)  # (B, out + G + 1)
     buf[:, :prompt_len] = input_ids
     num_new_all = torch.zeros(bsz, dtype=torch.long, device=device)
     if max_new_tokens == 0:
@@ -190,181 +341,34 @@ def speculative_generate(
 
     wall_t0 = time.perf_counter()
     draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
-    capacity = width_out + max_gamma + 2
-    tstate = new_kv_state(target, bsz, device, capacity, fast_path)
-    dstate = new_kv_state(draft, bsz, device, capacity, fast_path)
+    tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
+    dstate = new_kv_state(draft, bsz, device, width_out + max_gamma + 2, fast_path)
     # Prefill everything but the last prompt token; that token is fed with the first drafted / verified block.
-    prompt_mask = None if bool(attention_mask.all()) else attention_mask
     if prompt_len > 1:
-        pm = None if prompt_mask is None else prompt_mask[:, :-1]
+        pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
         with prefill_timer:
             tstate.forward(input_ids[:, :-1], pm)
             dstate.forward(input_ids[:, :-1], pm)
-    rows = torch.arange(bsz, device=device)  # original row of each active row
-    rows_list = list(range(bsz))
-    last = input_ids[:, -1]  # (b,) last emitted token, not yet in the target cache
-    pending = last[:, None]  # (b, w) tokens not yet in the draft cache (w = 1 or 2)
-    pending_mask = None  # (b, w) 1 real, 0 hole; None = all real
-    num_new = [0] * bsz  # per active row (host copy, refreshed once per step)
-    num_new_t = torch.zeros(bsz, dtype=torch.long, device=device)
-    confidence = policy.uses_confidence
-    target_vocab = output_vocab_size(target)
-    draft_vocab = output_vocab_size(draft)
-
-    while rows_list:
-        b = len(rows_list)
+    last = input_ids[:, -1]  # (B,)
+    rows = _Rows(list(range(bsz)), torch.arange(bsz, device=device), [0] * bsz, last, last[:, None])
+    while rows.ids:
         gamma = max(1, min(int(policy.propose_length()), max_gamma))
         # never draft tokens that cannot be emitted: at most remaining - 1 (the extra token fills the last slot)
-        caps_list = [min(gamma, max_new_tokens - n - 1) for n in num_new]
-        steps = max(caps_list)
-        uniform_caps = min(caps_list) == steps  # every row drafts `steps` tokens unless confidence stops it
-        caps = None if uniform_caps else torch.tensor(caps_list, dtype=torch.long, device=device)  # (b,)
-
-        # ---------------------------------------------------------------- draft phase
-        drafts: list[torch.Tensor] = [last]  # last, then d_1..d_G: stacked into the verify block
-        probs: list[torch.Tensor] = []
-        fed = 0  # drafted tokens already in the draft cache
-        draft_start = dstate.length
-        width = pending.shape[1]
-        lengths = None  # (b,) tokens proposed per row; None = `steps` for every row
+        caps = [min(gamma, max_new_tokens - t - 1) for t in rows.num_new]
         with draft_timer:
-            alive = None
-            tokens, tokens_mask = pending, pending_mask
-            for j in range(steps):
-                logits = dstate.forward(tokens, tokens_mask)[:, -1]  # (b, V_draft)
-                if vocab < draft_vocab:
-                    logits = logits[:, :vocab]
-                if j > 0:
-                    fed += 1
-                if do_sample:
-                    q = process_logits(logits, **sampling)  # (b, V)
-                    d = sample_tokens(q, generator)
-                    probs.append(q)
-                else:
-                    q, d = None, greedy_tokens(logits)
-                if confidence or caps is not None:
-                    if lengths is None:
-                        lengths = torch.zeros(b, dtype=torch.long, device=device)
-                    proposing = caps > j if caps is not None else torch.ones(b, dtype=torch.bool, device=device)
-                    if confidence and j > 0:
-                        top = (q if q is not None else logits.float().softmax(-1)).amax(-1)
-                        alive = policy.keep_drafting(top) if alive is None else alive & policy.keep_drafting(top)
-                        proposing = proposing & alive
-                        if not bool(proposing.any()):
-                            if do_sample:
-                                probs.pop()
-                            break
-                    lengths = lengths + proposing
-                drafts.append(d)
-                tokens, tokens_mask = d[:, None], None
-        g = len(drafts) - 1
-        block = torch.stack(drafts, 1)  # (b, G+1): last emitted token, then the drafted tokens
-        draft_tokens = block[:, 1:]  # (b, G)
-        draft_probs = torch.stack(probs, 1) if probs else None  # (b, G, V)
-
-        # ---------------------------------------------------------------- verify: one target forward
+            block = _draft(dstate, rows, caps, policy, vocab, do_sample, sampling, generator)
         verify_start = tstate.length
-        with verify_timer:
-            target_logits = tstate.forward(block, None, logits_to_keep=0)  # (b, G+1, V_target)
-        if vocab < target_vocab:
-            target_logits = target_logits[..., :vocab]
-
-        # ---------------------------------------------------------------- accept, emit, stop rules
-        if not do_sample:
-            # Greedy: d_j is accepted iff it equals the target's argmax, so the emitted tokens of a row are exactly
-            # the target's argmaxes tgt[:, :n+1]. One host sync fetches tgt and the drafts; the decisions are made
-            # on the host (no per-step tensor bookkeeping).
-            tgt = greedy_tokens(target_logits)  # (b, G+1)
-            parts = [tgt, draft_tokens] + ([lengths[:, None]] if lengths is not None else [])
-            host = torch.cat(parts, 1).tolist() if len(parts) > 1 else tgt.tolist()
-            n_list, m_list, k_list, done_list = [], [], [], []
-            for i, row in enumerate(host):
-                k = row[2 * g + 1] if lengths is not None else caps_list[i] if caps is not None else g
-                n = 0
-                while n < k and row[g + 1 + n] == row[n]:
-                    n += 1
-                m = n + 1  # <= tokens left: never more than caps + 1 were possible
-                hit = False
-                if eos_set:
-                    for j in range(m):
-                        if row[j] in eos_set:
-                            m, hit = j + 1, True
-                            break
-                num_new[i] += m
-                n_list.append(n)
-                m_list.append(m)
-                k_list.append(k)
-                done_list.append(hit or num_new[i] >= max_new_tokens)
-            emitted = tgt
-            if b == 1:
-                num_acc = None
-                next_tok = tgt[:, n_list[0]]  # (1,)
-            else:
-                num_acc = torch.tensor(n_list, dtype=torch.long, device=device)
-                next_tok = tgt.gather(1, num_acc[:, None]).squeeze(1)  # (b,)
-        else:
-            num_acc, next_tok = verify_block(
-                target_logits, draft_tokens, draft_probs, lengths, do_sample=True, generator=generator, **sampling
-            )
-            emitted = torch.cat([draft_tokens, next_tok[:, None]], 1)  # (b, G+1)
-            if g > 0:
-                emitted.scatter_(1, num_acc[:, None], next_tok[:, None])  # slots after it are never written out
-            num_emit, hit_eos = first_stop(emitted, num_acc + 1, eos_t)
-            lens_t = lengths if lengths is not None else torch.full_like(num_acc, g)
-            # one host sync per step for all bookkeeping decisions
-            k_list, n_list, m_list, hit_list = torch.stack([lens_t, num_acc, num_emit, hit_eos.long()]).tolist()
-            num_new = [t + m for t, m in zip(num_new, m_list)]
-            done_list = [bool(h) or t >= max_new_tokens for h, t in zip(hit_list, num_new)]
-        if b == 1:
-            start = prompt_len + num_new[0] - m_list[0]
-            buf[rows_list[0], start:start + m_list[0]] = emitted[0, :m_list[0]]
-        else:
-            num_emit = torch.tensor(m_list, dtype=torch.long, device=device)
-            write_tokens(buf, rows, prompt_len + num_new_t, emitted, num_emit, pad)
-            num_new_t = num_new_t + num_emit
-        for k_i, n_i, m_i in zip(k_list, n_list, m_list):
-            stats.record_step(k_i, n_i, m_i)
-        policy.update(k_list, n_list)
-
-        # ---------------------------------------------------------------- roll caches back to the accepted prefix
-        max_acc = max(n_list)
-        tstate.truncate(verify_start, None if b == 1 else num_acc + 1, max_acc + 1)  # last + accepted drafts stay
-        if g > 0:
-            dstate.truncate(draft_start, None if b == 1 else width + num_acc.clamp(max=fed), width + min(max_acc, fed))
-        last = next_tok
-        if g > 0 and max_acc > fed:
-            # a row that accepted all G never fed d_G to the draft: it needs d_G and the bonus token
-            if b == 1:
-                pending_mask = None
-                if do_sample:
-                    pending = torch.cat([draft_tokens[:, -1:], next_tok[:, None]], 1)  # (1, 2)
-                else:  # all G accepted: d_G == tgt[:, G-1] and the bonus token is tgt[:, G]
-                    pending = tgt[:, g - 1:]  # (1, 2)
-            else:
-                catch_up = num_acc > fed
-                pending = torch.stack([torch.where(catch_up, draft_tokens[:, -1], next_tok), next_tok], 1)  # (b, 2)
-                pending_mask = torch.stack([catch_up.to(torch.long), torch.ones_like(num_acc)], 1)
-        else:
-            # (g == 0 only when every row had one token left, so every row is done below)
-            pending, pending_mask = next_tok[:, None], None
-
-        # ---------------------------------------------------------------- retire finished rows
-        if any(done_list):
-            keep_idx = [i for i, dn in enumerate(done_list) if not dn]
-            if b == 1:
-                num_new_all[rows_list[0]] = num_new[0]
-            else:
-                num_new_all[rows] = num_new_t
-            if not keep_idx:
-                break
-            sel = torch.tensor(keep_idx, dtype=torch.long, device=device)
-            rows, last, pending = rows[sel], last[sel], pending[sel]
-            pending_mask = pending_mask[sel] if pending_mask is not None else None
-            num_new = [num_new[i] for i in keep_idx]
-            rows_list = [rows_list[i] for i in keep_idx]
-            num_new_t = torch.tensor(num_new, dtype=torch.long, device=device)
-            tstate.select_rows(sel)
-            dstate.select_rows(sel)
+        with verify_timer:  # one target forward over the last emitted token and the drafts
+            target_logits = tstate.forward(torch.cat([rows.last[:, None], block.tokens], 1), None, logits_to_keep=0)
+        verdict = _verify(target_logits[..., :vocab], block, rows, max_new_tokens, eos_t, do_sample, sampling,
+                          generator)
+        _emit(buf, rows, verdict, prompt_len, pad)
+        for k, n, m in zip(verdict.k, verdict.n, verdict.m):
+            stats.record_step(k, n, m)
+        policy.update(verdict.k, verdict.n)
+        _roll_back(tstate, dstate, rows, block, verdict, verify_start)
+        if any(verdict.done):
+            _retire(tstate, dstate, rows, verdict.done, num_new_all)
 
     stats.draft_time_s = draft_timer.seconds
     stats.verify_time_s = verify_timer.seconds

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from data.io import EventLog, write_json_atomic
 
 from .schema import RootConfig, validate
+from .stages import STAGES, lora_draft_name
 
 log = logging.getLogger("specdraft")
 
@@ -123,34 +124,31 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
     from distill.lora import check_base_available
 
     produced: set[str] = set()
-    writers = {"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}
-    training = [s for s in rc.stages if s in (*writers, "draft_init", "lora", "adapt")]
+    training = [s for s in rc.stages if STAGES[s].draft is not None or s == "adapt"]
     if rc.decode.draft_routing and "eval" in rc.stages and training:
         raise ValueError(f"decode.draft_routing evaluates the drafts its table names, not the ones stages {training} "
                          f"train in this run: drop decode.draft_routing here, or evaluate with the table afterwards "
                          f"(python -m eval decode.draft_routing=... hydra.run.dir=<run dir>)")
+    fixed_names = {STAGES[s].draft(rc) for s in ("distill", "baseline", "distill_small")} | {"layer_pruned", "pretrained"}
     for stage in rc.stages:
         if stage == "lora":
             check_base_available(rc.lora.base, run_dir, produced)
-            name = rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}"
-            taken = set(writers.values()) | {"layer_pruned", "pretrained"} | produced
-            if name in taken or name.endswith("_int8"):
+            name = lora_draft_name(rc)
+            if name in fixed_names | produced or name.endswith("_int8"):
                 raise ValueError(f"lora.name={name!r} would replace another draft of this run (drafts/{name}); "
                                  f"choose another lora.name (default lora_<domain>)")
             produced.add(name)
         elif stage == "adapt":
             check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
-        elif stage == "draft_init":
-            produced.add(rc.draft.init)  # drafts/layer_pruned or drafts/pretrained
-        elif stage in writers:
-            if (stage == "baseline" and rc.distill.baseline_budget == "wall_clock" and "distilled" not in produced
-                    and not (run_dir / "drafts" / "distilled" / "specdraft.json").exists()):
-                raise ValueError("distill.baseline_budget=wall_clock matches the baseline's time to the distilled "
-                                 "draft's, but no distill stage runs before the baseline (and this run has no "
-                                 "drafts/distilled): put distill before baseline in stages, or set "
-                                 "distill.baseline_budget=steps")
-            produced.add(writers[stage])
-        elif stage == "eval" and rc.decode.draft_routing:
+        elif stage == "baseline" and rc.distill.baseline_budget == "wall_clock" and "distilled" not in produced \
+                and not (run_dir / "drafts" / "distilled" / "specdraft.json").exists():
+            raise ValueError("distill.baseline_budget=wall_clock matches the baseline's time to the distilled "
+                             "draft's, but no distill stage runs before the baseline (and this run has no "
+                             "drafts/distilled): put distill before baseline in stages, or set "
+                             "distill.baseline_budget=steps")
+        if STAGES[stage].draft is not None:
+            produced.add(STAGES[stage].draft(rc))
+        if stage == "eval" and rc.decode.draft_routing:
             from decode.routing import load_routing
 
             load_routing(rc.decode.draft_routing)
@@ -249,7 +247,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         events("stage_start", stage=stage)
         log.info("stage %s", stage)
         try:
-            results[stage] = _run_stage(stage, rc, opts, run_dir, events)
+            results[stage] = STAGES[stage].run(rc, opts, run_dir, events)
         except BaseException as e:
             events("stage_failed", stage=stage, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
             if isinstance(e, KeyboardInterrupt):
@@ -280,31 +278,3 @@ def _check_launch(rc: RootConfig):
                          f"{dist.num_processes} processes. Run them with plain `python -m train`, e.g. "
                          f"stages='{lora_stages}' in the same run directory after the multi-process stages.")
     return dist
-
-
-def _run_stage(stage: str, rc: RootConfig, opts, run_dir: Path, events: EventLog) -> dict:
-    if stage == "reference_target":
-        from distill.reference import build_reference_target
-
-        rc.reference.trainer.resume = rc.reference.trainer.resume or rc.trainer.resume
-        return build_reference_target(rc.reference, opts, run_dir / "reference_train", seed=rc.seed)
-    if stage == "draft_init":
-        from distill.draft_init import run_draft_init
-
-        return run_draft_init(rc, opts, run_dir, events=events)
-    if stage in ("distill", "baseline", "distill_small"):
-        from distill.pipeline import train_draft
-
-        kind = {"distill": "distilled", "baseline": "baseline", "distill_small": "small_distilled"}[stage]
-        return train_draft(rc, opts, run_dir, kind=kind, events=events)
-    if stage == "lora":
-        from distill.lora import adapt_draft
-
-        return adapt_draft(rc, opts, run_dir, events=events)
-    if stage == "adapt":
-        from .adapt import adapt_domains
-
-        return adapt_domains(rc, opts, run_dir, events=events)
-    from eval.pipeline import evaluate_run
-
-    return evaluate_run(rc, opts, run_dir, events=events)

@@ -17,8 +17,8 @@ from distill.trainer import TrainerConfig
 from eval.config import EvalRootConfig
 
 from .adapt import AdaptConfig
+from .stages import KNOWN_STAGES
 
-KNOWN_STAGES = ("reference_target", "draft_init", "distill", "baseline", "distill_small", "lora", "adapt", "eval")
 
 
 @dataclass

@@ -380,5 +380,42 @@ def finalize(buf: torch.Tensor, width: int) -> torch.Tensor:
     return buf[:, :width].contiguous()
 
 
-def as_int_list(x: Sequence) -> list[int]:
-    return [int(v) for v in x]
+@dataclass
+class DecodeSetup:
+    """What both decoders derive from their arguments: inputs on the model's device, the stop ids (``eos_t``:
+    ``(E,)`` int64 or ``None``), the pad id, the id range ``[0, vocab)`` decoded from, and the output buffer
+    ``buf (B, P + max_new_tokens + spare)`` (prompts copied in, pad elsewhere) with ``num_new (B,)``."""
+
+    device: torch.device
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    eos_t: torch.Tensor | None
+    pad: int
+    vocab: int
+    buf: torch.Tensor
+    num_new: torch.Tensor
+
+
+def setup_decoding(models: Sequence[torch.nn.Module], input_ids, attention_mask, max_new_tokens: int,
+                   eos_token_id, pad_token_id: int | None, vocab_size: int | None, spare: int) -> DecodeSetup:
+    """Validate and place the inputs (see :func:`prepare_inputs`) on the first model's device; ``vocab`` is the
+    smallest logit count of ``models``, capped by ``vocab_size`` (so padded ids are never decoded).
+
+    Raises:
+        ValueError: bad shapes / right padding, ``max_new_tokens < 0``, ``vocab_size < 1``, a bad ``eos_token_id``.
+    """
+    device = model_device(models[0])
+    input_ids, attention_mask = prepare_inputs(input_ids, attention_mask, max_new_tokens, device)
+    eos = normalize_eos(eos_token_id)
+    vocab = min(output_vocab_size(m) for m in models)
+    if vocab_size is not None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (got {vocab_size!r}).")
+        vocab = min(vocab, int(vocab_size))
+    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
+    bsz, prompt_len = input_ids.shape
+    buf = torch.full((bsz, prompt_len + max_new_tokens + spare), pad, dtype=torch.long, device=device)
+    buf[:, :prompt_len] = input_ids
+    return DecodeSetup(device, input_ids, attention_mask,
+                       torch.tensor(eos, dtype=torch.long, device=device) if eos else None, pad, vocab, buf,
+                       torch.zeros(bsz, dtype=torch.long, device=device))

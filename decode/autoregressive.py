@@ -9,11 +9,9 @@ from ._common import (
     GenerationOutput,
     Timer,
     finalize,
-    model_device,
     new_kv_state,
-    normalize_eos,
     output_vocab_size,
-    prepare_inputs,
+    setup_decoding,
     sync,
 )
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
@@ -50,22 +48,11 @@ def autoregressive_generate(
     ``drafted_tokens = accepted_tokens = 0`` and ``emitted_tokens`` = new tokens.
     """
     validate_sampling_args(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    device = model_device(target)
-    input_ids, attention_mask = prepare_inputs(input_ids, attention_mask, max_new_tokens, device)
-    eos = normalize_eos(eos_token_id)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    vocab = output_vocab_size(target)
-    if vocab_size is not None:
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 (got {vocab_size!r}).")
-        vocab = min(vocab, int(vocab_size))
-
+    io = setup_decoding((target,), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, vocab_size,
+                        spare=1)
+    device, input_ids, buf, vocab, eos_t = io.device, io.input_ids, io.buf, io.vocab, io.eos_t
     bsz, prompt_len = input_ids.shape
-    stats = AcceptanceStats()
-    buf = torch.full((bsz, prompt_len + max_new_tokens + 1), pad, dtype=torch.long, device=device)
-    buf[:, :prompt_len] = input_ids
-    num_new_all = torch.zeros(bsz, dtype=torch.long, device=device)
+    stats, num_new_all = AcceptanceStats(), io.num_new
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
 
@@ -73,7 +60,7 @@ def autoregressive_generate(
     timer, prefill_timer = Timer(device), Timer(device)
     state = new_kv_state(target, bsz, device, prompt_len + max_new_tokens + 1, fast_path)
     if prompt_len > 1:
-        pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
+        pm = None if bool(io.attention_mask.all()) else io.attention_mask[:, :-1]
         with prefill_timer:
             state.forward(input_ids[:, :-1], pm)
     rows = torch.arange(bsz, device=device)
@@ -83,7 +70,7 @@ def autoregressive_generate(
     new_tokens: list[torch.Tensor] = []  # per step (b,) for the rows active since the last retirement
     written = 0  # steps already flushed into buf
 
-    def flush(n_steps: int) -> None:
+    def flush() -> None:
         if new_tokens:
             block = torch.stack(new_tokens, 1)  # (b, steps since the last flush)
             buf[rows, prompt_len + written: prompt_len + written + block.shape[1]] = block
@@ -106,7 +93,7 @@ def autoregressive_generate(
             hit_eos = torch.isin(tok, eos_t)
             done_list = hit_eos.tolist()  # host sync only when an EOS can end rows early
             if any(done_list):
-                flush(step + 1)
+                flush()
                 written = step + 1
                 num_new_all[rows] = written
                 keep_idx = [i for i, dn in enumerate(done_list) if not dn]
@@ -119,7 +106,7 @@ def autoregressive_generate(
     else:
         step = max_new_tokens - 1
     if rows.numel():
-        flush(step + 1)
+        flush()
         num_new_all[rows] = step + 1
     stats.verify_time_s = timer.seconds
     stats.prefill_time_s = prefill_timer.seconds

@@ -29,9 +29,7 @@ from ._common import (
     first_stop,
     model_device,
     new_kv_state,
-    normalize_eos,
-    output_vocab_size,
-    prepare_inputs,
+    setup_decoding,
     sync,
     write_tokens,
 )
@@ -314,30 +312,19 @@ def speculative_generate(
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1 (got {num_draft_tokens!r}).")
     validate_sampling_args(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    device = model_device(target)
-    _check_models(target, draft, device)
-    input_ids, attention_mask = prepare_inputs(input_ids, attention_mask, max_new_tokens, device)
+    _check_models(target, draft, model_device(target))
     policy = draft_length_policy if draft_length_policy is not None else FixedDraftLength(num_draft_tokens)
     if not isinstance(policy, DraftLengthPolicy):
         raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
-    eos = normalize_eos(eos_token_id)
-    eos_t = torch.tensor(eos, dtype=torch.long, device=device) if eos else None
-    pad = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
-    vocab = min(output_vocab_size(target), output_vocab_size(draft))
-    if vocab_size is not None:
-        if vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1 (got {vocab_size!r}).")
-        vocab = min(vocab, int(vocab_size))
+    max_gamma = int(policy.max_draft_tokens)
+    io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                        vocab_size, spare=max_gamma + 1)  # buf (B, P + max_new_tokens + G + 1): a block's overhang
+    device, input_ids, buf, vocab = io.device, io.input_ids, io.buf, io.vocab
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-
     bsz, prompt_len = input_ids.shape
-    stats, max_gamma = AcceptanceStats(), int(policy.max_draft_tokens)
-    width_out = prompt_len + max_new_tokens
-    buf = torch.full((bsz, width_out + max_gamma + 1), pad, dtype=torch.long, device=device)  # (B, out + G + 1)
-    buf[:, :prompt_len] = input_ids
-    num_new_all = torch.zeros(bsz, dtype=torch.long, device=device)
+    stats, width_out = AcceptanceStats(), prompt_len + max_new_tokens
     if max_new_tokens == 0:
-        return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
+        return GenerationOutput(finalize(buf, prompt_len), io.num_new, stats)
 
     wall_t0 = time.perf_counter()
     draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
@@ -345,7 +332,7 @@ def speculative_generate(
     dstate = new_kv_state(draft, bsz, device, width_out + max_gamma + 2, fast_path)
     # Prefill everything but the last prompt token; that token is fed with the first drafted / verified block.
     if prompt_len > 1:
-        pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
+        pm = None if bool(io.attention_mask.all()) else io.attention_mask[:, :-1]
         with prefill_timer:
             tstate.forward(input_ids[:, :-1], pm)
             dstate.forward(input_ids[:, :-1], pm)
@@ -360,19 +347,19 @@ def speculative_generate(
         verify_start = tstate.length
         with verify_timer:  # one target forward over the last emitted token and the drafts
             target_logits = tstate.forward(torch.cat([rows.last[:, None], block.tokens], 1), None, logits_to_keep=0)
-        verdict = _verify(target_logits[..., :vocab], block, rows, max_new_tokens, eos_t, do_sample, sampling,
+        verdict = _verify(target_logits[..., :vocab], block, rows, max_new_tokens, io.eos_t, do_sample, sampling,
                           generator)
-        _emit(buf, rows, verdict, prompt_len, pad)
+        _emit(buf, rows, verdict, prompt_len, io.pad)
         for k, n, m in zip(verdict.k, verdict.n, verdict.m):
             stats.record_step(k, n, m)
         policy.update(verdict.k, verdict.n)
         _roll_back(tstate, dstate, rows, block, verdict, verify_start)
         if any(verdict.done):
-            _retire(tstate, dstate, rows, verdict.done, num_new_all)
+            _retire(tstate, dstate, rows, verdict.done, io.num_new)
 
     stats.draft_time_s = draft_timer.seconds
     stats.verify_time_s = verify_timer.seconds
     stats.prefill_time_s = prefill_timer.seconds
     sync(device)
     stats.wall_time_s = time.perf_counter() - wall_t0
-    return GenerationOutput(finalize(buf, width_out), num_new_all, stats)
+    return GenerationOutput(finalize(buf, width_out), io.num_new, stats)

@@ -142,6 +142,29 @@ def test_messages_render_exactly_as_apply_chat_template_multi_turn(ref_tokenizer
     assert render("def f():", " return 1", None) == ("def f():", " return 1")
 
 
+def test_training_text_and_teacher_prompts_are_what_the_target_sees(ref_tokenizer, tmp_path, monkeypatch):
+    """domain_blocks (training text) and domain_prompts (teacher / selection prompts) go through the template."""
+    import copy
+
+    from distill.pipeline import domain_blocks, domain_prompts
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    tok = copy.deepcopy(ref_tokenizer)
+    tok.chat_template = CHATML
+    path = _write("jsonl", "messages", tmp_path, 30)
+    decl = tmp_path / "decl"
+    decl.mkdir()
+    (decl / "tmpl.yaml").write_text(f"files:\n  - path: {path}\n    shape: messages\n    id_field: id\n")
+    monkeypatch.setenv("SPECDRAFT_DOMAIN_DIRS", str(decl))
+    opts = DataOptions(root=str(tmp_path), validation_fraction=0.0, test_fraction=0.0)
+    text = tok.decode(domain_blocks("tmpl", "train", tok, 32, opts).flatten().tolist())
+    assert "<|im_start|>assistant\nanswer" in text and "Assistant:" not in text
+    prompts = domain_prompts("tmpl", "train", opts, 5, tok)
+    assert all(p.endswith("<|im_start|>assistant\n") for p in prompts)
+    plain = tok.decode(domain_blocks("tmpl", "train", ref_tokenizer, 32, opts).flatten().tolist())
+    assert "Assistant: answer" in plain  # another rendering: another cache entry, not the templated one
+
+
 def test_plain_fallback_without_a_template(ref_tokenizer):
     import copy
 

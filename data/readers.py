@@ -112,11 +112,6 @@ def read_json_records(path: Path) -> Iterator[tuple[int, Any]]:
     yield from enumerate(obj, 1)
 
 
-def _rows_of(ds, path: Path) -> Iterator[tuple[int, dict]]:
-    for i, row in enumerate(ds, 1):
-        yield i, row
-
-
 def read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
     """Yield ``(row_number, row)`` (1-based) of a Parquet file, read with ``datasets``.
 
@@ -131,7 +126,7 @@ def read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
         raise DataFormatError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
                               f"{str(e).splitlines()[0] if str(e) else ''}); re-export it as Parquet or declare "
                               f"its real format.") from None
-    yield from _rows_of(ds, path)
+    yield from enumerate(ds, 1)
 
 
 def read_disk(path: Path, split: str = "train") -> Iterator[tuple[int, dict]]:
@@ -154,7 +149,7 @@ def read_disk(path: Path, split: str = "train") -> Iterator[tuple[int, dict]]:
             raise DataFormatError(f"{path}: the saved DatasetDict has splits {sorted(ds)}, not {split!r}; set "
                                   f"disk_split to one of them.")
         ds = ds[split]
-    yield from _rows_of(ds, path)
+    yield from enumerate(ds, 1)
 
 
 READERS = {"jsonl": read_jsonl, "json_dict": read_json_dict, "json_records": read_json_records, "csv": read_csv,

@@ -103,15 +103,16 @@ def test_every_format_and_shape_loads_and_splits_deterministically(tmp_path, fmt
 
 
 def test_user_split_files_and_hashed_split_side_by_side(tmp_path):
-    a = _write("jsonl", "messages", tmp_path, 10)
+    a = _write("jsonl", "messages", tmp_path, 40)
     b = tmp_path / "val.jsonl"
     b.write_text(a.read_text())
     spec = {"files": [{"path": str(a), "shape": "messages", "id_field": "id", "split": "train"},
                       {"path": str(b), "shape": "messages", "id_field": "id", "split": "validation", "name": "v"}]}
-    ds = load_domain(build_domain("mine", spec, "test"), DataOptions(root=str(tmp_path)))
-    assert len(ds["test"]) == 0 and len(ds["validation"]) >= 10
-    assert all(i.split("/")[1] == "v" for i in ds["validation"]["id"][-10:]) or \
-        sum(i.split("/")[1] == "v" for i in ds["validation"]["id"]) == 10
+    ds = load_domain(build_domain("mine", spec, "test"), DataOptions(root=str(tmp_path), validation_fraction=0.2))
+    src = {s: [i.split("/")[1] for i in ds[s]["id"]] for s in ds}
+    assert src["test"] == []  # a "train" file never reaches test, a "validation" file is all validation
+    assert src["validation"].count("v") == 40 and "v" not in src["train"]
+    assert 0 < src["validation"].count("d") < 40 and src["train"].count("d") == 40 - src["validation"].count("d")
 
 
 # --------------------------------------------------------------------------------------------- chat template
@@ -174,8 +175,8 @@ def test_plain_fallback_without_a_template(ref_tokenizer):
     assert render.format == "plain"
     conv = _conv(3)
     assert render(*plain_render(conv), conv) == plain_render(conv)
-    assert plain_render(conv) == ("User: question 3?\nAssistant: answer 3.\nUser: and then 3?\nAssistant:",
-                                  " then 4.") or plain_render(conv)[0].startswith("Be brief.\n")
+    assert plain_render(conv) == ("Be brief.\nUser: question 3?\nAssistant: answer 3.\nUser: and then 3?\n"
+                                  "Assistant:", " then 4.")
 
 
 _text = st.text(st.characters(codec="utf-8", exclude_characters="{}%#"), max_size=30)

@@ -30,6 +30,7 @@ completion; the turns before it are the prompt (rendered with the target's chat 
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -198,7 +199,9 @@ def build_domain(name: str, spec: dict, origin: str) -> Domain:
         if fmt == "disk":
             reader = f"disk:{f.get('disk_split') or 'train'}"
         sources.append(Source(sname, file, reader, _formatter(shape, f), record_id=f.get("id_field"),
-                              split_policy=split, hub=hub, license=str(spec.get("license") or "user data")))
+                              split_policy=split, hub=hub, license=str(spec.get("license") or "user data"),
+                              declaration=json.dumps({**f, "file": file, "shape": shape}, sort_keys=True,
+                                                     default=str)))
     return Domain(name, str(spec.get("description") or f"declared in {origin}"), tuple(sources), tags=("declared",))
 
 

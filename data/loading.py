@@ -241,6 +241,8 @@ def files_fingerprint(domain: Domain | str, opts: DataOptions = DataOptions()) -
     for source in dom.sources:
         path = _source_path(source, root)
         h.update(source.name.encode())
+        if source.declaration:  # a declared source: how its records are read is part of the data
+            h.update(source.declaration.encode())
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path is not None and path.is_dir() else \
             [path] if path is not None and path.exists() else []
         for fp in files:  # a save_to_disk folder: every file in it

@@ -70,6 +70,8 @@ class Source:
         split_policy: ``hash`` | ``train`` | ``validation`` | ``test`` (see :func:`data.splits.assign_split`).
         hub: where the same data lives on the hub, if anywhere.
         license: the record-level license, repeated in reports that quote the data.
+        declaration: for a domain declared in YAML, its file settings (shape, fields, ...): a changed declaration
+            changes :func:`data.loading.files_fingerprint`, so no cache serves text formatted the old way.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Source:
     split_policy: str = "hash"
     hub: HubSource | None = None
     license: str = ""
+    declaration: str = ""  # a declared source's settings (JSON), part of its data fingerprint (data/declared.py)
 
 
 @dataclass(frozen=True)

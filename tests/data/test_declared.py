@@ -312,6 +312,17 @@ def test_missing_file_and_hub_source(tmp_path, monkeypatch):
     assert "could not load 'someone/chat-logs' from the hub" in str(ei.value)
 
 
+def test_changing_a_declaration_changes_the_data_fingerprint(tmp_path):
+    from data.loading import files_fingerprint
+
+    path = _write("jsonl", "prompt_completion", tmp_path, 4)
+    fp = [files_fingerprint(build_domain("m", {"files": [{"path": str(path), "shape": "prompt_completion", **kw}]},
+                                         "t")) for kw in ({}, {"as_chat": False}, {"id_field": "id"})]
+    assert len(set(fp)) == 3
+    assert fp[0] == files_fingerprint(build_domain("m", {"files": [{"path": str(path), "shape": "prompt_completion"}]},
+                                                   "t"))
+
+
 def test_extra_domains_use_the_same_shapes(tmp_path):
     p = _write("parquet", "messages", tmp_path, 5)
     dom = extra_domain("logs", p, None, shape="messages")

@@ -46,7 +46,11 @@ def _source_path(source: Source, root: Path | None) -> Path | None:
     return (root / source.file) if root else None
 
 
-def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataSourceError:
+def _missing_file_error(source: Source, root: Path | None, domain: str, description: str = "") -> DataSourceError:
+    if source.declaration and Path(source.file).is_absolute():  # a declared domain's own file
+        return DataSourceError(
+            f"missing data file for domain {domain!r}: {source.file} does not exist ({description}). Fix its path in "
+            f"the domain's declaration (conf/domain/{domain}.yaml or data.declared_domains) or create the file.")
     where = f"data root {root}" if root else "no data root (data.root unset, $SPECDRAFT_DATA_ROOT unset, no ../shared/data)"
     hub = (
         f"or read it from the hub with data.source=hub (dataset {source.hub.path!r}"
@@ -170,10 +174,10 @@ def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> It
             records, origin = _records_from_file(source, path), str(path)
         elif opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
             if source.hub is None:
-                raise _missing_file_error(source, root, dom.name)
+                raise _missing_file_error(source, root, dom.name, dom.description)
             records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
         elif path is None or not path.exists():
-            raise _missing_file_error(source, root, dom.name)
+            raise _missing_file_error(source, root, dom.name, dom.description)
         else:
             records, origin = _records_from_file(source, path), str(path)
         for ex in format_records(dom.name, source, records, origin):

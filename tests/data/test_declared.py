@@ -299,7 +299,7 @@ def test_missing_file_and_hub_source(tmp_path, monkeypatch):
     dom = build_domain("mine", {"files": [{"path": str(tmp_path / "nope.jsonl"), "shape": "messages"}]}, "t")
     with pytest.raises(DataSourceError) as ei:
         list(iter_examples(dom, DataOptions(root=str(tmp_path))))
-    assert str(tmp_path / "nope.jsonl") in str(ei.value)
+    assert str(tmp_path / "nope.jsonl") in str(ei.value) and "declaration" in str(ei.value)
     hub = build_domain("mine", {"files": [{"format": "hub", "shape": "messages",
                                            "hub": {"path": "someone/chat-logs"}}]}, "t")
     with pytest.raises(DataSourceError) as ei:  # read only with data.source=hub

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
@@ -29,6 +29,11 @@ class DataConfig:
     test_fraction: float = 0.1
     block_size: int = 128  # tokens per training block
     max_train_blocks: int | None = None  # cap on training blocks (null: all)
+    # domains declared inline: name -> {files: [{path, format, shape, ...}], ...} (see data/declared.py); a file
+    # conf/domain/<name>.yaml declares one without this key
+    declared_domains: dict[str, Any] = field(default_factory=dict)
+    # train one draft on a weighted mix: domain -> weight (> 0); null: data.domain alone
+    mixture: dict[str, float] | None = None
 
     def __post_init__(self):
         if self.source not in ("root", "hub", "auto"):
@@ -42,7 +47,22 @@ class DataConfig:
             raise ValueError(f"data.max_train_blocks must be >= 1 or null, got {self.max_train_blocks}")
         from .loading import check_data_root
 
-        check_data_root(self.root, self.source)  # a data root that is set but missing: named before any work
+        check_data_root(self.root, self.source)
+        from .declared import declare
+
+        for name, spec in (self.declared_domains or {}).items():
+            declare(name, spec)  # DataFormatError (a ValueError) naming data.declared_domains.<name> and the key
+        if self.mixture is not None:
+            if not self.mixture or any(not (w > 0) for w in self.mixture.values()):
+                raise ValueError(f"data.mixture must map domains to weights > 0, got {dict(self.mixture)}")
+            from .registry import get_domain
+
+            for d in self.mixture:
+                get_domain(d)  # UnknownDomainError listing the known names
+
+    def training_domains(self) -> dict[str, float]:
+        """domain -> weight of the draft's training data: ``mixture``, else ``{domain: 1.0}``."""
+        return dict(self.mixture) if self.mixture else {self.domain: 1.0}  # a data root that is set but missing: named before any work
 
     def options(self):
         from .loading import DataOptions

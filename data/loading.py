@@ -1,6 +1,8 @@
 """Load a domain's records into a ``datasets.DatasetDict`` with deterministic train/validation/test splits.
 
-Columns: ``id`` (``"{domain}/{source}/{record_id}"``), ``source``, ``prompt``, ``completion``.
+Columns: ``id`` (``"{domain}/{source}/{record_id}"``), ``source``, ``prompt``, ``completion`` (the plain
+rendering) and ``messages`` (a chat record's conversation as JSON, ``""`` for others; :mod:`data.chat` renders it in
+the target's chat template).
 Files come from the data root (see :mod:`data.paths`); with ``data.source=hub`` from the Hugging Face hub.
 """
 from __future__ import annotations
@@ -17,13 +19,14 @@ import datasets
 
 from .errors import DataFormatError, DataSourceError
 from .paths import ENV_DATA_ROOT, resolve_data_root
-from .readers import READERS
-from .registry import Domain, Example, Source, chat, get_domain
+from .readers import reader
+from .registry import Domain, Example, Source, get_domain
 from .splits import SPLITS, assign_split, hash_unit
 
 log = logging.getLogger(__name__)
 
 SOURCE_MODES = ("root", "hub", "auto")
+COLUMNS = ("id", "source", "prompt", "completion", "messages")
 
 
 @dataclass(frozen=True)
@@ -43,7 +46,11 @@ def _source_path(source: Source, root: Path | None) -> Path | None:
     return (root / source.file) if root else None
 
 
-def _missing_file_error(source: Source, root: Path | None, domain: str) -> DataSourceError:
+def _missing_file_error(source: Source, root: Path | None, domain: str, description: str = "") -> DataSourceError:
+    if source.declaration and Path(source.file).is_absolute():  # a declared domain's own file
+        return DataSourceError(
+            f"missing data file for domain {domain!r}: {source.file} does not exist ({description}). Fix its path in "
+            f"the domain's declaration (conf/domain/{domain}.yaml or data.declared_domains) or create the file.")
     where = f"data root {root}" if root else "no data root (data.root unset, $SPECDRAFT_DATA_ROOT unset, no ../shared/data)"
     hub = (
         f"or read it from the hub with data.source=hub (dataset {source.hub.path!r}"
@@ -79,11 +86,11 @@ def check_data_root(root: str | os.PathLike | None, source: str = "root") -> Non
 
 
 def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
-    if path.stat().st_size == 0:
+    if path.is_file() and path.stat().st_size == 0:
         raise DataFormatError(f"{path}: the file is empty. Replace it with the published file or remove the source.")
     try:
         n = 0
-        for rec in READERS[source.format](path):
+        for rec in reader(source.format)(path):
             n += 1
             yield rec
         if n == 0:
@@ -131,14 +138,15 @@ def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any
             raise DataFormatError(msg if msg.startswith(origin) else f"{where}: {msg}") from None
         if formatted is None:
             continue
-        prompt, completion = formatted
+        prompt, completion, *rest = formatted
+        messages = tuple(tuple(m) for m in rest[0]) if rest and rest[0] else None
         if not (prompt or completion).strip():
             continue
         if source.record_id and isinstance(rec, dict) and rec.get(source.record_id) is not None:
             rid = str(rec[source.record_id])
         else:
             rid = str(pos)
-        yield Example(f"{domain}/{source.name}/{rid}", prompt, completion)
+        yield Example(f"{domain}/{source.name}/{rid}", prompt, completion, messages)
 
 
 def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> Iterable[tuple[Example, str]]:
@@ -156,14 +164,20 @@ def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> It
         if not Path(source.file).is_absolute():  # user files (absolute paths) need no data root
             check_data_root(opts.root, opts.source)
         path = _source_path(source, root)
-        if opts.source == "hub" and source.hub is None and path is not None and path.exists():
+        if source.format == "hub":  # a declared hub-only source: read only when asked for
+            if opts.source != "hub":
+                raise DataSourceError(
+                    f"domain {dom.name!r} file {source.file} is a hub dataset; it is read only with data.source=hub "
+                    f"(or give a local copy as a file of the domain).")
+            records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
+        elif opts.source == "hub" and source.hub is None and path is not None and path.exists():
             records, origin = _records_from_file(source, path), str(path)
         elif opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
             if source.hub is None:
-                raise _missing_file_error(source, root, dom.name)
+                raise _missing_file_error(source, root, dom.name, dom.description)
             records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
         elif path is None or not path.exists():
-            raise _missing_file_error(source, root, dom.name)
+            raise _missing_file_error(source, root, dom.name, dom.description)
         else:
             records, origin = _records_from_file(source, path), str(path)
         for ex in format_records(dom.name, source, records, origin):
@@ -176,10 +190,13 @@ def load_domain(domain: Domain | str, opts: DataOptions = DataOptions()) -> data
     Rows in each split are ordered by the hash of their id (a deterministic shuffle that does not depend on file
     order), so taking the first N gives a fixed, well-mixed sample.
     """
+    from .chat import encode_messages
+
     rows: dict[str, list[dict]] = {s: [] for s in SPLITS}
     for ex, split in iter_examples(domain, opts):
-        rows[split].append({"id": ex.id, "source": ex.id.split("/")[1], "prompt": ex.prompt, "completion": ex.completion})
-    features = datasets.Features({k: datasets.Value("string") for k in ("id", "source", "prompt", "completion")})
+        rows[split].append({"id": ex.id, "source": ex.id.split("/")[1], "prompt": ex.prompt, "completion": ex.completion,
+                            "messages": encode_messages(ex.messages)})
+    features = datasets.Features({k: datasets.Value("string") for k in COLUMNS})
     out = {}
     for s, r in rows.items():
         r.sort(key=lambda row: hash_unit(row["id"]))
@@ -188,45 +205,36 @@ def load_domain(domain: Domain | str, opts: DataOptions = DataOptions()) -> data
     return datasets.DatasetDict(out)
 
 
-def eval_prompts(domain: Domain | str, opts: DataOptions = DataOptions(), max_prompts: int | None = None) -> list[Example]:
-    """The evaluation prompts of a domain: the ``prompt`` part of its test records, in hash order.
+def eval_prompts(domain: Domain | str, opts: DataOptions = DataOptions(), max_prompts: int | None = None,
+                 tokenizer=None) -> list[Example]:
+    """The evaluation prompts of a domain: the ``prompt`` part of its test records, in hash order; with
+    ``tokenizer``, chat records are rendered in its chat template (:class:`data.chat.Renderer`).
 
     Raises:
         DataSourceError: the domain has no test records with a non-empty prompt.
     """
+    from .chat import decode_messages, renderer
+
+    render = renderer(tokenizer)
     ds = load_domain(domain, opts)["test"]
-    out = [Example(r["id"], r["prompt"], r["completion"]) for r in ds if r["prompt"].strip()]
+    out = []
+    for r in ds:
+        msgs = decode_messages(r["messages"])
+        p, c = render(r["prompt"], r["completion"], msgs) if render else (r["prompt"], r["completion"])
+        if p.strip():
+            out.append(Example(r["id"], p, c, tuple(msgs) if msgs else None))
     if not out:
         name = domain if isinstance(domain, str) else domain.name
         raise DataSourceError(f"domain {name!r} has no test prompts; raise data.test_fraction or add a test file.")
     return out[:max_prompts] if max_prompts else out
 
 
-def user_domain(name: str, path: str | os.PathLike, text_field: str, prompt_field: str | None = None) -> Domain:
-    """A domain from a user's own JSONL or CSV file (all records are test/eval prompts).
+def user_domain(name: str, path: str | os.PathLike, text_field: str, prompt_field: str | None = None,
+                fmt: str | None = None, shape: str | None = None, field: str | None = None) -> Domain:
+    """An ``eval.extra_domains`` file as a test-only domain; see :func:`data.declared.extra_domain`."""
+    from .declared import extra_domain
 
-    Args:
-        name: domain name used in reports.
-        path: ``.jsonl`` or ``.csv`` file.
-        text_field: field holding the prompt text (or the whole text when ``prompt_field`` is given, the completion).
-        prompt_field: optional separate prompt field.
-
-    Raises:
-        DataSourceError: the file does not exist. DataFormatError: unsupported extension (at load time, fields).
-    """
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise DataSourceError(f"extra domain {name!r}: file {p} does not exist; fix its path in eval.extra_domains.")
-    fmt = {".jsonl": "jsonl", ".csv": "csv"}.get(p.suffix.lower())
-    if fmt is None:
-        raise DataFormatError(f"extra domain {name!r}: {p} must be .jsonl or .csv, got {p.suffix!r}.")
-
-    def fmt_record(r, get):
-        if prompt_field:
-            return chat(get(prompt_field), get(text_field))
-        return get(text_field), ""
-
-    return Domain(name, f"user file {p}", (Source(name, str(p.resolve()), fmt, fmt_record, split_policy="test"),))
+    return extra_domain(name, path, text_field, prompt_field, fmt, shape, field)
 
 
 def files_fingerprint(domain: Domain | str, opts: DataOptions = DataOptions()) -> str:
@@ -237,10 +245,14 @@ def files_fingerprint(domain: Domain | str, opts: DataOptions = DataOptions()) -
     for source in dom.sources:
         path = _source_path(source, root)
         h.update(source.name.encode())
-        if path is not None and path.exists():
-            with open(path, "rb") as f:
+        if source.declaration:  # a declared source: how its records are read is part of the data
+            h.update(source.declaration.encode())
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path is not None and path.is_dir() else \
+            [path] if path is not None and path.exists() else []
+        for fp in files:  # a save_to_disk folder: every file in it
+            with open(fp, "rb") as f:
                 for chunk in iter(lambda: f.read(1 << 20), b""):
                     h.update(chunk)
-        else:
+        if not files:
             h.update(f"hub:{source.hub.path if source.hub else None}".encode())
     return h.hexdigest()

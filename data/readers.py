@@ -90,4 +90,75 @@ def read_text(path: Path) -> Iterator[tuple[int, str]]:
         yield i, para.strip("\n")
 
 
-READERS = {"jsonl": read_jsonl, "json_dict": read_json_dict, "csv": read_csv, "text": read_text}
+def read_json_records(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(record_number, record)`` (1-based) of a JSON file holding an array of records (or an object with
+    one array-valued key, e.g. ``{"data": [...]}``).
+
+    Raises:
+        DataFormatError: invalid JSON (with line and column) or no array of records at the top level.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            obj = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DataFormatError(f"{path}:{e.lineno}: not valid JSON ({_json_reason(e)}); fix the file.") from None
+    if isinstance(obj, dict):
+        lists = [v for v in obj.values() if isinstance(v, list)]
+        if len(lists) == 1:
+            obj = lists[0]
+    if not isinstance(obj, list):
+        raise DataFormatError(f"{path}: expected a JSON array of records (or an object with one array), got "
+                              f"{type(obj).__name__}; use format jsonl for one record per line.")
+    yield from enumerate(obj, 1)
+
+
+def read_parquet(path: Path) -> Iterator[tuple[int, dict]]:
+    """Yield ``(row_number, row)`` (1-based) of a Parquet file, read with ``datasets``.
+
+    Raises:
+        DataFormatError: the file is not Parquet (the message names it).
+    """
+    import datasets
+
+    try:
+        ds = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    except Exception as e:  # noqa: BLE001 - pyarrow's errors: not parquet, truncated, ...
+        raise DataFormatError(f"{path}: not a readable Parquet file ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); re-export it as Parquet or declare "
+                              f"its real format.") from None
+    yield from enumerate(ds, 1)
+
+
+def read_disk(path: Path, split: str = "train") -> Iterator[tuple[int, dict]]:
+    """Yield ``(row_number, row)`` of a folder written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or split
+    ``split`` of a ``DatasetDict``).
+
+    Raises:
+        DataFormatError: not a ``save_to_disk`` folder, or the DatasetDict has no split ``split``.
+    """
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise DataFormatError(f"{path}: not a datasets save_to_disk folder ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); write it with Dataset.save_to_disk "
+                              f"or declare its real format.") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataFormatError(f"{path}: the saved DatasetDict has splits {sorted(ds)}, not {split!r}; set "
+                                  f"disk_split to one of them.")
+        ds = ds[split]
+    yield from enumerate(ds, 1)
+
+
+READERS = {"jsonl": read_jsonl, "json_dict": read_json_dict, "json_records": read_json_records, "csv": read_csv,
+           "text": read_text, "parquet": read_parquet}
+
+
+def reader(name: str):
+    """The reader of format ``name`` (``disk:<split>`` reads that split of a saved DatasetDict)."""
+    if name.startswith("disk:"):
+        split = name.split(":", 1)[1]
+        return lambda path: read_disk(path, split)
+    return READERS[name]

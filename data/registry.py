@@ -4,8 +4,8 @@ A *domain* (``medical``, ``code``, ...) is a list of *sources*. A source is one 
 where one exists, the ``datasets`` hub id that holds the same data), a reader format, a formatter that turns one
 record into an :class:`Example`, and a split policy (see :mod:`data.splits`).
 
-To add a domain, add a :class:`Domain` to :data:`DOMAINS` (or pass files at run time, see
-:func:`data.loading.user_domain`).
+To add a domain without Python, declare it in YAML (:mod:`data.declared`: ``conf/domain/<name>.yaml`` or
+``data.declared_domains``); built-in ones are :class:`Domain` s in :data:`DOMAINS`.
 """
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ class Example:
     id: str
     prompt: str
     completion: str
+    # the conversation behind a chat-shaped record: ((role, content), ...) ending with the assistant turn that is
+    # ``completion`` (or with a user turn: a prompt without a reference answer); None for raw text / completion-style
+    # prompts (code, QA, corpus). With it, :mod:`data.chat` renders prompt and completion in the target's chat
+    # template; ``prompt`` / ``completion`` hold the plain rendering (:func:`data.chat.plain_render`).
+    messages: tuple[tuple[str, str], ...] | None = None
 
     @property
     def text(self) -> str:
@@ -56,13 +61,17 @@ class Source:
     Attributes:
         name: stable short name; part of every record's split key, so never rename it.
         file: path relative to the data root.
-        format: reader name in :data:`data.readers.READERS` (``jsonl``, ``json_dict``, ``csv``, ``text``).
-        format_record: ``(record, get) -> (prompt, completion)`` or ``None`` to skip; ``get(field)`` fetches a
+        format: reader name in :data:`data.readers.READERS` (``jsonl``, ``json_dict``, ``json_records``, ``csv``,
+            ``text``, ``parquet``, ``disk:<split>``) or ``hub`` (a hub-only source, read with ``data.source=hub``).
+        format_record: ``(record, get) -> (prompt, completion)`` or ``(prompt, completion, messages)`` (a chat
+            record, see :attr:`Example.messages`) or ``None`` to skip; ``get(field)`` fetches a
             required field and raises a :class:`DataFormatError` naming file, line and field when it is absent.
         record_id: field that identifies a record (``None``: the line number / key).
-        split_policy: ``hash`` | ``train`` | ``test`` (see :func:`data.splits.assign_split`).
+        split_policy: ``hash`` | ``train`` | ``validation`` | ``test`` (see :func:`data.splits.assign_split`).
         hub: where the same data lives on the hub, if anywhere.
         license: the record-level license, repeated in reports that quote the data.
+        declaration: for a domain declared in YAML, its file settings (shape, fields, ...): a changed declaration
+            changes :func:`data.loading.files_fingerprint`, so no cache serves text formatted the old way.
     """
 
     name: str
@@ -73,6 +82,7 @@ class Source:
     split_policy: str = "hash"
     hub: HubSource | None = None
     license: str = ""
+    declaration: str = ""  # a declared source's settings (JSON), part of its data fingerprint (data/declared.py)
 
 
 @dataclass(frozen=True)
@@ -95,8 +105,13 @@ def qa(question: str, answer: str | None) -> tuple[str, str]:
     return f"Question: {_clean(question)}\nAnswer:", (" " + _clean(answer)) if answer else ""
 
 
-def chat(user: str, assistant: str | None) -> tuple[str, str]:
-    return f"User: {_clean(user)}\nAssistant:", (" " + _clean(assistant)) if assistant else ""
+def chat(user: str, assistant: str | None) -> tuple[str, str, tuple]:
+    """A single-turn chat record: ``("User: <user>\nAssistant:", " <assistant>", messages)`` (the plain rendering,
+    :func:`data.chat.plain_render`, and the conversation the target's chat template renders)."""
+    u = _clean(user)
+    a = _clean(assistant) if assistant else None
+    messages = (("user", u),) + ((("assistant", a),) if a is not None else ())
+    return f"User: {u}\nAssistant:", (" " + a) if a is not None else "", messages
 
 
 # ----------------------------------------------------------------------------------------------- medical
@@ -388,15 +403,18 @@ DOMAINS: dict[str, Domain] = {
 
 
 def get_domain(name: str) -> Domain:
-    """Look up a registered domain.
+    """Look up a domain: a built-in one, else one declared in configuration (:mod:`data.declared`:
+    ``data.declared_domains.<name>`` or ``conf/domain/<name>.yaml``).
 
     Raises:
-        UnknownDomainError: ``name`` is not registered; the message lists the known names.
+        UnknownDomainError: ``name`` is neither; the message lists the known names and how to declare one.
+        DataFormatError: the declaration of ``name`` is invalid (names its file and the key).
     """
-    try:
+    if name in DOMAINS:
         return DOMAINS[name]
-    except KeyError:
-        raise UnknownDomainError(
-            f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}. "
-            f"Fix eval.domains / data.domain (or add a Domain to data/registry.py)."
-        ) from None
+    from .declared import find_declared, unknown_domain_error
+
+    dom = find_declared(name)
+    if dom is None:
+        raise unknown_domain_error(name) from None
+    return dom

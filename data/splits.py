@@ -23,7 +23,8 @@ def assign_split(key: str, validation_fraction: float, test_fraction: float, pol
         key: stable record key, ``"{domain}/{source}/{record_id}"``.
         validation_fraction, test_fraction: shares in [0, 1) of records sent to validation and test (hash policy).
         policy: ``"hash"`` (train/validation/test by hash), ``"train"`` (train/validation only: a training file
-            whose benchmark test set is a separate file), ``"test"`` (all test: a benchmark never trained on).
+            whose benchmark test set is a separate file), ``"test"`` (all test: a benchmark never trained on),
+            ``"validation"`` (all validation: a user's own validation file).
 
     Raises:
         ValueError: fractions out of range or an unknown policy.
@@ -33,8 +34,8 @@ def assign_split(key: str, validation_fraction: float, test_fraction: float, pol
             f"split fractions must be in [0, 1) with validation + test < 1; got validation={validation_fraction}, "
             f"test={test_fraction}. Fix data.validation_fraction / data.test_fraction."
         )
-    if policy == "test":
-        return "test"
+    if policy in ("test", "validation"):
+        return policy
     u = hash_unit(key)
     if policy == "train":
         return "validation" if u < validation_fraction else "train"
@@ -44,4 +45,4 @@ def assign_split(key: str, validation_fraction: float, test_fraction: float, pol
         if u < test_fraction + validation_fraction:
             return "validation"
         return "train"
-    raise ValueError(f"unknown split policy {policy!r}; use 'hash', 'train' or 'test'")
+    raise ValueError(f"unknown split policy {policy!r}; use 'hash', 'train', 'validation' or 'test'")

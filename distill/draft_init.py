@@ -79,7 +79,7 @@ def _search_score_fn(rc, opts, target, tokenizer):
     from .pipeline import domain_prompts
 
     s = rc.draft.layers.search
-    texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts)
+    texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts, tokenizer)
     evaluate = make_acceptance_eval(
         target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
         num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=s.max_new_tokens,

@@ -345,7 +345,7 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     evaluate = None
     base_score = None
     if lc.eval_every:
-        texts = domain_prompts(domain, "validation", opts, lc.eval_prompts)
+        texts = domain_prompts(domain, "validation", opts, lc.eval_prompts, tokenizer)
         evaluate = make_acceptance_eval(
             target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
             num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=lc.eval_max_new_tokens,

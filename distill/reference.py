@@ -86,6 +86,11 @@ def build_reference_target(rc: ReferenceConfig, opts: DataOptions, work_dir: Pat
     from .trainer import distributed_state
 
     dist = distributed_state()
+    from data.chat import REFERENCE_CHAT_TEMPLATE
+
+    # the chat template renders exactly the plain "User: ...\nAssistant:" text the model was trained on, so the
+    # default target exercises the chat-template path (data/chat.py) without changing a token
+    tokenizer.chat_template = REFERENCE_CHAT_TEMPLATE
     if dist.is_main_process:
         save_hf_atomic(model, tokenizer, rc.output_dir, extra=meta)
     dist.wait_for_everyone()

@@ -10,16 +10,24 @@ from decode.config import DecodeConfig
 
 @dataclass
 class ExtraDomainConfig:
-    """A user's own JSONL/CSV file evaluated as one more domain (all its records are evaluation prompts)."""
+    """A user's own file evaluated as one more domain (all its records are evaluation prompts); built like a
+    declared domain (:func:`data.declared.extra_domain`)."""
 
     name: str = "???"  # domain name in the report; must not clash with a registered domain
     path: str = "???"  # .jsonl or .csv file
-    text_field: str = "???"  # field holding the prompt (or, with prompt_field, the reference completion)
+    text_field: str | None = None  # field holding the prompt (or, with prompt_field, the reference completion);
+    # required unless shape is messages / conversations
     prompt_field: str | None = None  # optional separate prompt field (formatted like the chat domain)
+    format: str | None = None  # jsonl | json | csv | parquet | text | disk (null: from the suffix)
+    shape: str | None = None  # text | prompt_completion | messages | conversations (null: from the fields above)
+    field: str | None = None  # the messages / conversations field (shape messages / conversations)
     max_prompts: int | None = None  # cap on the records used as prompts (null: every record; eval.max_prompts
     # caps only the built-in domains)
 
     def __post_init__(self):
+        if self.text_field is None and self.shape not in ("messages", "conversations"):
+            raise ValueError(f"eval.extra_domains: {self.name}.text_field is missing: name the field holding the "
+                             f"prompt text (or set shape: messages / conversations)")
         if self.max_prompts is not None and self.max_prompts < 1:
             raise ValueError(f"eval.extra_domains: {self.name}.max_prompts must be >= 1 or null (every record), "
                              f"got {self.max_prompts}")
@@ -80,11 +88,12 @@ class EvalConfig:
             raise ValueError(f"eval.num_threads must be null or >= 1, got {self.num_threads}")
         self.torch_device()  # DeviceError (a ValueError): e.g. eval.device=cuda on a machine without a GPU
         self.torch_dtype()
+        from data.declared import find_declared
         from data.registry import DOMAINS
 
         extra = [e.name for e in self.extra_domains]
         for e in self.extra_domains:
-            if e.name in DOMAINS:
+            if e.name in DOMAINS or find_declared(e.name) is not None:
                 raise ValueError(f"eval.extra_domains: name {e.name!r} is a registered domain; pick another name")
         if len(set(extra)) != len(extra):
             raise ValueError(f"eval.extra_domains: duplicate names {extra}")

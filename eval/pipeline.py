@@ -11,6 +11,7 @@ Beside the fixed-gamma sweep every draft also decodes under each draft-length po
 """
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import asdict, is_dataclass
@@ -30,27 +31,29 @@ log = logging.getLogger(__name__)
 
 def _domain_objects(rc) -> dict:
     """domain name -> registry name or a user Domain (eval.extra_domains)."""
-    extra = {e.name: user_domain(e.name, e.path, e.text_field, e.prompt_field) for e in rc.eval.extra_domains}
+    extra = {e.name: user_domain(e.name, e.path, e.text_field, e.prompt_field, e.format, e.shape, e.field)
+             for e in rc.eval.extra_domains}
     return {d: extra.get(d, d) for d in rc.eval.all_domains()}
 
 
 def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int,
-                 caps: dict[str, int | None] | None = None) -> dict[str, list[Prompt]]:
+                 caps: dict[str, int | None] | None = None, tokenizer=None) -> dict[str, list[Prompt]]:
     """domain -> its first ``max_prompts`` evaluation prompts (test split, hash order). ``domains``: names, or
     name -> registry name / :class:`data.registry.Domain`. ``caps``: a per-domain cap replacing ``max_prompts``
-    (``None``: every prompt), used for the user files of ``eval.extra_domains``, whose count is logged."""
+    (``None``: every prompt), used for the user files of ``eval.extra_domains``, whose count is logged.
+    ``tokenizer``: the target's; chat records are rendered in its chat template (:class:`data.chat.Renderer`)."""
     items = domains.items() if isinstance(domains, dict) else ((d, d) for d in domains)
     caps = caps or {}
     out = {}
     for name, dom in items:
         if name in caps:
-            every = eval_prompts(dom, opts, None)
+            every = eval_prompts(dom, opts, None, tokenizer)
             out[name] = [Prompt(name, ex.id, ex.prompt) for ex in every[:caps[name]]]
             log.info("eval domain %r (%s): %d of its %d records are evaluation prompts%s", name,
                      getattr(dom, "description", name), len(out[name]), len(every),
                      "" if len(out[name]) == len(every) else f" (eval.extra_domains max_prompts={caps[name]})")
         else:
-            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts)]
+            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts, tokenizer)]
     return out
 
 
@@ -235,7 +238,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     device, dtype = rc.eval.torch_device(), rc.eval.torch_dtype()
     for n, path in paths.items():  # an unknown "quantize", or int8 on a GPU / in bf16, fails before any model loads
         check_quantize_device(path, device, dtype, role=f"draft {n!r}")
-    prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains})
+    prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
+                           tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -286,6 +290,19 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         from .draft_sources import draft_sources_section
 
         sections.append(draft_sources_section(meta))
+    from data.chat import Renderer
+
+    from .serving import ServingSection
+
+    prompt_format = Renderer(tokenizer).format
+    context["prompt_format"] = prompt_format
+    sections.append(f"## Prompt format\n\nChat records (conversations) were rendered with "
+                    + ("the target tokenizer's chat template (`apply_chat_template`, generation prompt added)."
+                       if prompt_format == "chat_template" else
+                       "the plain `User: ...\\nAssistant:` format: the target tokenizer has no chat template.")
+                    + " Completion-style records (code, QA, text) are sent as they are.")
+    serving = ServingSection({n: paths[n] for n in drafts}, str(rc.target.name_or_path))
+    sections.append(serving)
     sources = domain_sources(domains)
     routing_path = None
     with atomic_file_set(run_dir, "report") as staging:
@@ -296,6 +313,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                            check_lossless=rc.eval.check_lossless,
                            alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
                            sources=sources)
+        if serving.document is not None:
+            write_text_atomic(staging / "serving.json", json.dumps(serving.document, indent=2) + "\n")
         if routed is None:  # a routed evaluation measures one draft per domain: nothing to choose, no new table
             routing_path = run_dir / "routing.json"
             table = write_routing(staging / "routing.json", doc, {n: paths[n] for n in drafts})
@@ -309,7 +328,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
            "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
            "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
            "recommended_setting": {d: setting_label(r) for d, r in doc["recommendation"].items()},
-           "routing": str(routing_path) if routing_path else None, "routed": routed}
+           "routing": str(routing_path) if routing_path else None, "routed": routed,
+           "serving": str(run_dir / "serving.json")}
     if rc.logger.name == "wandb":
         from .tracking import log_to_wandb
 

@@ -44,11 +44,15 @@ class AdaptConfig:
 
 
 def trainable_domain(name: str) -> bool:
-    """A registered domain with at least one source that has a training split (not test-only)."""
-    from data.registry import DOMAINS
+    """A registered (built-in or declared) domain with at least one source that has a training split."""
+    from data.errors import UnknownDomainError
+    from data.registry import get_domain
 
-    dom = DOMAINS.get(name)
-    return dom is not None and any(s.split_policy != "test" for s in dom.sources)
+    try:
+        dom = get_domain(name)
+    except UnknownDomainError:
+        return False
+    return any(s.split_policy not in ("test", "validation") for s in dom.sources)
 
 
 def _evaluate(rc, opts, out_dir: Path, drafts: dict[str, str], events, resume: bool) -> dict:

@@ -327,7 +327,7 @@ def test_user_domain(tmp_path, write_jsonl):
     ds = load_domain(dom, DataOptions(root=str(tmp_path / "unused")))
     assert len(ds["test"]) == 4 and len(ds["train"]) == 0
     assert sorted(ds["test"]["prompt"]) == [f"question {i}?" for i in range(4)]
-    assert ds["train"].column_names == ["id", "source", "prompt", "completion"]  # empty splits keep the columns
+    assert ds["train"].column_names == ["id", "source", "prompt", "completion", "messages"]  # empty splits keep the columns
     assert [p.id for p in eval_prompts(dom)] == ds["test"]["id"]
     paired = list(iter_examples(user_domain("mine", path, text_field="a", prompt_field="q")))
     assert paired[0][0].prompt == "User: question 0?\nAssistant:" and paired[0][0].completion == " answer 0"
@@ -344,11 +344,11 @@ def test_user_domain_missing_file_and_bad_extension(tmp_path):
     with pytest.raises(DataSourceError) as ei:
         user_domain("mine", missing, text_field="text")
     assert str(missing) in str(ei.value) and "eval.extra_domains" in str(ei.value)
-    bad = tmp_path / "prompts.txt"
+    bad = tmp_path / "prompts.xlsx"
     bad.write_text("hello\n")
     with pytest.raises(DataFormatError) as ei:
         user_domain("mine", bad, text_field="text")
-    assert str(bad) in str(ei.value) and ".txt" in str(ei.value) and ".jsonl" in str(ei.value)
+    assert str(bad) in str(ei.value) and ".xlsx" in str(ei.value) and ".jsonl" in str(ei.value)
 
 
 # ------------------------------------------------------------------------------------------------ tokenization

@@ -111,7 +111,7 @@ def test_load_domain_columns_and_hash_order(real_data_root):
     ds = load_domain("chat", DataOptions(root=str(real_data_root)))
     assert set(ds) == set(SPLITS)
     for split in SPLITS:
-        assert ds[split].column_names == ["id", "source", "prompt", "completion"]
+        assert ds[split].column_names == ["id", "source", "prompt", "completion", "messages"]
         keys = [hash_unit(i) for i in ds[split]["id"]]
         assert keys == sorted(keys)
         assert all(row["id"].split("/")[1] == row["source"] for row in ds[split])

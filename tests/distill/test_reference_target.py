@@ -27,6 +27,9 @@ def test_committed_reference_target_is_complete_and_small():
     assert model.config.model_type == "llama"
     assert tok.bos_token == "<s>" and tok.eos_token == "</s>" and tok.pad_token == "<pad>"
     assert model.config.vocab_size == len(tok)
+    from data.chat import REFERENCE_CHAT_TEMPLATE
+
+    assert tok.chat_template == REFERENCE_CHAT_TEMPLATE  # renders the plain format it was trained on
 
 
 def test_reference_target_stage_rebuilds_with_one_command(tmp_path):

@@ -20,8 +20,10 @@ from train.schema import KNOWN_STAGES, RootConfig, validate
 
 CONF = PROJECT_ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+# conf/domain/ holds domain declarations (data.domain=<name> reads them, data/declared.py), not group options
 GROUP_OPTIONS = sorted(
-    f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml") if p.parent.name not in ("experiment", "accelerate")
+    f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml")
+    if p.parent.name not in ("experiment", "accelerate", "domain")
 )
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)

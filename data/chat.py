@@ -1,0 +1,141 @@
+"""Render records the way the target sees them: with its tokenizer's chat template, or a plain fallback.
+
+A chat-shaped record (:attr:`data.registry.Example.messages`: ``((role, content), ...)``, roles ``system`` /
+``user`` / ``assistant``) becomes
+
+- ``prompt``: the conversation up to (not including) its last assistant turn, rendered with
+  ``tokenizer.apply_chat_template(..., add_generation_prompt=True)``: what the target is sent in production, used
+  for evaluation prompts, teacher-generation prompts and the prompt part of training text;
+- ``completion``: the rest of the whole conversation rendered by the same template (the last assistant turn with
+  its end-of-turn markup), so ``prompt + completion`` is the training text as the target sees the conversation.
+
+A tokenizer without a ``chat_template`` gets the plain format (:func:`plain_render`), the format the built-in chat
+domains have always used. Records without messages (code, QA, corpus text) are completion-style and pass unchanged.
+The reference target's tokenizer carries :data:`REFERENCE_CHAT_TEMPLATE`, which renders exactly the plain format,
+so the default path runs the template code and the reference target sees the text it was trained on.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Iterable, Sequence
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+PROMPT_FORMATS = ("chat_template", "plain")
+
+# Renders what the reference target was trained on: "User: ...\nAssistant: ..." (see plain_render).
+REFERENCE_CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{{ m['content'] }}{{ '\\n' }}"
+    "{%- elif m['role'] == 'user' -%}User: {{ m['content'] }}{{ '\\n' }}"
+    "{%- elif m['role'] == 'assistant' -%}Assistant: {{ m['content'] }}"
+    "{%- if not loop.last or add_generation_prompt -%}{{ '\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}Assistant:{%- endif -%}"
+)
+
+
+def _split_final(messages: Sequence[Sequence[str]]) -> tuple[list, str | None]:
+    """(context turns, final assistant content or None when the conversation ends with a non-assistant turn)."""
+    if messages and messages[-1][0] == "assistant":
+        return list(messages[:-1]), messages[-1][1]
+    return list(messages), None
+
+
+def plain_render(messages: Sequence[Sequence[str]]) -> tuple[str, str]:
+    """The plain format of a conversation: ``(prompt, completion)``.
+
+    ``system`` -> ``"<content>\\n"``, ``user`` -> ``"User: <content>\\n"``, an earlier ``assistant`` turn ->
+    ``"Assistant: <content>\\n"``; the prompt ends with ``"Assistant:"`` and the completion is ``" <last assistant
+    content>"`` (``""`` when the conversation ends with a user turn). A single turn gives the built-in chat format
+    ``"User: <u>\\nAssistant:"`` + ``" <a>"``.
+    """
+    context, final = _split_final(messages)
+    lines = {"system": "{}\n", "user": "User: {}\n", "assistant": "Assistant: {}\n"}
+    prompt = "".join(lines[r].format(c) for r, c in context) + "Assistant:"
+    return prompt, (" " + final) if final is not None else ""
+
+
+def encode_messages(messages: Iterable[Sequence[str]] | None) -> str:
+    """Messages as the ``messages`` column of :func:`data.loading.load_domain` (JSON; ``""`` for none)."""
+    return "" if messages is None else json.dumps([list(m) for m in messages], ensure_ascii=False)
+
+
+def decode_messages(s: str | None) -> list[tuple[str, str]] | None:
+    return [tuple(m) for m in json.loads(s)] if s else None
+
+
+def chat_template_of(tokenizer) -> str | None:
+    """The tokenizer's chat template (a string), or None."""
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):  # several named templates: the default one
+        t = t.get("default") or next(iter(t.values()), None)
+    return t or None
+
+
+class Renderer:
+    """Renders (prompt, completion, messages) for one tokenizer. ``format``: ``chat_template`` or ``plain``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.template = chat_template_of(tokenizer)
+        self.format = "chat_template" if self.template else "plain"
+        bos = getattr(tokenizer, "bos_token", None)
+        bos_id = getattr(tokenizer, "bos_token_id", None)
+        adds_bos = bos_id is not None and tokenizer("", add_special_tokens=True)["input_ids"][:1] == [bos_id]
+        # a template that writes the BOS text itself (Llama 3's "<|begin_of_text|>") would get a second BOS when
+        # the prompt is tokenized with add_special_tokens=True; drop the template's
+        self._strip = bos if (adds_bos and bos) else None
+        self._warned = False
+
+    def key(self) -> str:
+        """Identifies the rendering (for caches of tokenized text): the format and a hash of the template."""
+        return f"{self.format}:{hashlib.sha256((self.template or '').encode()).hexdigest()[:16]}"
+
+    def _apply(self, msgs: list[dict], gen: bool) -> str:
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        if self._strip and text.startswith(self._strip):
+            text = text[len(self._strip):]
+        return text
+
+    def __call__(self, prompt: str, completion: str, messages: Sequence[Sequence[str]] | None) -> tuple[str, str]:
+        """``(prompt, completion)`` as the target sees them (unchanged for records without messages)."""
+        if not messages or self.template is None:
+            return prompt, completion
+        msgs = [{"role": r, "content": c} for r, c in messages]
+        context, final = _split_final(messages)
+        p = self._apply(msgs[: len(context)], True)
+        if final is None:
+            return p, ""
+        full = self._apply(msgs, False)
+        if full.startswith(p):
+            return p, full[len(p):]
+        # a template that renders the last assistant turn differently from a generation prompt: train on the
+        # rendered conversation, the completion being what follows the longest common prefix
+        if not self._warned:
+            log.warning("the chat template renders a finished conversation with a different prefix than its "
+                        "generation prompt; training text is the rendered conversation")
+            self._warned = True
+        n = 0
+        while n < min(len(p), len(full)) and p[n] == full[n]:
+            n += 1
+        return full[:n], full[n:]
+
+    def rows(self, ds):
+        """A ``datasets.Dataset`` with ``prompt`` / ``completion`` / ``messages`` columns, rendered."""
+        if self.template is None:
+            return ds
+
+        def fn(r: dict[str, Any]) -> dict[str, str]:
+            p, c = self(r["prompt"], r["completion"], decode_messages(r.get("messages")))
+            return {"prompt": p, "completion": c}
+
+        return ds.map(fn, desc="chat template", load_from_cache_file=False)
+
+
+def renderer(tokenizer) -> Renderer | None:
+    return None if tokenizer is None else Renderer(tokenizer)

@@ -1,0 +1,118 @@
+"""The handoff to serving: for each domain's recommended draft and gamma, the settings to paste into vLLM, SGLang
+and transformers (``serving.json`` and the report's "Serving settings" section).
+
+The recommendation is read through :func:`recommended_settings` alone, so the rule that picks it (today the
+evaluation's ``recommendation.<domain>``: the highest measured speedup) can change in one place.
+
+- vLLM: ``LLM(model=TARGET, speculative_config={"method": "draft_model", "model": DRAFT,
+  "num_speculative_tokens": G})`` (``vllm serve TARGET --speculative-config '{...}'``);
+- SGLang: ``--speculative-algorithm STANDALONE --speculative-draft-model-path DRAFT --speculative-num-steps G
+  --speculative-eagle-topk 1 --speculative-num-draft-tokens G+1`` (a chain of G drafted tokens: one candidate per
+  step, G + 1 tokens verified with the root);
+- transformers: ``model.generate(**inputs, assistant_model=draft, ...)`` with
+  ``draft.generation_config.num_assistant_tokens = G`` and ``num_assistant_tokens_schedule = "constant"``.
+
+Engines take a fixed number of drafted tokens: where the recommendation is a draft-length policy (adaptive,
+confidence) the draft's best fixed gamma is given and the note says so.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+
+SCHEMA = "specdraft.serving/1"
+
+
+def recommended_settings(doc: dict) -> dict[str, dict]:
+    """domain -> ``{"draft", "num_draft_tokens", "measured_speedup", "note"}``: the draft and fixed gamma to serve
+    each domain with, read from a ``metrics.json`` document's recommendation (the one place to re-point when the
+    verdict logic moves)."""
+    out = {}
+    for domain, r in (doc.get("recommendation") or {}).items():
+        gamma, note = r["num_draft_tokens"], ""
+        policy = r.get("draft_length_policy", "fixed")
+        if policy != "fixed":
+            entry = doc["drafts"][r["draft"]][domain]
+            gamma = entry.get("best_num_draft_tokens", gamma)
+            note = (f"the recommendation is draft_length_policy={policy}; engines take a fixed count, so this is "
+                    f"the draft's best fixed gamma")
+        s = r.get("measured_speedup")
+        if isinstance(s, (int, float)) and math.isfinite(s) and s < 1:
+            note = (note + "; " if note else "") + (f"measured speedup {s:.2f}x < 1 here: speculative decoding was "
+                                                    f"slower than the target alone on this machine")
+        out[domain] = {"draft": r["draft"], "num_draft_tokens": int(gamma), "measured_speedup": s, "note": note}
+    return out
+
+
+def engine_settings(target: str, draft_path: str, gamma: int) -> dict:
+    """The vLLM / SGLang / transformers settings for one (draft, gamma)."""
+    spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": gamma}
+    sglang = ["--model-path", target, "--speculative-algorithm", "STANDALONE",
+              "--speculative-draft-model-path", draft_path, "--speculative-num-steps", str(gamma),
+              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(gamma + 1)]
+    hf = "\n".join([
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        f"tok = AutoTokenizer.from_pretrained({target!r})",
+        f"model = AutoModelForCausalLM.from_pretrained({target!r})",
+        f"draft = AutoModelForCausalLM.from_pretrained({draft_path!r})",
+        f"draft.generation_config.num_assistant_tokens = {gamma}",
+        "draft.generation_config.num_assistant_tokens_schedule = \"constant\"",
+        "inputs = tok.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello\"}], add_generation_prompt=True,"
+        " return_tensors=\"pt\", return_dict=True)",
+        "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=128, do_sample=False)",
+    ])
+    return {
+        "vllm": {"speculative_config": spec,
+                 "command": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"},
+        "sglang": {"args": sglang, "command": "python -m sglang.launch_server " + " ".join(map(shlex.quote, sglang))},
+        "transformers": {"num_assistant_tokens": gamma, "snippet": hf},
+    }
+
+
+def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str) -> dict:
+    """``serving.json``: ``{"schema", "target", "domains": {domain: {"draft", "draft_path", "num_draft_tokens",
+    "measured_speedup", "note", "vllm", "sglang", "transformers"}}}``.
+
+    Raises:
+        ValueError: a recommended draft has no path in ``draft_paths``.
+    """
+    target_path = str(Path(target).resolve()) if Path(target).exists() else str(target)
+    domains = {}
+    for domain, r in recommended_settings(doc).items():
+        if r["draft"] not in draft_paths:
+            raise ValueError(f"serving settings: no checkpoint path for recommended draft {r['draft']!r}")
+        path = str(Path(draft_paths[r["draft"]]).resolve())
+        domains[domain] = {**r, "draft_path": path, **engine_settings(target_path, path, r["num_draft_tokens"])}
+    return {"schema": SCHEMA, "target": target_path, "domains": domains}
+
+
+def serving_markdown(serving: dict) -> str:
+    """The report's "Serving settings" section for a :func:`serving_document`."""
+    lines = ["## Serving settings", "",
+             "The recommended draft and gamma of each domain as engine settings (also in `serving.json`). vLLM: "
+             "`speculative_config`; SGLang: launch flags (a chain: `--speculative-eagle-topk 1`, "
+             "`--speculative-num-draft-tokens` = steps + 1); transformers: `generate(assistant_model=draft)`.", "",
+             "| domain | draft | gamma | vLLM speculative_config | SGLang flags | note |", "|---|---|---|---|---|---|"]
+    for d, s in serving["domains"].items():
+        flags = " ".join(s["sglang"]["args"][2:])
+        lines.append(f"| {d} | `{s['draft']}` | {s['num_draft_tokens']} | "
+                     f"`{json.dumps(s['vllm']['speculative_config'])}` | `{flags}` | {s['note'] or '-'} |")
+    if serving["domains"]:
+        first = next(iter(serving["domains"].values()))
+        lines += ["", f"transformers, for `{first['draft']}` (gamma {first['num_draft_tokens']}):", "", "```python",
+                  first["transformers"]["snippet"], "```"]
+    return "\n".join(lines)
+
+
+class ServingSection:
+    """A report section callable ``f(doc) -> markdown``; ``document`` holds the last :func:`serving_document`
+    (the caller writes it to ``serving.json``)."""
+
+    def __init__(self, draft_paths: dict[str, str | Path], target: str):
+        self.draft_paths, self.target, self.document = draft_paths, target, None
+
+    def __call__(self, doc: dict) -> str:
+        self.document = serving_document(doc, self.draft_paths, self.target)
+        return serving_markdown(self.document)

@@ -55,7 +55,7 @@ class DataConfig:
         if self.mixture is not None:
             if not self.mixture or any(not (w > 0) for w in self.mixture.values()):
                 raise ValueError(f"data.mixture must map domains to weights > 0, got {dict(self.mixture)}")
-            from .registry import get_domain
+            from .domains import get_domain
 
             for d in self.mixture:
                 get_domain(d)  # UnknownDomainError listing the known names

@@ -20,7 +20,8 @@ import datasets
 from .errors import DataFormatError, DataSourceError
 from .paths import ENV_DATA_ROOT, resolve_data_root
 from .readers import reader
-from .registry import Domain, Example, Source, get_domain
+from .domains import get_domain
+from .registry import Domain, Example, Source
 from .splits import SPLITS, assign_split, hash_unit
 
 log = logging.getLogger(__name__)

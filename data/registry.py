@@ -400,21 +400,3 @@ SPECBENCH = tuple(
 DOMAINS: dict[str, Domain] = {
     d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS, SUMMARIZATION, TRANSLATION, *SPECBENCH)
 }
-
-
-def get_domain(name: str) -> Domain:
-    """Look up a domain: a built-in one, else one declared in configuration (:mod:`data.declared`:
-    ``data.declared_domains.<name>`` or ``conf/domain/<name>.yaml``).
-
-    Raises:
-        UnknownDomainError: ``name`` is neither; the message lists the known names and how to declare one.
-        DataFormatError: the declaration of ``name`` is invalid (names its file and the key).
-    """
-    if name in DOMAINS:
-        return DOMAINS[name]
-    from .declared import find_declared, unknown_domain_error
-
-    dom = find_declared(name)
-    if dom is None:
-        raise unknown_domain_error(name) from None
-    return dom

@@ -76,7 +76,7 @@ def _search_score_fn(rc, opts, target, tokenizer):
     from decode._common import output_vocab_size
 
     from .generation import make_acceptance_eval
-    from .pipeline import domain_prompts
+    from data.blocks import domain_prompts
 
     s = rc.draft.layers.search
     texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts, tokenizer)
@@ -183,7 +183,7 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     with torch_threads(rc.trainer.num_threads):
         target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
         draft, info = build_initial_draft(rc, opts, target, tokenizer, events)
-        from .pipeline import domain_blocks
+        from data.blocks import domain_blocks
 
         val = domain_blocks(rc.data.domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
         meta = {"kind": rc.draft.init, **info, "target": str(rc.target.name_or_path), "domain": rc.data.domain,

@@ -89,7 +89,7 @@ class LoraSectionConfig:
         if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
             raise ValueError(f"lora.name must be a plain folder name (no '/', not hidden), got {self.name!r}")
         if self.domain is not None:
-            from data.registry import get_domain
+            from data.domains import get_domain
 
             get_domain(self.domain)
 
@@ -312,7 +312,7 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
 
     from .generation import make_acceptance_eval
     from .losses import get_loss
-    from .pipeline import domain_blocks, domain_prompts
+    from data.blocks import domain_blocks, domain_prompts
     from .trainer import evaluate_loss, make_distill_step, train
     from .vocab import shared_vocab_size
 

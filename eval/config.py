@@ -99,7 +99,7 @@ class EvalConfig:
             raise ValueError(f"eval.extra_domains: duplicate names {extra}")
         for d in self.domains:
             if d not in extra:
-                from data.registry import get_domain
+                from data.domains import get_domain
 
                 get_domain(d)  # UnknownDomainError (a ValueError) listing the known names
 

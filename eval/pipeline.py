@@ -59,7 +59,7 @@ def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int,
 
 def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
     """name -> [(source, license)] for the report's attribution table."""
-    from data.registry import get_domain
+    from data.domains import get_domain
 
     out = {}
     for name, dom in domains.items():

@@ -33,7 +33,7 @@ def _blocks(args, tokenizer, vocab: int):
     if not args.random_tokens:
         try:
             from data.loading import DataOptions
-            from distill.pipeline import domain_blocks
+            from data.blocks import domain_blocks
 
             return domain_blocks(args.domain, "train", tokenizer, args.block_size, DataOptions(), n), args.domain
         except Exception as e:  # no data root here: timing does not depend on the text

@@ -86,7 +86,7 @@ def test_the_import_graph_sees_function_level_imports(tmp_path):
     """The checks above would pass vacuously if the parser missed imports: it must find both kinds."""
     graph = _graph()
     assert "data.io" in graph["train.run"]  # a module-level import
-    assert "distill.reference" in graph["train.run"]  # imported inside a function
+    assert "distill.reference" in graph["train.stages"]  # imported inside a function
 
 
 def test_docs_point_only_inside_the_repository():

@@ -46,7 +46,7 @@ class AdaptConfig:
 def trainable_domain(name: str) -> bool:
     """A registered (built-in or declared) domain with at least one source that has a training split."""
     from data.errors import UnknownDomainError
-    from data.registry import get_domain
+    from data.domains import get_domain
 
     try:
         dom = get_domain(name)

@@ -42,7 +42,7 @@ class RootConfig(EvalRootConfig):
             raise ValueError(f"stages: unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")
         if not self.stages:
             raise ValueError("stages is empty; list at least one of " + ", ".join(KNOWN_STAGES))
-        from data.registry import get_domain
+        from data.domains import get_domain
 
         get_domain(self.data.domain)
         if "draft_init" in self.stages and self.draft.init == "config":

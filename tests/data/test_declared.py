@@ -17,7 +17,7 @@ from data.chat import REFERENCE_CHAT_TEMPLATE, Renderer, decode_messages, plain_
 from data.declared import build_domain, declare, extra_domain
 from data.errors import DataFormatError, DataSourceError, UnknownDomainError
 from data.loading import DataOptions, eval_prompts, iter_examples, load_domain
-from data.registry import get_domain
+from data.domains import get_domain
 from data.splits import assign_split
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,7 @@ def test_training_text_and_teacher_prompts_are_what_the_target_sees(ref_tokenize
     """domain_blocks (training text) and domain_prompts (teacher / selection prompts) go through the template."""
     import copy
 
-    from distill.pipeline import domain_blocks, domain_prompts
+    from data.blocks import domain_blocks, domain_prompts
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     tok = copy.deepcopy(ref_tokenizer)
@@ -341,7 +341,7 @@ def test_inline_declaration_cannot_shadow_a_built_in():
 @given(st.dictionaries(st.sampled_from("abcde"), st.floats(0.05, 10), min_size=1, max_size=5),
        st.integers(1, 400), st.integers(0, 3))
 def test_mixture_draws_blocks_in_proportion_to_its_weights(weights, total, seed):
-    from distill.pipeline import mix_blocks, mixture_counts
+    from data.blocks import mix_blocks, mixture_counts
 
     counts = mixture_counts(weights, total)
     assert sum(counts.values()) == total

@@ -17,7 +17,8 @@ import data.paths
 from data.errors import DataFormatError, DataSourceError, UnknownDomainError
 from data.loading import DataOptions, eval_prompts, files_fingerprint, iter_examples, load_domain, user_domain
 from data.paths import ENV_DATA_ROOT, PROJECT_ROOT, default_data_root, resolve_data_root
-from data.registry import DOMAINS, Domain, get_domain
+from data.domains import get_domain
+from data.registry import DOMAINS, Domain
 from data.splits import assign_split, hash_unit
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from data.errors import UnknownDomainError
 from data.loading import DataOptions, eval_prompts, iter_examples, load_domain
-from data.registry import DOMAINS, Example, Source, get_domain
+from data.domains import get_domain
+from data.registry import DOMAINS, Example, Source
 from data.splits import SPLITS
 
 KNOWN_REPEATED_IDS = {"medquad_cancergov"}  # sources whose published files repeat a record id (see below)

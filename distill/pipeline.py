@@ -13,8 +13,9 @@ decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weight
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -78,163 +79,260 @@ def check_draft_config(rc) -> None:
                          f"first block_size - max_new_tokens tokens are the prompt the draft continues")
 
 
-DISTILLED_KINDS = ("distilled", "small_distilled")
+@dataclass
+class Pair:
+    """What every draft-training recipe starts from: the target and its tokenizer, the draft to train and how it
+    was initialised, the shared vocabulary (``cut``: where logits are cut when the two sizes differ, else None),
+    the training blocks ``(N, block_size)`` and the run's domain weights (``{data.domain: 1}`` or
+    ``data.mixture``)."""
+
+    target: torch.nn.Module
+    tokenizer: Any
+    draft: torch.nn.Module
+    init_info: dict
+    shared: int
+    cut: int | None
+    blocks: torch.Tensor
+    weights: dict[str, float]
+    dist: Any
+    draft_parameters: int  # counted at load time (before ZeRO-3 may partition a copy)
+    target_parameters: int
 
 
-def train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
-    """Train one draft and save it to ``<run_dir>/drafts/<kind>``: ``distilled`` / ``baseline`` start from
-    ``draft.init`` (:mod:`distill.draft_init`); ``small_distilled`` is a fresh ``draft.arch`` draft distilled the
-    same way (stage ``distill_small``: the small-config comparison next to a self-draft or pretrained draft).
-    With ``draft.quantize=int8``, ``distilled`` / ``baseline`` are also saved as ``<kind>_int8``.
+@dataclass
+class Signal:
+    """How a draft learns: the per-micro-batch ``step`` loss (:data:`distill.trainer.StepLoss`) and the
+    ``teacher`` passed to it, the ``blocks (N, T)`` to train on, an optional on-policy ``hook``, the one-off
+    teacher ``passes`` (teacher data / teacher cache records) and the ``meta`` fields it adds to
+    ``specdraft.json``."""
 
-    Runs with ``trainer.num_threads`` torch threads (the one-off teacher passes too).
+    step: Any
+    teacher: Any
+    blocks: torch.Tensor
+    hook: Any = None
+    passes: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
 
-    Returns a summary: parameters of target and draft, training loss and time, validation cross-entropy of the
-    draft on the training domain, the selected step and its mean accepted length (when ``distill.eval_every``),
-    the teacher cache / teacher data passes, and the checkpoint path.
+
+def load_pair(rc, opts: DataOptions, run_dir: Path, build_draft: Callable, events=None) -> Pair:
+    """Load the target, build the draft with ``build_draft(rc, opts, run_dir, target, tokenizer, events) ->
+    (draft, init_info)``, check that both can be decoded speculatively, and pack the training blocks.
 
     Raises:
-        ValueError: inconsistent config (see :func:`check_draft_config`), a domain without text or prompts.
+        ValueError: a model whose context is shorter than ``data.block_size`` or whose cache cannot be rolled back;
+            a domain without text.
     """
-    from data.devices import torch_threads
+    from decode import cache_policy
 
-    with torch_threads(rc.trainer.num_threads):
-        return _train_draft(rc, opts, run_dir, kind, events)
-
-
-def _train_draft(rc, opts: DataOptions, run_dir: Path, kind: str, events=None) -> dict:
-    from data.chat import Renderer
-    from data.devices import run_precision
-    from data.tokenizer_check import check_tokenizers_compatible
-
-    from .generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
-    from .teacher import build_teacher_cache, make_cached_distill_step
-    from .draft_init import initial_draft, save_draft
-    from .vocab import shared_vocab_size
-
-    dc = rc.distill
-    weights = rc.data.training_domains()  # {data.domain: 1} or data.mixture
-    out = run_dir / "drafts" / kind
-    if rc.trainer.resume and (out / "specdraft.json").exists():
-        log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", kind, out)
-        return {**read_specdraft_meta(out), "path": str(out), "reused": True}
-    check_draft_config(rc)
     from .trainer import distributed_state
+    from .vocab import shared_vocab_size
 
     dist = distributed_state()
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
-    if kind == "small_distilled":  # the small config draft next to a self-draft / pretrained draft (same run)
-        draft, init_info = build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
-    else:
-        draft, init_info = initial_draft(rc, opts, run_dir, target, tokenizer, events)
-    from decode import cache_policy
-
+    draft, init_info = build_draft(rc, opts, run_dir, target, tokenizer, events)
     for model, role in ((target, "target"), (draft, "draft")):
         check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
         cache_policy(model, role=role)  # speculative decoding must be able to roll its cache back
-    check_tokenizers_compatible(tokenizer, tokenizer)  # a config-built draft uses the target tokenizer itself
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
+    weights = rc.data.training_domains()  # {data.domain: 1} or data.mixture
     with dist.main_process_first():  # the main process fills the on-disk caches, the others read them
-        train_blocks = training_blocks(weights, "train", tokenizer, rc.data.block_size, opts,
-                                       rc.data.max_train_blocks, rc.seed)
+        blocks = training_blocks(weights, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks,
+                                 rc.seed)
+    return Pair(target, tokenizer, draft, init_info, shared, cut, blocks, weights, dist, count_parameters(draft),
+                count_parameters(target))
+
+
+def _initial_draft(rc, opts, run_dir, target, tokenizer, events):
+    """``draft.init``: a config-built draft, or the saved layer-pruned / pretrained draft (:mod:`distill.draft_init`)."""
+    from .draft_init import initial_draft
+
+    return initial_draft(rc, opts, run_dir, target, tokenizer, events)
+
+
+def _fresh_small_draft(rc, opts, run_dir, target, tokenizer, events):
+    """The small ``draft.arch`` draft next to a self-draft / pretrained draft (stage ``distill_small``)."""
+    return build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
+
+
+def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
+    """The target's soft labels with ``distill.loss`` at ``distill.temperature``, online (the target's forward in
+    every step) or as cached top-k logits, on dataset text, on target-generated continuations
+    (``distill.data_source=teacher``) or with the draft's own samples mixed in (``on_policy``). The one-off
+    teacher passes run on the main process first; the other processes read its caches."""
+    from .generation import OnPolicyHook, generate_teacher_sequences, pack_sequences
+    from .teacher import build_teacher_cache, make_cached_distill_step
+
+    dc, dist, target, tokenizer = rc.distill, pair.dist, pair.target, pair.tokenizer
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-    distilled = kind in DISTILLED_KINDS
-    one_off_passes = distilled and (dc.data_source == "teacher" or dc.teacher_signal == "cached")
     precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (README, "Devices and precision")
-    if one_off_passes and torch.cuda.is_available() and dist.is_main_process:
-        # The passes run where training will (accelerate picks the GPU too), on the main process only: the others
-        # read its caches, so they never hold a full target on their GPU for them.
-        target.to(dist.device)
-    passes: dict = {}
-    hook = None
-    if distilled:
-        if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
-            dist.wait_for_everyone()
-        if dc.data_source == "teacher":
-            texts = training_prompts(weights, "train", opts, dc.generation.max_prompts, tokenizer, rc.seed)
-            prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
-            seqs, passes["teacher_data"] = generate_teacher_sequences(
-                target, prompts, dc.generation, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
-            train_blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
-        if dc.teacher_signal == "cached":
-            train_blocks = blocks_this_run_uses(train_blocks, rc.trainer, rc.seed, dist.num_processes)
-            teacher, passes["teacher_cache"] = build_teacher_cache(
-                target, train_blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
-                vocab_size=shared, precision=precision)
-            step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
-        else:
-            step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
-        if dist.is_main_process:
-            dist.wait_for_everyone()
-        if rc.trainer.teacher_placement == "zero3":
-            target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
-        if dc.data_source == "on_policy":
-            hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=shared)
+    if (dc.data_source == "teacher" or dc.teacher_signal == "cached") and torch.cuda.is_available() \
+            and dist.is_main_process:
+        target.to(dist.device)  # the passes run where training will, on the main process only
+    blocks, passes = pair.blocks, {}
+    if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
+        dist.wait_for_everyone()
+    if dc.data_source == "teacher":
+        texts = training_prompts(pair.weights, "train", opts, dc.generation.max_prompts, tokenizer, rc.seed)
+        prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
+        seqs, passes["teacher_data"] = generate_teacher_sequences(
+            target, prompts, dc.generation, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, vocab_size=pair.shared, precision=precision)
+        blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
+    if dc.teacher_signal == "cached":
+        blocks = blocks_this_run_uses(blocks, rc.trainer, rc.seed, dist.num_processes)
+        teacher, passes["teacher_cache"] = build_teacher_cache(
+            target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
+            vocab_size=pair.shared, precision=precision)
+        step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
     else:
-        step, teacher = cross_entropy_step, None
-    tcfg, budget = rc.trainer, None
-    if kind == "baseline" and dc.baseline_budget == "wall_clock":
-        budget = matched_wall_clock_budget(run_dir)
-        tcfg = replace(rc.trainer, max_time_s=budget["seconds"], schedule_over="time",
-                       max_steps=dc.baseline_max_steps or 20 * rc.trainer.max_steps)
-        log.info("baseline draft: wall-clock budget %.1f s (the distilled draft's %.1f s of training + %.1f s of "
-                 "one-off teacher passes), at most %d steps", budget["seconds"], budget["distilled_train_s"],
-                 budget["distilled_one_off_s"], tcfg.max_steps)
-    evaluate = None
-    if dc.eval_every:
-        texts = training_prompts(weights, "validation", opts, dc.eval_prompts, tokenizer, rc.seed)
-        evaluate = make_acceptance_eval(
-            target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
-            num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared,
-            move_target=teacher is not target,  # the online teacher stays where training placed it
-            draft_length_policy=rc.decode.make_policy)
-    n_draft, n_target = count_parameters(draft), count_parameters(target)  # before ZeRO-3 may partition them
-    log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", kind, n_draft, n_target,
-             train_blocks.size(0), rc.data.block_size)
-    stats = train(draft, train_blocks, run_dir / "train" / kind, tcfg, step, teacher=teacher, seed=rc.seed,
-                  desc=f"{kind} draft", batch_hook=hook, evaluate=evaluate, eval_every=dc.eval_every,
-                  on_step=(lambda s, r: events("train_step", stage=kind, **r)) if events else None,
-                  on_eval=(lambda s, r: events("train_eval", stage=kind, **r)) if events else None)
-    with dist.main_process_first():
-        val_blocks = training_blocks(weights, "validation", tokenizer, rc.data.block_size, opts, 64, rc.seed)[:64]
-    # like with like: both validation losses in the run's precision, each on its model's device
-    with run_precision(precision, next(draft.parameters()).device):
-        val_loss = evaluate_loss(draft, val_blocks)
-    with run_precision(precision, next(target.parameters()).device):
-        target_val_loss = evaluate_loss(target, val_blocks)
+        step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, pair.cut, **dc.loss_kwargs()), target
+    if dist.is_main_process:
+        dist.wait_for_everyone()
+    if rc.trainer.teacher_placement == "zero3":
+        target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
+    hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=pair.shared) \
+        if dc.data_source == "on_policy" else None
+    meta = {"loss": dc.loss, "temperature": dc.temperature, "data_source": dc.data_source,
+            "teacher_signal": dc.teacher_signal, "distilled": True,
+            "on_policy_fraction": dc.on_policy_fraction if hook is not None else None}
+    return Signal(step, teacher, blocks, hook, passes, meta)
+
+
+def cross_entropy_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
+    """Plain next-token cross-entropy on the dataset blocks (the baseline: what distillation is measured against)."""
+    return Signal(cross_entropy_step, None, pair.blocks,
+                  meta={"loss": "cross_entropy", "temperature": None, "data_source": "dataset",
+                        "teacher_signal": None, "distilled": False, "on_policy_fraction": None})
+
+
+def step_budget(rc, run_dir: Path) -> tuple[Any, dict]:
+    """``trainer.max_steps`` (and ``trainer.max_time_s`` when set): the trainer settings as configured."""
+    return rc.trainer, {"kind": "steps", "max_steps": rc.trainer.max_steps, "max_time_s": rc.trainer.max_time_s or None}
+
+
+def baseline_budget(rc, run_dir: Path) -> tuple[Any, dict]:
+    """The baseline's budget: ``trainer.max_steps``, or with ``distill.baseline_budget=wall_clock`` the distilled
+    draft's wall clock (:func:`matched_wall_clock_budget`), the cosine following the spent time."""
+    if rc.distill.baseline_budget != "wall_clock":
+        return step_budget(rc, run_dir)
+    budget = matched_wall_clock_budget(run_dir)
+    tcfg = replace(rc.trainer, max_time_s=budget["seconds"], schedule_over="time",
+                   max_steps=rc.distill.baseline_max_steps or 20 * rc.trainer.max_steps)
+    log.info("baseline draft: wall-clock budget %.1f s (the distilled draft's %.1f s of training + %.1f s of "
+             "one-off teacher passes), at most %d steps", budget["seconds"], budget["distilled_train_s"],
+             budget["distilled_one_off_s"], tcfg.max_steps)
+    return tcfg, budget
+
+
+def selection_eval(rc, opts: DataOptions, pair: Pair, teacher) -> Any:
+    """The checkpoint-selection score (mean accepted length of greedy speculative decoding on
+    ``distill.eval_prompts`` validation prompts), or None with ``distill.eval_every=0``."""
+    from .generation import make_acceptance_eval
+
+    dc, tok = rc.distill, pair.tokenizer
+    if not dc.eval_every:
+        return None
+    texts = training_prompts(pair.weights, "validation", opts, dc.eval_prompts, tok, rc.seed)
+    return make_acceptance_eval(
+        pair.target, [encode_prompt(tok, t, rc.eval.max_prompt_tokens)[0] for t in texts],
+        num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, vocab_size=pair.shared,
+        move_target=teacher is not pair.target,  # the online teacher stays where training placed it
+        draft_length_policy=rc.decode.make_policy)
+
+
+def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict) -> dict:
+    """``specdraft.json`` of a trained draft: how it was made (source, loss, data, budget), the selected step and
+    its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision)."""
+    from data.chat import Renderer
+    from data.devices import run_precision
+
+    precision, dc = rc.trainer.mixed_precision, rc.distill
+    with pair.dist.main_process_first():
+        val_blocks = training_blocks(pair.weights, "validation", pair.tokenizer, rc.data.block_size, opts, 64,
+                                     rc.seed)[:64]
+    with run_precision(precision, next(pair.draft.parameters()).device):  # like with like: each on its device
+        val_loss = evaluate_loss(pair.draft, val_blocks)
+    with run_precision(precision, next(pair.target.parameters()).device):
+        target_val_loss = evaluate_loss(pair.target, val_blocks)
     best = stats.get("best")
     meta = {
-        "kind": kind, "target": str(rc.target.name_or_path),
-        "domain": rc.data.domain if len(weights) == 1 else "mixture", "mixture": rc.data.mixture,
-        "prompt_format": Renderer(tokenizer).format,
-        "loss": dc.loss if distilled else "cross_entropy",
-        "temperature": dc.temperature if distilled else None,
-        "data_source": dc.data_source if distilled else "dataset",
-        "teacher_signal": dc.teacher_signal if distilled else None,
-        "on_policy_fraction": dc.on_policy_fraction if distilled and dc.data_source == "on_policy" else None,
-        **init_info, "distilled": distilled,
+        "kind": name, "target": str(rc.target.name_or_path),
+        "domain": rc.data.domain if len(pair.weights) == 1 else "mixture", "mixture": rc.data.mixture,
+        "prompt_format": Renderer(pair.tokenizer).format, **pair.init_info, **signal.meta,
         "selected_step": best["step"] if best else stats["steps"],
         "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
         "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
                       "eval_max_new_tokens": dc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
                       "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
                       "best": best} if best else None,
-        "draft_parameters": n_draft, "target_parameters": n_target,
+        "draft_parameters": pair.draft_parameters, "target_parameters": pair.target_parameters,
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
-        "precision": precision,
-        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
-        "budget": budget or {"kind": "steps", "max_steps": tcfg.max_steps, "max_time_s": tcfg.max_time_s or None},
-        "data_fingerprint_sha256": training_fingerprint(weights, opts), **passes,
+        "precision": precision, "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
+        "budget": budget, "data_fingerprint_sha256": training_fingerprint(pair.weights, opts), **signal.passes,
     }
-    if hook is not None:
-        meta["on_policy_generated_batches"] = hook.generated_batches
+    if signal.hook is not None:
+        meta["on_policy_generated_batches"] = signal.hook.generated_batches
+    return meta
+
+
+def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, build_draft: Callable,
+                   signal: Callable, budget: Callable, quantize: str) -> dict:
+    """The recipe every draft-training stage shares: load the pair, get the learning signal and the budget, train
+    with checkpoint selection, and save ``<run_dir>/drafts/<name>`` (with ``quantize=int8`` also ``<name>_int8``)
+    with its ``specdraft.json``. A finished draft is reused with ``trainer.resume=true``. Runs with
+    ``trainer.num_threads`` torch threads (the one-off teacher passes too).
+
+    Returns the draft's metadata plus ``path`` and ``written``.
+
+    Raises:
+        ValueError: inconsistent config (:func:`check_draft_config`), a domain without text or prompts.
+    """
+    from data.devices import torch_threads
+
+    from .draft_init import save_draft
+
+    out = run_dir / "drafts" / name
+    if rc.trainer.resume and (out / "specdraft.json").exists():
+        log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", name, out)
+        return {**read_specdraft_meta(out), "path": str(out), "reused": True}
+    check_draft_config(rc)
+    with torch_threads(rc.trainer.num_threads):
+        pair = load_pair(rc, opts, run_dir, build_draft, events)
+        sig = signal(rc, opts, pair, run_dir)
+        tcfg, budget_info = budget(rc, run_dir)
+        log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", name, pair.draft_parameters,
+                 pair.target_parameters, sig.blocks.size(0), rc.data.block_size)
+        stats = train(pair.draft, sig.blocks, run_dir / "train" / name, tcfg, sig.step, teacher=sig.teacher,
+                      seed=rc.seed, desc=f"{name} draft", batch_hook=sig.hook,
+                      evaluate=selection_eval(rc, opts, pair, sig.teacher), eval_every=rc.distill.eval_every,
+                      on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
+                      on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
+        meta = draft_meta(rc, opts, name, pair, sig, stats, tcfg, budget_info)
     written: dict = {}
-    if dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
-        written = save_draft(draft, tokenizer, out, meta, "none" if kind == "small_distilled" else rc.draft.quantize)
-    dist.wait_for_everyone()
-    log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", kind, out, meta["selected_step"],
-             val_loss, target_val_loss)
+    if pair.dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
+        written = save_draft(pair.draft, pair.tokenizer, out, meta, quantize)
+    pair.dist.wait_for_everyone()
+    log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", name, out, meta["selected_step"],
+             meta["validation_loss_nats_per_token"], meta["target_validation_loss_nats_per_token"])
     return {**meta, "path": str(out), "written": written}
+
+
+def distill_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+    """Stage ``distill``: the ``draft.init`` draft distilled from the target -> ``drafts/distilled``."""
+    return train_and_save(rc, opts, run_dir, "distilled", events, build_draft=_initial_draft,
+                          signal=distillation_signal, budget=step_budget, quantize=rc.draft.quantize)
+
+
+def baseline_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+    """Stage ``baseline``: the same draft, dataset blocks and budget, cross-entropy -> ``drafts/baseline``."""
+    return train_and_save(rc, opts, run_dir, "baseline", events, build_draft=_initial_draft,
+                          signal=cross_entropy_signal, budget=baseline_budget, quantize=rc.draft.quantize)
+
+
+def distill_small_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
+    """Stage ``distill_small``: a fresh ``draft.arch`` draft distilled like ``distill`` -> ``drafts/small_distilled``
+    (the small-config comparison next to a self-draft or pretrained draft)."""
+    return train_and_save(rc, opts, run_dir, "small_distilled", events, build_draft=_fresh_small_draft,
+                          signal=distillation_signal, budget=step_budget, quantize="none")

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from distill.pipeline import baseline_stage, distill_small_stage, distill_stage
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -29,15 +31,6 @@ def _draft_init(rc, opts, run_dir: Path, events) -> dict:
     from distill.draft_init import run_draft_init
 
     return run_draft_init(rc, opts, run_dir, events=events)
-
-
-def _trained(kind: str) -> Callable[..., dict]:
-    def run(rc, opts, run_dir: Path, events) -> dict:
-        from distill.pipeline import train_draft
-
-        return train_draft(rc, opts, run_dir, kind=kind, events=events)
-
-    return run
 
 
 def _lora(rc, opts, run_dir: Path, events) -> dict:
@@ -66,9 +59,9 @@ def lora_draft_name(rc) -> str:
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("reference_target", _reference_target),
     Stage("draft_init", _draft_init, draft=lambda rc: rc.draft.init),  # drafts/layer_pruned or drafts/pretrained
-    Stage("distill", _trained("distilled"), draft=lambda rc: "distilled"),
-    Stage("baseline", _trained("baseline"), draft=lambda rc: "baseline"),
-    Stage("distill_small", _trained("small_distilled"), draft=lambda rc: "small_distilled"),
+    Stage("distill", distill_stage, draft=lambda rc: "distilled"),
+    Stage("baseline", baseline_stage, draft=lambda rc: "baseline"),
+    Stage("distill_small", distill_small_stage, draft=lambda rc: "small_distilled"),
     Stage("lora", _lora, draft=lora_draft_name),
     Stage("adapt", _adapt),
     Stage("eval", _eval),

@@ -1,4 +1,4 @@
-"""distill.pipeline.train_draft end to end on real data (code domain, data root) with a tiny saved target:
+"""distill.pipeline's distill and baseline stages end to end on real data (code domain, data root) with a tiny saved target:
 teacher-generated data + cached top-k teacher, on-policy + online teacher, the CE baseline; acceptance-based
 selection is recorded in specdraft.json; inconsistent config is rejected before any model loads."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from distill.pipeline import train_draft
+from distill.pipeline import baseline_stage, distill_stage
 from train.schema import validate
 from tinymodels import save_code_target
 
@@ -62,7 +62,7 @@ def _check_saved(run_dir: Path, kind: str) -> dict:
 def test_teacher_data_with_cached_teacher(tiny_target, tmp_path):
     rc = _rc(tiny_target, data_source="teacher", teacher_signal="cached", cache_top_k=8, cache_shard_blocks=16,
              generation={"max_new_tokens": 24, "max_prompts": 40, "batch_size": 20, "max_prompt_tokens": 24})
-    train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
+    distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
     meta = _check_saved(tmp_path, "distilled")
     assert meta["data_source"] == "teacher" and meta["teacher_signal"] == "cached"
     assert meta["teacher_data"]["num_sequences"] == 40 and meta["teacher_data"]["computed"] == 2
@@ -72,10 +72,10 @@ def test_teacher_data_with_cached_teacher(tiny_target, tmp_path):
 
 def test_on_policy_online_and_baseline(tiny_target, tmp_path):
     rc = _rc(tiny_target, data_source="on_policy", on_policy_fraction=0.5, generation={"max_new_tokens": 8})
-    train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
+    distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
     meta = _check_saved(tmp_path, "distilled")
     assert meta["data_source"] == "on_policy" and meta["on_policy_generated_batches"] >= 1
-    train_draft(rc, rc.data.options(), tmp_path, "baseline", events=_events(tmp_path))
+    baseline_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
     base = _check_saved(tmp_path, "baseline")
     assert base["loss"] == "cross_entropy" and base["data_source"] == "dataset"
 
@@ -84,9 +84,9 @@ def test_baseline_gets_the_distilled_drafts_wall_clock(tiny_target, tmp_path):
     rc = _rc(tiny_target, teacher_signal="cached", cache_top_k=8, cache_shard_blocks=16, baseline_budget="wall_clock",
              baseline_max_steps=10_000)
     with pytest.raises(ValueError, match="run the distill stage before the baseline"):
-        train_draft(rc, rc.data.options(), tmp_path, "baseline")
-    dist = train_draft(rc, rc.data.options(), tmp_path, "distilled", events=_events(tmp_path))
-    base = train_draft(rc, rc.data.options(), tmp_path, "baseline", events=_events(tmp_path))
+        baseline_stage(rc, rc.data.options(), tmp_path)
+    dist = distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
+    base = baseline_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
     budget = base["budget"]
     assert budget["kind"] == "wall_clock"
     assert budget["distilled_train_s"] == pytest.approx(dist["train"]["train_time_s"])
@@ -102,7 +102,7 @@ def test_baseline_gets_the_distilled_drafts_wall_clock(tiny_target, tmp_path):
 def test_inconsistent_config_is_rejected_before_loading(tmp_path):
     rc = _rc(tmp_path / "does-not-exist", data_source="on_policy", generation={"max_new_tokens": 32})
     with pytest.raises(ValueError, match="must be < data.block_size"):
-        train_draft(rc, rc.data.options(), tmp_path, "distilled")
+        distill_stage(rc, rc.data.options(), tmp_path)
 
 
 @pytest.mark.parametrize("distill,match", [

@@ -233,3 +233,31 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
                 "eval_decode_s": time.perf_counter() - t0}
 
     return evaluate
+
+
+def selection_eval_from_texts(rc, target: torch.nn.Module, tokenizer, texts: list[str], *, max_new_tokens: int,
+                              vocab_size: int | None, move_target: bool = True) -> EvalFn:
+    """:func:`make_acceptance_eval` over prompt ``texts`` encoded like evaluation prompts (``eval.max_prompt_tokens``)
+    with the run's ``decode.num_draft_tokens`` / draft-length policy: the checkpoint-selection score of the
+    distill, baseline and LoRA stages."""
+    from data.tokenization import encode_prompt
+
+    return make_acceptance_eval(
+        target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
+        num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=vocab_size,
+        move_target=move_target, draft_length_policy=rc.decode.make_policy)
+
+
+def selection_meta(rc, stats: dict, *, eval_every: int, eval_prompts: int, eval_max_new_tokens: int) -> dict:
+    """The ``specdraft.json`` fields of checkpoint selection: the selected step (the last one without selection),
+    its mean accepted length and the selection settings (None without selection)."""
+    best = stats.get("best")
+    return {
+        "selected_step": best["step"] if best else stats["steps"],
+        "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
+        "selection": {"metric": "mean_accepted_length", "eval_every": eval_every, "eval_prompts": eval_prompts,
+                      "eval_max_new_tokens": eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
+                      "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
+                      "best": best} if best else None,
+    }

@@ -307,10 +307,9 @@ def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None
 def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     from data.checkpoints import (check_context_fits, check_vocab_covers_tokenizer, load_causal_lm,
                                   read_specdraft_meta)
-    from data.tokenization import encode_prompt
     from data.tokenizer_check import check_tokenizers_compatible
 
-    from .generation import make_acceptance_eval
+    from .generation import selection_eval_from_texts, selection_meta
     from .losses import get_loss
     from data.blocks import domain_blocks, domain_prompts
     from .trainer import evaluate_loss, make_distill_step, train
@@ -346,11 +345,8 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     base_score = None
     if lc.eval_every:
         texts = domain_prompts(domain, "validation", opts, lc.eval_prompts, tokenizer)
-        evaluate = make_acceptance_eval(
-            target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
-            num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=lc.eval_max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, vocab_size=shared,
-            draft_length_policy=rc.decode.make_policy)
+        evaluate = selection_eval_from_texts(rc, target, tokenizer, texts, max_new_tokens=lc.eval_max_new_tokens,
+                                             vocab_size=shared)
         with torch.no_grad():
             base_score = evaluate(draft.eval())["mean_accepted_length"]
     base_val_loss = evaluate_loss(draft, val_blocks)
@@ -365,7 +361,6 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
                   on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
     val_loss = evaluate_loss(model, val_blocks)
-    best = stats.get("best")
     base_meta = read_specdraft_meta(base_path)
     meta = {
         "kind": "lora", "target": str(rc.target.name_or_path), "base": str(base_path), "domain": domain,
@@ -375,13 +370,9 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
                  "adapted_modules": adapted_module_names(model)},
         "trainable_parameters": n_train, "draft_parameters": count_merged(n_total, n_train),
         "target_parameters": sum(p.numel() for p in target.parameters()),
-        "selected_step": best["step"] if best else stats["steps"],
-        "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
+        **selection_meta(rc, stats, eval_every=lc.eval_every, eval_prompts=lc.eval_prompts,
+                         eval_max_new_tokens=lc.eval_max_new_tokens),
         "base_mean_accepted_length": base_score,
-        "selection": {"metric": "mean_accepted_length", "eval_every": lc.eval_every, "eval_prompts": lc.eval_prompts,
-                      "eval_max_new_tokens": lc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
-                      "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
-                      "best": best} if best else None,
         "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": val_loss,
         "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),

@@ -228,18 +228,15 @@ def baseline_budget(rc, run_dir: Path) -> tuple[Any, dict]:
 def selection_eval(rc, opts: DataOptions, pair: Pair, teacher) -> Any:
     """The checkpoint-selection score (mean accepted length of greedy speculative decoding on
     ``distill.eval_prompts`` validation prompts), or None with ``distill.eval_every=0``."""
-    from .generation import make_acceptance_eval
+    from .generation import selection_eval_from_texts
 
-    dc, tok = rc.distill, pair.tokenizer
+    dc = rc.distill
     if not dc.eval_every:
         return None
-    texts = training_prompts(pair.weights, "validation", opts, dc.eval_prompts, tok, rc.seed)
-    return make_acceptance_eval(
-        pair.target, [encode_prompt(tok, t, rc.eval.max_prompt_tokens)[0] for t in texts],
-        num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=dc.eval_max_new_tokens,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, vocab_size=pair.shared,
-        move_target=teacher is not pair.target,  # the online teacher stays where training placed it
-        draft_length_policy=rc.decode.make_policy)
+    texts = training_prompts(pair.weights, "validation", opts, dc.eval_prompts, pair.tokenizer, rc.seed)
+    return selection_eval_from_texts(rc, pair.target, pair.tokenizer, texts, max_new_tokens=dc.eval_max_new_tokens,
+                                     vocab_size=pair.shared,
+                                     move_target=teacher is not pair.target)  # an online teacher stays in place
 
 
 def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict) -> dict:
@@ -247,6 +244,8 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
     its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision)."""
     from data.chat import Renderer
     from data.devices import run_precision
+
+    from .generation import selection_meta
 
     precision, dc = rc.trainer.mixed_precision, rc.distill
     with pair.dist.main_process_first():
@@ -256,17 +255,12 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
         val_loss = evaluate_loss(pair.draft, val_blocks)
     with run_precision(precision, next(pair.target.parameters()).device):
         target_val_loss = evaluate_loss(pair.target, val_blocks)
-    best = stats.get("best")
     meta = {
         "kind": name, "target": str(rc.target.name_or_path),
         "domain": rc.data.domain if len(pair.weights) == 1 else "mixture", "mixture": rc.data.mixture,
         "prompt_format": Renderer(pair.tokenizer).format, **pair.init_info, **signal.meta,
-        "selected_step": best["step"] if best else stats["steps"],
-        "selected_mean_accepted_length": best["metrics"]["mean_accepted_length"] if best else None,
-        "selection": {"metric": "mean_accepted_length", "eval_every": dc.eval_every, "eval_prompts": dc.eval_prompts,
-                      "eval_max_new_tokens": dc.eval_max_new_tokens, "num_draft_tokens": rc.decode.num_draft_tokens,
-                      "draft_length_policy": rc.decode.policy_settings(), "split": "validation",
-                      "best": best} if best else None,
+        **selection_meta(rc, stats, eval_every=dc.eval_every, eval_prompts=dc.eval_prompts,
+                         eval_max_new_tokens=dc.eval_max_new_tokens),
         "draft_parameters": pair.draft_parameters, "target_parameters": pair.target_parameters,
         "validation_loss_nats_per_token": val_loss, "target_validation_loss_nats_per_token": target_val_loss,
         "precision": precision, "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),

@@ -7,7 +7,6 @@ directory with ``specdraft.json`` (the config, the data fingerprint and the vali
 from __future__ import annotations
 
 import hashlib
-import itertools
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -25,10 +25,13 @@ timed.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from decode.stats import expected_speedup, expected_speedup_mixture
+
+log = logging.getLogger(__name__)
 
 TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
@@ -232,14 +235,18 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
 def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
     """Decide every domain of ``doc``: ``doc["recommendation"][domain]`` = :func:`decide`'s decision plus
     ``noisy`` / ``noisy_reasons``; ``doc["noisy"]`` = domains marked noisy. Each decision is checked against its
-    numbers (:func:`check_consistent`)."""
+    numbers (:func:`check_consistent`; a failure is logged and recorded as ``consistency_error``)."""
     from .report import domains_of
 
     rec = {}
     for d in domains_of(doc):
         cands = candidates(doc, d)
         r = decide(cands)
-        check_consistent(r, cands)
+        try:
+            check_consistent(r, cands)
+        except AssertionError as e:  # a bug in the rule: say so in the report rather than lose the evaluation
+            log.error("the decision for %s does not follow from its numbers: %s", d, e)
+            r["consistency_error"] = str(e)
         reasons = noisy_reasons(doc, d, r if r["action"] == SPECULATE else {**r, **(r.get("best_measured") or {})},
                                 noisy_relative_width)
         r.update(noisy=bool(reasons), noisy_reasons=reasons)

@@ -268,3 +268,18 @@ def test_recommendation_is_the_same_with_the_cores_loaded(tmp_path):
             q["basis"] == b["basis"] == "tie"), (d, q, b)
         assert q["draft"] in ("good", None) and not math.isnan(q["measured_speedup"])
     assert any(x["overloaded"] for x in busy["timing"]["machine_load"].values())  # the load was recorded
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"timing_trials": 0}, "eval.timing_trials must be >= 1, got 0"),
+    ({"noisy_relative_width": 0}, "eval.noisy_relative_width must be > 0, got 0"),
+    ({"deployment": {"cost_ratio": -1}}, "eval.deployment.cost_ratio must be > 0"),
+    ({"deployment": {"target_parameters": 7000}}, "eval.deployment.target_parameters and "
+                                                   "eval.deployment.draft_parameters go together"),
+])
+def test_bad_timing_and_deployment_settings_are_one_line_config_errors(override, message):
+    from eval.config import validate_eval
+
+    with pytest.raises(ValueError) as ei:
+        validate_eval({"eval": {"device": "cpu", **override}})
+    assert message in str(ei.value) and "\n" not in str(ei.value)

@@ -12,7 +12,8 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
    draft).
 3. The settings whose interval overlaps ``best``'s (upper end >= ``best``'s lower end) are *tied* with it: the
    measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
-   among ``best`` and the tied settings whose interval is not wholly below 1 is the highest expected speedup of the
+   among ``best`` and the tied settings whose interval is not wholly below 1 (only those whose interval lies wholly
+   above 1, when there are any: measured clearly faster than the target alone) is the highest expected speedup of the
    cost model (Leviathan et al. 2023, Thm 3.8: ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` with the
    measured per-token acceptance alpha and the measured cost ratio c; a policy pools it over the draft lengths it
    used), then the higher mean accepted length tau; the verdict says "tie" and why.
@@ -45,6 +46,12 @@ def _num(x) -> float:
 def _fmt(v: Any, digits: int = 2) -> str:
     x = _num(v)
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _key(x) -> float:
+    """A sort key of a number: NaN / missing last."""
+    v = _num(x)
+    return -math.inf if math.isnan(v) else v
 
 
 def interval(c: dict) -> tuple[float, float]:
@@ -118,15 +125,16 @@ def decide(cands: list[dict]) -> dict:
         reason = "its measured speedup interval lies above every other setting's"
     else:
         pool = [best] + [c for c in tied if interval(c)[1] >= 1.0]  # never a setting wholly below 1
-        chosen = max(pool, key=lambda c: (_num(c.get("expected_speedup")) if not math.isnan(
-            _num(c.get("expected_speedup"))) else -math.inf, _num(c.get("mean_accepted_length")) if not math.isnan(
-            _num(c.get("mean_accepted_length"))) else -math.inf, order(c)))
+        above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
+        chosen = max(above or pool, key=lambda c: (_key(c.get("expected_speedup")),
+                                                   _key(c.get("mean_accepted_length")), order(c)))
         basis = "tie"
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
-                  f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model: the highest "
-                  f"expected speedup {FORMULA} from the measured acceptance and cost ratio c "
-                  f"({_fmt(chosen.get('expected_speedup'))}x)")
+                  f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
+                  + (" among those whose interval lies above 1" if above else "")
+                  + f": the highest expected speedup {FORMULA} from the measured acceptance and cost ratio c "
+                  f"({_fmt(chosen.get('expected_speedup'))}x), then the higher tau")
     return {"action": SPECULATE, "basis": basis, **chosen, "best_measured": best_view,
             "tied_with": [f"{c['draft']}:{label(c)}" for c in tied], "reason": reason}
 
@@ -158,6 +166,9 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         assert decision["basis"] == "tie"
         assert interval(c)[1] >= interval(b)[0], "tie pick does not overlap the fastest setting"
         pool = [o for o in valid if o is b or (interval(o)[1] >= interval(b)[0] and interval(o)[1] >= 1.0)]
+        above = [o for o in pool if interval(o)[0] >= 1.0]
+        assert any(o is c for o in (above or pool)), "tie pick not among the tied settings measured above 1"
+        pool = above or pool
         ex = lambda o: _num(o.get("expected_speedup"))  # noqa: E731
         best_ex = max((ex(o) for o in pool if not math.isnan(ex(o))), default=math.nan)
         assert math.isnan(best_ex) or ex(c) == best_ex, "tie not broken by the cost model"

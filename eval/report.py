@@ -49,8 +49,8 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
     :func:`eval.verdicts.deployment_cost_ratios` (adds ``projected_speedup`` to every entry), or None.
 
     ``drafts.<draft>.<domain>`` holds the metrics at the primary gamma (``decode.num_draft_tokens``, or the swept
-    value closest to it) plus ``sweep.<gamma>``; ``recommendation.<domain>`` is the best (draft, gamma) by measured
-    speedup; ``verdicts.<domain>`` the report's one-line verdict.
+    value closest to it) plus ``sweep.<gamma>``; ``verdicts.<domain>`` the report's one-line verdict;
+    ``timing``: ``timing_trials`` and the machine load per domain while timing.
     """
     gammas = list(results["num_draft_tokens"])
     primary = primary_num_draft_tokens if primary_num_draft_tokens is not None else gammas[0]

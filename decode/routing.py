@@ -11,6 +11,9 @@ A routing table is the JSON file the evaluation writes (``routing.json`` in the 
                 "code": {...}},
      "default": {"draft": "distilled", "path": "/abs/drafts/distilled", ...}}
 
+A route with ``"target_only": true`` (``draft`` and ``path`` null) sends its domain to no draft: it is decoded with
+the target alone (the evaluation writes such a route where every draft's measured speedup interval lies below 1).
+
 ``routes.<domain>.path`` (absolute, or relative to the table's folder) is the draft for that domain; ``default``
 (optional) is the fallback for a domain without a route. :func:`load_routing` reads and checks a table;
 :meth:`RoutingTable.draft_for` answers one domain. The numbers beside each path are what the choice was based on;
@@ -33,9 +36,14 @@ class RoutingError(ValueError):
 
 @dataclass(frozen=True)
 class Route:
-    draft: str  # the draft's name (as in the report)
-    path: str  # absolute path of the draft's Hugging Face directory
+    draft: str | None  # the draft's name (as in the report); None: decode with the target alone
+    path: str | None  # absolute path of the draft's Hugging Face directory; None: decode with the target alone
     num_draft_tokens: int | None = None  # gamma it was measured best with (None: not recorded)
+
+    @property
+    def target_only(self) -> bool:
+        """True for a route to no draft: decode the domain with the target alone."""
+        return self.path is None
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,8 @@ class RoutingTable:
                            f"that domain in eval.domains, or add a {DEFAULT_KEY!r} entry to the table.")
 
     def as_paths(self) -> dict[str, str]:
-        """domain -> draft path (the ``default`` route under the key ``"default"`` when present)."""
+        """domain -> draft path (None: the target alone; the ``default`` route under the key ``"default"`` when
+        present)."""
         out = {d: r.path for d, r in self.routes.items()}
         if self.default is not None:
             out[DEFAULT_KEY] = self.default.path
@@ -70,6 +79,11 @@ class RoutingTable:
 
 
 def _route(entry, where: str, base: Path) -> Route:
+    if isinstance(entry, dict) and entry.get("target_only") is True:
+        if entry.get("path") is not None or entry.get("draft") is not None:
+            raise RoutingError(f"{where} is target_only but names a draft ({entry.get('draft')!r}, "
+                               f"{entry.get('path')!r}); drop target_only or the draft")
+        return Route(draft=None, path=None, num_draft_tokens=None)
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
         raise RoutingError(f"{where} must be an object with a non-empty string 'path' (the draft directory), "
                            f"got {entry!r}")
@@ -124,7 +138,7 @@ def load_routing(path: str | os.PathLike, check_paths: bool = True) -> RoutingTa
     if check_paths:
         routed = list(table.routes.items()) + ([(DEFAULT_KEY, table.default)] if table.default else [])
         for d, r in routed:
-            if not (Path(r.path) / "config.json").is_file():
+            if not r.target_only and not (Path(r.path) / "config.json").is_file():
                 raise RoutingError(f"routing table {p}: the draft for {d!r} ({r.draft}) is not a model directory: "
                                    f"{r.path} has no config.json. Re-run the evaluation, or fix the path.")
     return table

@@ -88,8 +88,8 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as e:
         exit_on_error(e)
         raise
-    for domain, (draft, _) in out["recommendation"].items():
-        print(f"{domain}: use {draft} with {out['recommended_setting'][domain]}")
+    print(out["summary"])  # the verdict section of report.md, as it is there (eval.verdicts.verdicts_section)
+    print()
     print(f"report: {out['report']}")
     print(f"run directory: {run_dir}")
 

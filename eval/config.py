@@ -34,6 +34,33 @@ class ExtraDomainConfig:
 
 
 @dataclass
+class DeploymentConfig:
+    """Where the drafts will be deployed, for the *projected* speedup (Leviathan et al. 2023, Thm 3.8) beside the
+    measured one: a cost ratio c, or parameter counts (a memory-bound GPU at batch 1: c = draft / target
+    parameters), or ``memory_bound: true`` (the evaluated models' own parameter counts). All unset: no projection."""
+
+    cost_ratio: float | None = None  # c = one draft forward / one target forward on the deployment
+    target_parameters: int | None = None  # with draft_parameters: c = draft_parameters / target_parameters
+    draft_parameters: int | None = None
+    memory_bound: bool = False  # c = each evaluated draft's parameter count / the target's
+
+    def __post_init__(self):
+        if self.cost_ratio is not None and not self.cost_ratio > 0:
+            raise ValueError(f"eval.deployment.cost_ratio must be > 0 (draft forward time / target forward time), "
+                             f"got {self.cost_ratio}")
+        if (self.target_parameters is None) != (self.draft_parameters is None):
+            raise ValueError("eval.deployment.target_parameters and eval.deployment.draft_parameters go together: "
+                             "give both (or neither)")
+        for k in ("target_parameters", "draft_parameters"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ValueError(f"eval.deployment.{k} must be >= 1, got {v}")
+
+    def enabled(self) -> bool:
+        return self.cost_ratio is not None or self.target_parameters is not None or self.memory_bound
+
+
+@dataclass
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
@@ -55,6 +82,10 @@ class EvalConfig:
     num_threads: int | None = None  # torch CPU threads while timing (null: leave torch's setting)
     device: str | None = None  # cpu | cuda | cuda:N; null: cuda when torch sees a GPU, else cpu
     dtype: str | None = None  # float32 | bfloat16 | float16; null: bfloat16 on a GPU, float32 on CPU
+    timing_trials: int = 1  # timed repetitions of every decode (paired speculative / target-only, interleaved)
+    noisy_relative_width: float = 0.5  # a domain's timing is noisy when its speedup interval is wider than this x
+    # the estimate (or the load average exceeded the cores)
+    deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
 
     def __post_init__(self):
         if self.max_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 2:
@@ -84,6 +115,10 @@ class EvalConfig:
         if self.alert_mean_accepted_length < 0:
             raise ValueError(f"eval.alert_mean_accepted_length must be >= 0 tokens, got "
                              f"{self.alert_mean_accepted_length}")
+        if self.timing_trials < 1:
+            raise ValueError(f"eval.timing_trials must be >= 1, got {self.timing_trials}")
+        if not self.noisy_relative_width > 0:
+            raise ValueError(f"eval.noisy_relative_width must be > 0, got {self.noisy_relative_width}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"eval.num_threads must be null or >= 1, got {self.num_threads}")
         self.torch_device()  # DeviceError (a ValueError): e.g. eval.device=cuda on a machine without a GPU

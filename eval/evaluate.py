@@ -9,6 +9,7 @@ counts (and the draft length of every verify step) that rebuild every pooled num
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -40,6 +41,24 @@ def measure_cost_ratio(target, draft, input_ids: torch.Tensor, trials: int = 20)
     return cost_ratio(target, draft, input_ids.to(device), steps=trials)
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity set; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_record(before, after) -> dict:
+    """The machine's load around a measurement: ``{"loadavg_before": [1, 5, 15 min], "loadavg_after": [...],
+    "cores": n, "overloaded": bool}``; overloaded when the 1-minute load average before or after exceeds the
+    cores (runnable processes queue for a core, so wall times include waiting)."""
+    cores = cpu_cores()
+    before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
+    return {"loadavg_before": before, "loadavg_after": after, "cores": cores,
+            "overloaded": max(before[0], after[0]) > cores}
+
+
 def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:
     """One short decode per model so the first timed prompt does not pay for lazy initialisation."""
     autoregressive_generate(target, ids, max_new_tokens=4, eos_token_id=eos, pad_token_id=pad)
@@ -53,12 +72,17 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
                     seed: int = 0, events: Callable[..., None] | None = None,
                     draft_length_policies: dict[str, Callable[[], Any]] | None = None,
-                    warn_truncation: bool = True) -> dict:
+                    warn_truncation: bool = True, timing_trials: int = 1) -> dict:
     """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``, then
     with every draft under every draft-length policy of ``draft_length_policies``.
 
     The same prompt is decoded in alternation (target-only, then each gamma x draft), so slow drift of the machine
-    affects all settings alike. Sampling uses one generator seeded with ``seed + prompt index`` per decode.
+    affects all settings alike. With ``timing_trials`` T > 1 every prompt's decodes are repeated T times, the trials
+    of a prompt back to back and the order alternating (odd trials run the speculative settings before
+    target-only), so each trial gives a paired (speculative, target-only) time measured side by side. The counts
+    come from the first trial (the decodes are deterministic: the generator is reseeded per decode). Sampling uses
+    one generator seeded with ``seed + prompt index`` per decode. The machine's load (``os.getloadavg``) is
+    recorded before and after every domain, with the core count.
 
     Args:
         target: HF causal LM (eval mode). tokenizer: the target's tokenizer (drafts must share it).
@@ -72,10 +96,15 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         decode_kwargs: sampling settings (``do_sample``, ``temperature``, ``top_k``, ``top_p``); greedy by default.
         events: optional ``events(name, **fields)`` callback (the run's event log).
         warn_truncation: warn when prompts were truncated (the pipeline passes False: it warned once already).
+        timing_trials: timed repetitions of every decode (>= 1); a row's ``target_trial_times_s`` /
+            ``speculative_trial_times_s`` hold one wall time (seconds) per trial, its ``target_time_s`` /
+            ``speculative_time_s`` their mean.
 
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "num_draft_tokens": [gammas], "max_new_tokens",
-        "sampling", "truncated_prompts", "draft_length_policies": [names]}``; rows have the columns of
+        "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
+        "target_only"}`` (``machine_load``: :func:`load_record` per domain; ``target_only``: per domain the
+        target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
     decode_kwargs = dict(decode_kwargs or {})
@@ -95,30 +124,63 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     policies = dict(draft_length_policies or {})
     settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
     runs_per_prompt = 1 + len(settings) * len(drafts)
+    trials = max(1, int(timing_trials))
+    load: dict[str, dict] = {}
+    target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
     for domain, prompts in prompts_by_domain.items():
         t_domain = time.perf_counter()
-        bar = tqdm(total=len(prompts) * runs_per_prompt, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
+        tgt_tokens, tgt_time = 0, 0.0
+        load_before = os.getloadavg()
+        bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
+                   dynamic_ncols=True)
         for i, p in enumerate(prompts):
             ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
             truncated_total += truncated
-            g = torch.Generator(device=device).manual_seed(seed + i)
-            t0 = time.perf_counter()
-            ref = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                          pad_token_id=pad, generator=g, **decode_kwargs)
-            sync(device)  # CUDA: one wait per measured decode, so its queued work counts in it
-            t_ref = time.perf_counter() - t0
+
+            def run_target():
+                g = torch.Generator(device=device).manual_seed(seed + i)
+                t0 = time.perf_counter()
+                out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                              pad_token_id=pad, generator=g, **decode_kwargs)
+                sync(device)  # CUDA: one wait per measured decode, so its queued work counts in it
+                bar.update(1)
+                return out, time.perf_counter() - t0
+
+            def run_spec(gamma, make, draft):
+                g = torch.Generator(device=device).manual_seed(seed + i)
+                policy = make() if make is not None else None
+                t0 = time.perf_counter()
+                out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
+                                           num_draft_tokens=gamma or 1, draft_length_policy=policy,
+                                           eos_token_id=eos, pad_token_id=pad, generator=g, **decode_kwargs)
+                sync(device)
+                bar.update(1)
+                return out, policy, time.perf_counter() - t0
+
+            ref, t_ref = None, []
+            first: dict[tuple, tuple] = {}  # (setting index, draft) -> (output, policy) of trial 0
+            t_spec: dict[tuple, list[float]] = {}
+            for trial in range(trials):
+                spec_first = trial % 2 == 1  # alternate the order: neither side always runs on a "fresh" machine
+                if not spec_first:
+                    out, t = run_target()
+                    ref = out if ref is None else ref
+                    t_ref.append(t)
+                for k, (policy_name, gamma, make) in enumerate(settings):
+                    for name, draft in drafts.items():
+                        out, policy, t = run_spec(gamma, make, draft)
+                        first.setdefault((k, name), (out, policy))
+                        t_spec.setdefault((k, name), []).append(t)
+                if spec_first:
+                    out, t = run_target()
+                    ref = out if ref is None else ref
+                    t_ref.append(t)
             n_ref = int(ref.num_new_tokens[0])
-            bar.update(1)
-            for policy_name, gamma, make in settings:
-                for name, draft in drafts.items():
-                    g = torch.Generator(device=device).manual_seed(seed + i)
-                    policy = make() if make is not None else None
-                    t0 = time.perf_counter()
-                    out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
-                                               num_draft_tokens=gamma or 1, draft_length_policy=policy,
-                                               eos_token_id=eos, pad_token_id=pad, generator=g, **decode_kwargs)
-                    sync(device)
-                    t_spec = time.perf_counter() - t0
+            tgt_tokens, tgt_time = tgt_tokens + n_ref, tgt_time + sum(t_ref) / len(t_ref)
+            for k, (policy_name, gamma, make) in enumerate(settings):
+                for name in drafts:
+                    out, policy = first[(k, name)]
+                    ts = t_spec[(k, name)]
                     s = out.stats
                     rows.append({
                         "draft": name, "domain": domain, "prompt_id": p.id,
@@ -128,20 +190,24 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                         "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
                         "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                         "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
-                        "verify_time_s": s.verify_time_s, "speculative_time_s": t_spec, "target_new_tokens": n_ref,
-                        "target_time_s": t_ref,
+                        "verify_time_s": s.verify_time_s, "speculative_time_s": sum(ts) / len(ts),
+                        "target_new_tokens": n_ref, "target_time_s": sum(t_ref) / len(t_ref),
+                        "speculative_trial_times_s": list(ts), "target_trial_times_s": list(t_ref),
                         "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
                         "per_position_drafted": list(s.per_position_drafted),
                         "per_position_accepted": list(s.per_position_accepted),
                         "accepted_length_histogram": list(s.accepted_length_histogram),
                     })
-                    bar.update(1)
         bar.close()
+        load[domain] = load_record(load_before, os.getloadavg())
+        target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
+                               "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
         if events:
             events("eval_domain_done", domain=domain, prompts=len(prompts),
-                   seconds=time.perf_counter() - t_domain)
+                   seconds=time.perf_counter() - t_domain, machine_load=load[domain])
     if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
     return {"rows": rows, "cost_ratio": cost, "num_draft_tokens": gammas, "max_new_tokens": max_new_tokens,
-            "sampling": decode_kwargs, "truncated_prompts": truncated_total, "draft_length_policies": list(policies)}
+            "sampling": decode_kwargs, "truncated_prompts": truncated_total, "draft_length_policies": list(policies),
+            "timing_trials": trials, "machine_load": load, "target_only": target_only}

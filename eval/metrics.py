@@ -25,11 +25,15 @@ PER_PROMPT_COLUMNS = (
     "draft", "domain", "prompt_id", "num_draft_tokens", "prompt_tokens", "truncated", "new_tokens", "verify_steps",
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
-    "accepted_length_histogram", "draft_length_policy", "draft_lengths",
+    "accepted_length_histogram", "draft_length_policy", "draft_lengths", "speculative_trial_times_s",
+    "target_trial_times_s",
 )
 LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
 # columns added after the first files were written: their value in an older per_prompt.csv / row
-COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": []}
+COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": [], "speculative_trial_times_s": [],
+                   "target_trial_times_s": []}
+# per-trial wall times (seconds, one per timing trial; space-separated in the CSV)
+FLOAT_LIST_COLUMNS = ("speculative_trial_times_s", "target_trial_times_s")
 FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
                "emitted_tokens", "target_new_tokens")
@@ -75,6 +79,40 @@ def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, *, samples: int, confid
         stat = num[idx].sum(1) / den[idx].sum(1)  # (samples,)
         if num2 is not None:
             stat = stat / (num2[idx].sum(1) / den2[idx].sum(1))
+    stat = stat[np.isfinite(stat)]
+    if not stat.size:
+        return None
+    a = (1 - confidence) / 2
+    lo, hi = np.quantile(stat, [a, 1 - a])
+    return [float(lo), float(hi)]
+
+
+def trial_times(rows: list[dict], key: str) -> np.ndarray:
+    """(n, T) per-trial wall times of ``rows`` from ``<key>_trial_times_s`` (T = the fewest trials of a row); rows
+    without per-trial times (older files) give their ``<key>_time_s`` as one trial."""
+    lists = [list(r.get(f"{key}_trial_times_s") or []) or [float(r[f"{key}_time_s"])] for r in rows]
+    t = min((len(x) for x in lists), default=1)
+    return np.asarray([x[:t] for x in lists], dtype=float).reshape(len(rows), t)
+
+
+def bootstrap_speedup_ci(new: np.ndarray, spec_t: np.ndarray, tnew: np.ndarray, tgt_t: np.ndarray, *,
+                         samples: int, confidence: float, seed: int) -> list[float] | None:
+    """Percentile bootstrap interval of the pooled speedup over prompts **and** timing trials, pairs kept.
+
+    ``new``/``tnew`` (n,): tokens of the speculative / target-only decode of each prompt; ``spec_t``/``tgt_t``
+    (n, T): their wall times (seconds) in each of T timing trials, the two of a trial measured side by side. Each
+    resample draws n prompts with replacement and, for each drawn prompt, one of its T trials (the speculative and
+    target-only time of that same trial: a paired draw), then recomputes
+    ``(sum new / sum spec_t) / (sum tnew / sum tgt_t)``. Returns ``[low, high]``, or None when ``samples == 0`` or
+    there are no prompts."""
+    n = len(new)
+    if samples <= 0 or n == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(samples, n))  # (samples, n) prompt indices
+    tr = rng.integers(0, spec_t.shape[1], size=(samples, n))  # (samples, n) trial of each drawn prompt
+    with np.errstate(divide="ignore", invalid="ignore"):
+        stat = (new[idx].sum(1) / spec_t[idx, tr].sum(1)) / (tnew[idx].sum(1) / tgt_t[idx, tr].sum(1))
     stat = stat[np.isfinite(stat)]
     if not stat.size:
         return None
@@ -133,6 +171,13 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     target_tps = _ratio(tnew.sum(), tgt_t.sum())
     spec_tps = _ratio(new.sum(), spec_t.sum())
     speedup = _ratio(spec_tps, target_tps) if math.isfinite(target_tps) else float("nan")
+    spec_trials, tgt_trials = trial_times(rows, "speculative"), trial_times(rows, "target")  # (n, T) each
+    t_common = min(spec_trials.shape[1], tgt_trials.shape[1])
+    spec_trials, tgt_trials = spec_trials[:, :t_common], tgt_trials[:, :t_common]
+    with np.errstate(divide="ignore", invalid="ignore"):  # per prompt and trial: (new / spec_t) / (tnew / tgt_t)
+        pairs = (new[:, None] / spec_trials) / (tnew[:, None] / tgt_trials)
+    pairs = pairs[np.isfinite(pairs)]
+    paired = float(np.median(pairs)) if pairs.size else float("nan")
     c = float(cost_ratio)
     if math.isfinite(token_alpha) and draft_length_policy != FIXED:
         exp_speedup = expected_speedup_mixture(token_alpha, dl_hist, c) if dl_hist else float("nan")
@@ -167,8 +212,10 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
         "target_latency_s": percentiles(tgt_t),
         "speculative_latency_s": percentiles(spec_t),
         "measured_speedup": speedup,
-        "measured_speedup_ci": bootstrap_ratio_ci(new, spec_t, num2=tnew, den2=tgt_t,
-                                                  seed=_cell_seed(seed, "speedup", *key), **boot),
+        "measured_speedup_ci": bootstrap_speedup_ci(new, spec_trials, tnew, tgt_trials,
+                                                    seed=_cell_seed(seed, "speedup", *key), **boot),
+        "timing_trials": int(spec_trials.shape[1]),
+        "paired_speedup_median": paired,
         "expected_speedup": exp_speedup,
         "cost_ratio": c,
         "num_prompts": len(rows),
@@ -311,6 +358,8 @@ def row_to_csv(row: dict) -> dict:
         v = row[k] if k not in COLUMN_DEFAULTS else row.get(k, COLUMN_DEFAULTS[k])
         if k in LIST_COLUMNS:
             v = " ".join(str(int(x)) for x in v)
+        elif k in FLOAT_LIST_COLUMNS:
+            v = " ".join(repr(float(x)) for x in v)
         elif v is None:
             v = ""
         out[k] = v
@@ -329,6 +378,8 @@ def row_from_csv(rec: dict[str, str]) -> dict:
         out[k] = None if rec[k] == "" else rec[k] == "True"
     for k in LIST_COLUMNS:
         out[k] = [int(x) for x in rec[k].split()]
+    for k in FLOAT_LIST_COLUMNS:
+        out[k] = [float(x) for x in rec[k].split()]
     return out
 
 

@@ -25,6 +25,7 @@ from data.loading import DataOptions, eval_prompts, user_domain
 from .evaluate import Prompt, evaluate_drafts
 from .report import render_markdown, setting_label, write_report
 from .routing import routing_section, write_routing
+from .verdicts import verdicts_section
 
 log = logging.getLogger(__name__)
 
@@ -103,8 +104,8 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
 
 
 def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None) -> tuple[dict, dict]:
-    """``decode.draft_routing``: (draft name -> path, domain -> draft name) for ``domains``, checked before any
-    model loads.
+    """``decode.draft_routing``: (draft name -> path, domain -> draft name, None for a domain routed to the target
+    alone) for ``domains``, checked before any model loads.
 
     Raises:
         RoutingError (a ValueError): missing / invalid table, a domain without a route and no ``default``, or
@@ -120,6 +121,9 @@ def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None)
     routed: dict[str, str] = {}
     for d in domains:
         r = table.draft_for(d)
+        if r.target_only:  # routed to no draft: decoded with the target alone
+            routed[d] = None
+            continue
         name = r.draft
         if name in paths and paths[name] != Path(r.path):  # two different checkpoints share a name
             name = f"{r.draft}@{Path(r.path).parent.name}/{Path(r.path).name}"
@@ -146,7 +150,7 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     else:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
             if drafts_dir.is_dir() else {}
-    if not paths:
+    if not paths and not rc.decode.draft_routing:  # a table may route every domain to the target alone
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
@@ -266,7 +270,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
        prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
     # Without routing every draft decodes every domain; with routing each domain only its routed draft.
     groups = [(drafts, prompts)] if routed is None else [
-        ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts]
+        ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts] + [
+        ({}, {d: p for d, p in prompts.items() if routed[d] is None})]  # routed to no draft: the target alone
     with torch_threads(rc.eval.num_threads):
         runtime = runtime_record(device, dtype)  # threads: as set while timing
         ev("eval_runtime", **runtime)
@@ -275,16 +280,20 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
             max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
             check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
             decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev, draft_length_policies=policies,
-            warn_truncation=False)
+            warn_truncation=False, timing_trials=rc.eval.timing_trials)
             for group_drafts, group_prompts in groups if group_prompts]
     results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
+               "machine_load": {d: x for p in parts for d, x in p["machine_load"].items()},
+               "target_only": {d: x for p in parts for d, x in p["target_only"].items()},
                "draft_length_policy_settings": {p: rc.decode.policy_settings(p) for p in policy_names}}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:
-        context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed}
+        context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
+                                    "target_only": {d: results["target_only"][d] for d, n in routed.items()
+                                                    if n is None and d in results["target_only"]}}
     sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []
     if any(m.get("init") or m.get("quantize", "none") != "none" for m in meta.values()):
         from .draft_sources import draft_sources_section
@@ -296,7 +305,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
 
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
-    sections.append(f"## Prompt format\n\nChat records (conversations) were rendered with "
+    sections.append("## Prompt format\n\nChat records (conversations) were rendered with "
                     + ("the target tokenizer's chat template (`apply_chat_template`, generation prompt added)."
                        if prompt_format == "chat_template" else
                        "the plain `User: ...\\nAssistant:` format: the target tokenizer has no chat template.")
@@ -304,6 +313,13 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     serving = ServingSection({n: paths[n] for n in drafts}, str(rc.target.name_or_path))
     sections.append(serving)
     sources = domain_sources(domains)
+    deployment = None
+    if rc.eval.deployment.enabled():
+        from .verdicts import deployment_cost_ratios
+
+        count = lambda m: sum(int(x.numel()) for x in m.parameters())  # noqa: E731
+        deployment = deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},
+                                            count(target))
     routing_path = None
     with atomic_file_set(run_dir, "report") as staging:
         if command_record is not None:
@@ -312,7 +328,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                            bootstrap_samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed,
                            check_lossless=rc.eval.check_lossless,
                            alert_mean_accepted_length=rc.eval.alert_mean_accepted_length, plots=rc.eval.plots,
-                           sources=sources)
+                           sources=sources, noisy_relative_width=rc.eval.noisy_relative_width,
+                           deployment=deployment)
         if serving.document is not None:
             write_text_atomic(staging / "serving.json", json.dumps(serving.document, indent=2) + "\n")
         if routed is None:  # a routed evaluation measures one draft per domain: nothing to choose, no new table
@@ -327,7 +344,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
            "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
            "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
-           "recommended_setting": {d: setting_label(r) for d, r in doc["recommendation"].items()},
+           "recommended_setting": {d: setting_label(r) if r["draft"] else "the target alone"
+                                   for d, r in doc["recommendation"].items()},
+           "summary": verdicts_section(doc),
            "routing": str(routing_path) if routing_path else None, "routed": routed,
            "serving": str(run_dir / "serving.json")}
     if rc.logger.name == "wandb":
@@ -337,5 +356,5 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         out["wandb_dir"] = log_to_wandb(rc.logger, run_dir, doc, config=cfg, name=rc.experiment_name,
                                         per_prompt_rows=results["rows"], events_path=run_dir / "events.jsonl")
         ev("eval_wandb", dir=out["wandb_dir"], mode=rc.logger.mode)
-    ev("eval_done", lossless_all=doc["lossless_all"])
+    ev("eval_done", lossless_all=doc["lossless_all"], noisy=doc.get("noisy"))
     return out

@@ -164,13 +164,13 @@ def speedup_vs_num_draft_tokens(doc: dict, path: Path) -> Path:
                     handles.setdefault(f"{draft}: {name} policy (at its mean draft length)", hp)
         r = rec.get(dom)
         title = dom
-        if r and not math.isnan(_v(r["measured_speedup"])):
+        if r and r.get("draft") and not math.isnan(_v(r["measured_speedup"])):
             policy = r.get("draft_length_policy", "fixed")
             x = r["num_draft_tokens"] if policy == "fixed" else _v(r.get("mean_draft_length"))
             (h3,) = ax.plot([x], [r["measured_speedup"]], "o", ms=11, mfc="none", mec="black")
-            handles.setdefault("recommended (best measured)", h3)
+            handles.setdefault("recommended", h3)
             how = f"gamma={r['num_draft_tokens']}" if policy == "fixed" else policy
-            title += f"\nbest: {r['draft']}, {how} ({_v(r['measured_speedup']):.2f}x)"
+            title += f"\nrecommended: {r['draft']}, {how} ({_v(r['measured_speedup']):.2f}x)"
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.set_title(title, fontsize=8)
         ax.set_xlabel("num_draft_tokens (gamma)", fontsize=8)

@@ -40,12 +40,17 @@ def _ci(v: Any, ci: list | None, digits: int = 2, suffix: str = "") -> str:
 
 def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: int | None = None,
                      bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
-                     check_lossless: bool = True, alert_mean_accepted_length: float = 2.0) -> dict:
+                     check_lossless: bool = True, alert_mean_accepted_length: float = 2.0,
+                     noisy_relative_width: float = 0.5, deployment: dict | None = None) -> dict:
     """The ``metrics.json`` document (schema in README, "Report fields").
 
+    ``recommendation.<domain>`` is the decision of :mod:`eval.verdicts` (a draft and setting, or the target alone),
+    ``best_measured.<domain>`` the setting with the highest measured speedup; ``deployment``: the result of
+    :func:`eval.verdicts.deployment_cost_ratios` (adds ``projected_speedup`` to every entry), or None.
+
     ``drafts.<draft>.<domain>`` holds the metrics at the primary gamma (``decode.num_draft_tokens``, or the swept
-    value closest to it) plus ``sweep.<gamma>``; ``recommendation.<domain>`` is the best (draft, gamma) by measured
-    speedup; ``verdicts.<domain>`` the report's one-line verdict.
+    value closest to it) plus ``sweep.<gamma>``; ``verdicts.<domain>`` the report's one-line verdict;
+    ``timing``: ``timing_trials`` and the machine load per domain while timing.
     """
     gammas = list(results["num_draft_tokens"])
     primary = primary_num_draft_tokens if primary_num_draft_tokens is not None else gammas[0]
@@ -74,9 +79,14 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "cost_ratio": results["cost_ratio"],
         "lossless_all": all(all_lossless) if all_lossless else None,
         "drafts": agg["drafts"],
-        "recommendation": agg["recommendation"],
+        "best_measured": agg["recommendation"],
         "vs_baseline": agg["vs_baseline"],
+        "timing": {"timing_trials": results.get("timing_trials", 1), "machine_load": results.get("machine_load", {})},
     }
+    from .verdicts import add_decisions, add_projection
+
+    add_projection(doc, deployment)
+    add_decisions(doc, noisy_relative_width)
     doc["verdicts"] = {d: verdict(doc, d) for d in domains_of(doc)}
     return json_clean(doc)
 
@@ -112,45 +122,10 @@ def setting_label(r: dict) -> str:
 
 
 def verdict(doc: dict, domain: str) -> str:
-    """One line: which draft and gamma (or draft-length policy) to use on ``domain``, the measured and expected
-    speedup, and any alert."""
-    r = doc["recommendation"].get(domain)
-    if r is None:
-        return f"{domain}: no measurement."
-    alert = doc["alert_mean_accepted_length"]
-    e = recommended_entry(doc, domain)
-    tau = e["mean_accepted_length"]
-    s = e["measured_speedup"]
-    parts = [f"use `{r['draft']}` with {setting_label(r)}: measured speedup "
-             f"{_ci(s, e.get('measured_speedup_ci'), 2, 'x')} (Leviathan expects {_fmt(e['expected_speedup'], 2)}x), "
-             f"tau {_ci(tau, e.get('mean_accepted_length_ci'), 2)}"]
-    if r.get("draft_length_policy", "fixed") != "fixed":
-        parts[0] += f", mean draft length {_fmt(e['mean_draft_length'], 2)}"
-    others = [n for n in doc["drafts"] if n != r["draft"] and domain in doc["drafts"][n]]
-    for n in others:
-        o = setting_entry(doc["drafts"][n][domain], r)
-        if o is not None:
-            parts.append(f"`{n}` at the same setting: tau {_fmt(o['mean_accepted_length'], 2)}, "
-                         f"{_fmt(o['measured_speedup'], 2)}x")
-    line = "; ".join(parts) + "."
-    taus = {n: _num(doc["drafts"][n][domain]["mean_accepted_length"]) for n in doc["drafts"]
-            if domain in doc["drafts"][n]}
-    low = [n for n, t in taus.items() if not t >= alert]
-    if taus and len(low) == len(taus):
-        line += (f" **ALERT**: mean accepted length below {alert:g} (eval.alert_mean_accepted_length) for every "
-                 f"draft (best {_fmt(max(taus.values()), 2)}): adapt a draft to this domain.")
-    elif low:
-        line += " Below the alert threshold (tau < " + f"{alert:g}): " + ", ".join(
-            f"`{n}` ({_fmt(taus[n], 2)})" for n in low) + "."
-    ci = e.get("measured_speedup_ci")
-    if isinstance(s, (int, float)) and s is not None and (ci[1] < 1.0 if ci else s < 1.0):
-        line += " Speculative decoding is slower than target-only here."
-    lossless = [x["lossless"] for n in doc["drafts"] if domain in doc["drafts"][n]
-                for x in [*doc["drafts"][n][domain]["sweep"].values(),
-                          *doc["drafts"][n][domain].get("policies", {}).values()]]
-    if False in lossless:
-        line += " **LOSSLESS CHECK FAILED** (speculative greedy output differs from target-only)."
-    return line
+    """One line: the decision of ``domain`` (see :func:`eval.verdicts.verdict_line`)."""
+    from .verdicts import verdict_line
+
+    return verdict_line(doc, domain)
 
 
 def histogram_text(hist: list[int]) -> str:
@@ -200,8 +175,8 @@ def policies_section(doc: dict) -> list[str]:
                              f"{_ci(e['measured_speedup'], e.get('measured_speedup_ci'), 2, 'x')} | "
                              f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e.get('mean_draft_length'), 2)} | "
                              f"{histogram_text(e.get('draft_length_histogram'))} | {_fmt(e['lossless'])} |")
-    lines += ["", "Bold: the recommended setting of the domain (highest measured speedup over drafts, gammas and "
-              "policies)."]
+    lines += ["", "Bold: the recommended setting of the domain (see Verdicts: measured speedup where the intervals "
+              "separate, else the cost model; none when decoding with the target alone)."]
     return lines
 
 
@@ -233,8 +208,10 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
     for name, c in doc["cost_ratio"].items():
         lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward "
                      f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
-    lines += ["", "## Verdicts", ""]
-    lines += [f"- **{d}**: {doc['verdicts'][d]}" for d in domains]
+    from .verdicts import deployment_section, verdicts_section
+
+    lines += ["", verdicts_section(doc)]
+    lines += deployment_section(doc)
     if doc.get("vs_baseline"):
         lines += ["", f"## Against the cross-entropy baseline (gamma = {doc['num_draft_tokens']})", "",
                   f"Mean accepted length of each draft / that of `baseline` on the same prompts ([{level}% CI], "
@@ -299,8 +276,10 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                                  f"{_fmt(e['expected_speedup'], 2)}x")
                 lines.append(f"| {g} | " + " | ".join(cells) + " |")
             r = doc["recommendation"].get(d)
-            if r:
+            if r and r.get("draft"):
                 lines += ["", f"Recommended for {d}: `{r['draft']}` with {setting_label(r)}."]
+            elif r:
+                lines += ["", f"Recommended for {d}: decode with the target alone."]
             lines.append("")
     if sources:
         lines += ["## Data sources", "", "| domain | sources (license) |", "|---|---|"]
@@ -327,7 +306,8 @@ def write_report(out_dir: str | Path, results: dict, context: dict, extra_sectio
                  primary_num_draft_tokens: int | None = None, bootstrap_samples: int = 1000,
                  confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
                  alert_mean_accepted_length: float = 2.0, plots: bool = True,
-                 sources: dict[str, list[tuple[str, str]]] | None = None) -> dict:
+                 sources: dict[str, list[tuple[str, str]]] | None = None, noisy_relative_width: float = 0.5,
+                 deployment: dict | None = None) -> dict:
     """Write ``per_prompt.csv``, ``metrics.json``, ``plots/*.png`` and ``report.md`` into ``out_dir`` (each
     atomically); returns the metrics document (with ``plots``: name -> path relative to ``out_dir``).
 
@@ -336,7 +316,8 @@ def write_report(out_dir: str | Path, results: dict, context: dict, extra_sectio
     out_dir = Path(out_dir)
     doc = metrics_document(results, context, primary_num_draft_tokens=primary_num_draft_tokens,
                            bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed,
-                           check_lossless=check_lossless, alert_mean_accepted_length=alert_mean_accepted_length)
+                           check_lossless=check_lossless, alert_mean_accepted_length=alert_mean_accepted_length,
+                           noisy_relative_width=noisy_relative_width, deployment=deployment)
     extra_sections = [s(doc) if callable(s) else s for s in extra_sections or []]
     # The numbers first: a failure while drawing plots must never lose the measurements.
     write_per_prompt_csv(out_dir / "per_prompt.csv", results["rows"])

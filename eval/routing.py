@@ -1,9 +1,10 @@
 """Writing the draft routing table (``routing.json``) from an evaluation's metrics; the decoder reads it with
 :func:`decode.routing.load_routing` (``decode.draft_routing=PATH``).
 
-Route of a domain = the draft (and gamma) with the highest **measured speedup** on that domain (the evaluation's
-``recommendation.<domain>``: pooled speculative tokens/s over target-only tokens/s, each prompt decoded both ways in
-alternation). Beside it the table keeps the numbers behind the choice: for every candidate draft its measured
+Route of a domain = the evaluation's decision ``recommendation.<domain>`` (:mod:`eval.verdicts`): the draft and
+setting with the highest **measured speedup** where the intervals separate, else the cost model's pick among the
+tied settings; a domain where even the fastest setting's measured speedup interval lies below 1 is routed to no
+draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers behind the choice: for every candidate draft its measured
 speedup (with interval), mean accepted length, acceptance rate and expected speedup at its best gamma.
 ``default`` (the fallback for a domain without a route) is the draft with the highest geometric mean of measured
 speedup over the domains it was measured on, among the drafts measured on every domain.
@@ -49,6 +50,12 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
     for domain, rec in doc["recommendation"].items():
         name = rec["draft"]
         cands = {n: _entry(doc, n, domain) for n in doc["drafts"] if domain in doc["drafts"][n]}
+        if name is None:  # the target alone is fastest: route to no draft
+            routes[domain] = {"draft": None, "path": None, "target_only": True, "num_draft_tokens": None,
+                              "measured_speedup": rec.get("measured_speedup"),
+                              "measured_speedup_ci": rec.get("measured_speedup_ci"),
+                              "reason": rec.get("reason"), "candidates": cands}
+            continue
         routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
                           **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
                           "candidates": cands}
@@ -62,6 +69,10 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
 
         best = max(full, key=lambda n: (geo(n), n == doc["recommendation"][domains[0]]["draft"]))
         g = geo(best)
+        if all(r["draft"] is None for r in routes.values()):  # no draft pays anywhere: nor for other domains
+            default = {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup":
+                       math.exp(g) if math.isfinite(g) else None, "over_domains": domains}
+    if default is None and full and domains:
         default = {"draft": best, "path": str(Path(draft_paths[best]).resolve()),
                    "geometric_mean_measured_speedup": math.exp(g) if math.isfinite(g) else None,
                    "num_draft_tokens": int(doc["num_draft_tokens"]), "over_domains": domains}
@@ -83,19 +94,24 @@ def routing_section(table: dict, path: str) -> str:
         return "n/a" if x is None else f"{x:.{d}f}"
 
     lines = ["## Routing", "", f"Routing table `{path}` (load it with `decode.draft_routing=PATH`): each domain goes "
-             f"to the draft with the highest measured speedup.", "",
+             f"to the draft of its verdict (none: decoded with the target alone).", "",
              "| domain | routed draft | gamma | measured speedup | tau | other drafts (tau, speedup) |",
              "|---|---|---|---|---|---|"]
     for d, r in table["routes"].items():
         others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {f(c['measured_speedup'])}x"
                            for n, c in r["candidates"].items() if n != r["draft"]) or "-"
+        if r.get("target_only"):
+            lines.append(f"| {d} | none: the target alone | - | {f(r['measured_speedup'])}x (fastest draft) | - | "
+                         f"{others} |")
+            continue
         policy = r.get("draft_length_policy", "fixed")
         setting = r["num_draft_tokens"] if policy == "fixed" else f"{policy} policy"
         lines.append(f"| {d} | `{r['draft']}` | {setting} | {f(r['measured_speedup'])}x | "
                      f"{f(r['mean_accepted_length'])} | {others} |")
     if table.get(DEFAULT_KEY):
         dflt = table[DEFAULT_KEY]
-        lines += ["", f"Fallback (`{DEFAULT_KEY}`) for other domains: `{dflt['draft']}` (geometric-mean measured "
+        who = f"`{dflt['draft']}`" if dflt.get("draft") else "the target alone"
+        lines += ["", f"Fallback (`{DEFAULT_KEY}`) for other domains: {who} (geometric-mean measured "
                       f"speedup {f(dflt['geometric_mean_measured_speedup'])}x over {len(dflt['over_domains'])} "
                       f"domains)."]
     return "\n".join(lines)

@@ -31,6 +31,10 @@ def recommended_settings(doc: dict) -> dict[str, dict]:
     verdict logic moves)."""
     out = {}
     for domain, r in (doc.get("recommendation") or {}).items():
+        if r.get("action", "speculate") != "speculate" or r.get("draft") is None:  # the verdict: no draft pays
+            out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": r.get("measured_speedup"),
+                           "note": "serve with the target alone: " + (r.get("reason") or "no draft measured faster")}
+            continue
         gamma, note = r["num_draft_tokens"], ""
         policy = r.get("draft_length_policy", "fixed")
         if policy != "fixed":
@@ -81,6 +85,9 @@ def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str)
     target_path = str(Path(target).resolve()) if Path(target).exists() else str(target)
     domains = {}
     for domain, r in recommended_settings(doc).items():
+        if r["draft"] is None:
+            domains[domain] = {**r, "draft_path": None}
+            continue
         if r["draft"] not in draft_paths:
             raise ValueError(f"serving settings: no checkpoint path for recommended draft {r['draft']!r}")
         path = str(Path(draft_paths[r["draft"]]).resolve())
@@ -96,11 +103,15 @@ def serving_markdown(serving: dict) -> str:
              "`--speculative-num-draft-tokens` = steps + 1); transformers: `generate(assistant_model=draft)`.", "",
              "| domain | draft | gamma | vLLM speculative_config | SGLang flags | note |", "|---|---|---|---|---|---|"]
     for d, s in serving["domains"].items():
+        if s["draft"] is None:
+            lines.append(f"| {d} | none (the target alone) | - | - | - | {s['note']} |")
+            continue
         flags = " ".join(s["sglang"]["args"][2:])
         lines.append(f"| {d} | `{s['draft']}` | {s['num_draft_tokens']} | "
                      f"`{json.dumps(s['vllm']['speculative_config'])}` | `{flags}` | {s['note'] or '-'} |")
-    if serving["domains"]:
-        first = next(iter(serving["domains"].values()))
+    speculating = [s for s in serving["domains"].values() if s["draft"] is not None]
+    if speculating:
+        first = speculating[0]
         lines += ["", f"transformers, for `{first['draft']}` (gamma {first['num_draft_tokens']}):", "", "```python",
                   first["transformers"]["snippet"], "```"]
     return "\n".join(lines)

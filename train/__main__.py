@@ -36,7 +36,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
     run_dir = HydraConfig.get().runtime.output_dir
     try:
-        run(cfg, run_dir)
+        results = run(cfg, run_dir)
     except KeyboardInterrupt:
         from pathlib import Path
 
@@ -47,6 +47,10 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as e:
         exit_on_error(e)
         raise
+    summary = (results or {}).get("eval", {}).get("summary") if isinstance((results or {}).get("eval"), dict) else None
+    if summary:  # the verdict section of report.md, as it is there (eval.verdicts.verdicts_section)
+        print(summary)
+        print()
     print(f"run directory: {run_dir}")
 
 

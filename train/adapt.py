@@ -130,8 +130,8 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
             row["after_measured_speedup"] = e["measured_speedup"]
         r = table["routes"].get(d)
         if r:
-            row.update(routed_draft=r["draft"], routed_measured_speedup=r["measured_speedup"],
-                       routed_mean_accepted_length=r["mean_accepted_length"])
+            row.update(routed_draft=r["draft"], routed_measured_speedup=r.get("measured_speedup"),
+                       routed_mean_accepted_length=r.get("mean_accepted_length"))  # target alone: draft None
     write_json_atomic(run_dir / "routing.json", table)  # the run's table: same content, paths absolute
     summary = {"draft": str(base_path), "draft_name": base_name, "min_mean_accepted_length": threshold,
                "num_draft_tokens": after["num_draft_tokens"], "domains": rows, "drafts": drafts,
@@ -167,7 +167,8 @@ def render_adapt_report(s: dict) -> str:
         after = r.get("after_mean_accepted_length")
         before = r["before_mean_accepted_length"]
         change = f"{after - before:+.2f}" if after is not None and before is not None else "-"
-        lines.append(f"| {d} | {f(before)} | {r['action']} | {f(after)} | {change} | `{r.get('routed_draft')}` | "
+        routed = f"`{r['routed_draft']}`" if r.get("routed_draft") else "the target alone"
+        lines.append(f"| {d} | {f(before)} | {r['action']} | {f(after)} | {change} | {routed} | "
                      f"{f(r.get('routed_mean_accepted_length'))} | {f(r.get('routed_measured_speedup'))}x "
                      f"({f(r.get('before_measured_speedup'))}x) |")
     lines += ["", "tau: tokens emitted per verify step (bonus token included), pooled over the domain's prompts. "

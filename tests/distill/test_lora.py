@@ -229,7 +229,8 @@ def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_p
     assert set(s["drafts"]) == {"distilled", "lora_medical"}
     table = load_routing(tmp_path / "routing.json")
     assert set(table.routes) == {"medical", "specbench_qa"}
-    assert table.draft_for("medical").draft in {"distilled", "lora_medical"}
+    route = table.draft_for("medical")  # a draft, or the target alone when no draft's interval reaches 1x
+    assert route.draft in {"distilled", "lora_medical"} or (route.target_only and route.draft is None)
     after = json.loads((tmp_path / "adapt" / "after" / "metrics.json").read_text())
     assert set(after["drafts"]) == {"distilled", "lora_medical"}  # every draft on every domain
     report = (tmp_path / "adapt_report.md").read_text()

@@ -106,10 +106,12 @@ def test_eval_cli_writes_report(cli_run):
     assert twin["acceptance_rate"] == 1.0 and twin["token_acceptance_rate"] == 1.0
     assert doc["num_draft_tokens"] == 3 and doc["num_draft_tokens_swept"] == SWEEP  # closest to decode's 4
     report = (run_dir / "report.md").read_text()
-    for d in domains:
-        assert f"- **{d}**: use `" in report  # one verdict line per domain
+    for d in domains:  # one verdict line per domain: a draft and setting, or the target alone
+        assert f"- **{d}**: use `" in report or f"- **{d}**: decode with the target alone" in report
     assert "plots/acceptance_by_domain.png" in report and "mine_file" in report
-    assert "use " in proc.stdout
+    section = report[report.index("## Verdicts"):]
+    section = section[:section.index("\n## ", 1)].rstrip("\n")
+    assert section in proc.stdout  # the stdout summary is report.md's verdict section, caveats included
     assert "'mine_file' (user file " in proc.stdout and "3 of its 3 records are evaluation prompts" in proc.stdout
 
 
@@ -138,19 +140,30 @@ def test_per_prompt_csv_recomputes_metrics_json(cli_run):
                                  primary_num_draft_tokens=doc["num_draft_tokens"], bootstrap_samples=200,
                                  seed=doc["context"]["seed"]))
     assert again["drafts"] == doc["drafts"]
-    assert again["recommendation"] == doc["recommendation"]
+    assert again["recommendation"] == doc["best_measured"]  # the fastest measured setting; the verdict's decision
+    from eval.verdicts import candidates, decide  # is a function of the document's numbers
+
+    assert {d: json_clean(decide(candidates(doc, d))) for d in doc["recommendation"]} == {
+        d: {k: v for k, v in r.items() if k not in ("noisy", "noisy_reasons")} for d, r in doc["recommendation"].items()}
 
 
 def test_sweep_recommends_num_draft_tokens_per_domain(cli_run):
     run_dir, _ = cli_run
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert set(doc["recommendation"]) == {"chat", "specbench_qa", "mine_file"}
+    from eval.verdicts import candidates, check_consistent
+
     for domain, r in doc["recommendation"].items():
-        assert r["num_draft_tokens"] in SWEEP and r["draft"] in doc["drafts"]
+        check_consistent(r, candidates(doc, domain))  # the decision follows from the domain's numbers
         measured = {(n, int(g)): e["measured_speedup"] for n in doc["drafts"]
                     for g, e in doc["drafts"][n][domain]["sweep"].items()}
-        assert r["measured_speedup"] == max(measured.values())
-        assert measured[(r["draft"], r["num_draft_tokens"])] == r["measured_speedup"]
+        best = doc["best_measured"][domain]
+        assert best["measured_speedup"] == max(measured.values())
+        assert measured[(best["draft"], best["num_draft_tokens"])] == best["measured_speedup"]
+        if r["draft"] is None:  # the target alone: even the fastest setting's interval lies below 1
+            assert best["measured_speedup_ci"][1] < 1 and "decode with the target alone" in doc["verdicts"][domain]
+            continue
+        assert r["num_draft_tokens"] in SWEEP and r["draft"] in doc["drafts"]
         for n in doc["drafts"]:
             e = doc["drafts"][n][domain]
             assert e["best_num_draft_tokens"] == max(SWEEP, key=lambda g: e["sweep"][str(g)]["measured_speedup"])

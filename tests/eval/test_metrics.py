@@ -22,7 +22,8 @@ def row(draft="d", domain="x", g=2, steps=4, accepted=4, emitted=8, new=8, spec_
             "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": sum(lengths),
             "accepted_tokens": accepted, "emitted_tokens": emitted, "draft_time_s": 0.25 * spec_t,
             "verify_time_s": 0.5 * spec_t, "speculative_time_s": spec_t, "target_new_tokens": tnew,
-            "target_time_s": tgt_t, "greedy_equal": equal,
+            "target_time_s": tgt_t, "greedy_equal": equal, "speculative_trial_times_s": [spec_t],
+            "target_trial_times_s": [tgt_t],
             "per_position_drafted": ppd if ppd is not None else [steps, 2],
             "per_position_accepted": ppa if ppa is not None else [2, 1],
             "accepted_length_histogram": hist if hist is not None else [2, 1, 1]}

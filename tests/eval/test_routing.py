@@ -57,12 +57,20 @@ def test_each_domain_routes_to_the_draft_with_the_best_measured_speedup(tmp_path
         best = max(((dr, g) for dr in drafts for g in ("2", "4")),
                    key=lambda k: doc["drafts"][k[0]][dom]["sweep"][k[1]]["measured_speedup"])
         r = table["routes"][dom]
+        if doc["drafts"][best[0]][dom]["sweep"][best[1]]["measured_speedup"] < 1:  # no draft pays: the target alone
+            assert r["target_only"] and r["draft"] is None and r["path"] is None
+            continue
         assert (r["draft"], str(r["num_draft_tokens"])) == best
         assert r["measured_speedup"] == doc["drafts"][best[0]][dom]["sweep"][best[1]]["measured_speedup"]
         assert set(r["candidates"]) == set(drafts)  # the numbers behind the choice
     loaded = load_routing(tmp_path / "routing.json")
-    assert {d: r.path for d, r in loaded.routes.items()} == {d: str(paths[table["routes"][d]["draft"]].resolve())
-                                                              for d in domains}
+    assert {d: r.path for d, r in loaded.routes.items()} == {
+        d: str(paths[table["routes"][d]["draft"]].resolve()) if table["routes"][d]["draft"] else None
+        for d in domains}
+    assert all(loaded.draft_for(d).target_only == (table["routes"][d]["draft"] is None) for d in domains)
+    if all(r["draft"] is None for r in table["routes"].values()):  # the fallback is the target alone too
+        assert loaded.default.target_only
+        return
     # the fallback is the draft with the best geometric-mean speedup over the domains
     import math
 
@@ -119,19 +127,23 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     b = _save_tiny_draft(tmp_path / "drafts" / "b", 1)
     table = tmp_path / "routing.json"
     table.write_text(json.dumps({"routes": {"medical": {"draft": "a", "path": str(a)},
-                                            "code": {"draft": "b", "path": str(b)}}}))
+                                            "code": {"draft": "b", "path": str(b)},
+                                            "chat": {"draft": None, "path": None, "target_only": True}}}))
     cfg = {"target": {"name_or_path": "distill/reference_target"}, "decode": {"draft_routing": str(table)},
-           "eval": {"domains": ["medical", "code"], "max_prompts": 1, "max_new_tokens": 4, "max_prompt_tokens": 32,
+           "eval": {"domains": ["medical", "code", "chat"], "max_prompts": 1, "max_new_tokens": 4, "max_prompt_tokens": 32,
                     "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": True}}  # plots of a sparse doc
     rc = validate(cfg)
     out = evaluate_run(rc, rc.data.options(), tmp_path / "run")
     assert len(out["plots"]) == 4
     rows = (tmp_path / "run" / "per_prompt.csv").read_text().splitlines()[1:]
     assert sorted({(r.split(",")[0], r.split(",")[1]) for r in rows}) == [("a", "medical"), ("b", "code")]
-    assert out["routed"] == {"medical": "a", "code": "b"}
+    assert out["routed"] == {"medical": "a", "code": "b", "chat": None}  # chat: routed to no draft
     assert not (tmp_path / "run" / "routing.json").exists()  # the input table is never overwritten
     doc = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert doc["context"]["draft_routing"]["routes"] == {"medical": "a", "code": "b"}
+    assert doc["context"]["draft_routing"]["routes"] == {"medical": "a", "code": "b", "chat": None}
+    chat = doc["context"]["draft_routing"]["target_only"]["chat"]  # decoded with the target alone
+    assert chat["prompts"] == 1 and chat["new_tokens"] == 4 and chat["tokens_per_s"] > 0
+    assert "- **chat**: decoded with the target alone" in (tmp_path / "run" / "report.md").read_text()
 
     # a domain without a route (and no default) fails before any model loads
     cfg["eval"]["plots"] = False

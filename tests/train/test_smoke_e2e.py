@@ -155,3 +155,13 @@ def test_deepspeed_zero2_smoke_on_two_cpu_processes_matches_one_process(smoke_ru
     ref = AutoModelForCausalLM.from_pretrained(smoke_run / "drafts" / "distilled").state_dict()
     for name, w in draft.state_dict().items():
         torch.testing.assert_close(w, ref[name], atol=5e-5, rtol=1e-4, msg=name)
+
+
+def test_train_prints_the_reports_verdict_section(smoke_run):
+    """`python -m train`'s stdout carries report.md's verdicts and caveats, as they are there (one renderer:
+    eval.verdicts.verdicts_section)."""
+    out = (smoke_run.parent / "smoke_output.txt").read_text()
+    report = (smoke_run / "report.md").read_text()
+    section = report[report.index("## Verdicts"):]
+    section = section[:section.index("\n## ", 1)].rstrip("\n")
+    assert section.count("\n- **") == 2 and section in out  # medical and code

@@ -1,0 +1,391 @@
+"""Per-domain decisions (which draft and draft length to deploy, or none), their caveats, and the projected speedup
+on the deployment, from an evaluation's metrics document.
+
+One function renders the verdicts (:func:`verdicts_section`): ``report.md`` embeds it and ``python -m eval`` /
+``python -m train`` print it, so the two cannot disagree.
+
+Decision rule of a domain (:func:`decide`), over every measured setting (draft x gamma, draft x draft-length policy):
+
+1. ``best`` = the setting with the highest measured speedup (point estimate).
+2. If ``best``'s whole speedup interval lies below 1 (no interval: its point estimate), no draft is faster than the
+   target alone here: the verdict is **decode with the target alone** (``routing.json`` routes the domain to no
+   draft).
+3. The settings whose interval overlaps ``best``'s (upper end >= ``best``'s lower end) are *tied* with it: the
+   measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
+   among ``best`` and the tied settings whose interval is not wholly below 1 (only those whose interval lies wholly
+   above 1, when there are any: measured clearly faster than the target alone) is the highest expected speedup of the
+   cost model (Leviathan et al. 2023, Thm 3.8: ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` with the
+   measured per-token acceptance alpha and the measured cost ratio c; a policy pools it over the draft lengths it
+   used), then the higher mean accepted length tau; the verdict says "tie" and why.
+
+So no decision recommends a setting whose measured speedup interval lies wholly below 1.
+
+A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
+times its point estimate, or the machine's 1-minute load average exceeded its core count while the domain was
+timed.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from decode.stats import expected_speedup, expected_speedup_mixture
+
+log = logging.getLogger(__name__)
+
+TARGET_ONLY = "target_only"
+SPECULATE = "speculate"
+FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
+
+
+def _num(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    x = _num(v)
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _key(x) -> float:
+    """A sort key of a number: NaN / missing last."""
+    v = _num(x)
+    return -math.inf if math.isnan(v) else v
+
+
+def interval(c: dict) -> tuple[float, float]:
+    """(low, high) of a candidate's measured speedup interval; its point estimate twice without an interval."""
+    ci = c.get("measured_speedup_ci")
+    s = _num(c.get("measured_speedup"))
+    if ci and len(ci) == 2 and not any(math.isnan(_num(v)) for v in ci):
+        return _num(ci[0]), _num(ci[1])
+    return s, s
+
+
+def label(c: dict) -> str:
+    """``num_draft_tokens=G`` or ``draft_length_policy=NAME`` of a candidate."""
+    p = c.get("draft_length_policy") or "fixed"
+    return f"num_draft_tokens={c['num_draft_tokens']}" if p == "fixed" else f"draft_length_policy={p}"
+
+
+def candidates(doc: dict, domain: str) -> list[dict]:
+    """Every measured setting of ``domain``: ``{"draft", "draft_length_policy", "num_draft_tokens",
+    "measured_speedup", "measured_speedup_ci", "expected_speedup", "mean_accepted_length", ...}``."""
+    out = []
+    for draft, by_domain in doc["drafts"].items():
+        entry = by_domain.get(domain)
+        if entry is None:
+            continue
+        items = [("fixed", e) for e in entry["sweep"].values()] + list(entry.get("policies", {}).items())
+        for policy, e in items:
+            out.append({"draft": draft, "draft_length_policy": policy, "num_draft_tokens": e["num_draft_tokens"],
+                        "measured_speedup": e["measured_speedup"], "measured_speedup_ci": e.get("measured_speedup_ci"),
+                        "expected_speedup": e.get("expected_speedup"),
+                        "mean_accepted_length": e.get("mean_accepted_length"),
+                        "mean_accepted_length_ci": e.get("mean_accepted_length_ci"),
+                        "mean_draft_length": e.get("mean_draft_length"),
+                        "projected_speedup": e.get("projected_speedup")})
+    return out
+
+
+def decide(cands: list[dict]) -> dict:
+    """The decision for one domain from its measured settings (rule in the module docstring).
+
+    Args:
+        cands: candidates as :func:`candidates` builds them (at least ``draft``, ``draft_length_policy``,
+            ``num_draft_tokens``, ``measured_speedup``, ``measured_speedup_ci`` ([low, high] or None),
+            ``expected_speedup``, ``mean_accepted_length``).
+
+    Returns:
+        ``{"action": "speculate" | "target_only" | "none", "basis": "measured" | "tie" | "below_one" | "none",
+        "draft", "draft_length_policy", "num_draft_tokens" (None for target_only / none), the chosen candidate's
+        numbers, "best_measured": the highest measured setting, "tied_with": [labels], "reason": str}``.
+    """
+    valid = [c for c in cands if not math.isnan(_num(c.get("measured_speedup")))]
+    if not valid:
+        return {"action": "none", "basis": "none", "draft": None, "draft_length_policy": None,
+                "num_draft_tokens": None, "tied_with": [], "best_measured": None,
+                "reason": "no finite measured speedup"}
+    order = lambda c: (_num(c["measured_speedup"]), -(c["num_draft_tokens"] or 0), c["draft"])  # noqa: E731
+    best = max(valid, key=order)
+    lo, hi = interval(best)
+    best_view = {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens", "measured_speedup",
+                                          "measured_speedup_ci")}
+    if hi < 1.0:
+        return {"action": TARGET_ONLY, "basis": "below_one", "draft": None, "draft_length_policy": None,
+                "num_draft_tokens": None, "measured_speedup": best["measured_speedup"],
+                "measured_speedup_ci": best.get("measured_speedup_ci"), "tied_with": [], "best_measured": best_view,
+                "reason": f"the fastest setting (`{best['draft']}` with {label(best)}) measured "
+                          f"{_fmt(best['measured_speedup'])}x [{_fmt(lo)}, {_fmt(hi)}]: its whole interval lies "
+                          f"below 1"}
+    tied = [c for c in valid if c is not best and interval(c)[1] >= lo]
+    if not tied:
+        chosen, basis = best, "measured"
+        reason = "its measured speedup interval lies above every other setting's"
+    else:
+        pool = [best] + [c for c in tied if interval(c)[1] >= 1.0]  # never a setting wholly below 1
+        above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
+        chosen = max(above or pool, key=lambda c: (_key(c.get("expected_speedup")),
+                                                   _key(c.get("mean_accepted_length")), order(c)))
+        basis = "tie"
+        reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
+                  f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
+                  f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
+                  + (" among those whose interval lies above 1" if above else "")
+                  + f": the highest expected speedup {FORMULA} from the measured acceptance and cost ratio c "
+                  f"({_fmt(chosen.get('expected_speedup'))}x), then the higher tau")
+    return {"action": SPECULATE, "basis": basis, **chosen, "best_measured": best_view,
+            "tied_with": [f"{c['draft']}:{label(c)}" for c in tied], "reason": reason}
+
+
+def check_consistent(decision: dict, cands: list[dict]) -> None:
+    """Raise AssertionError when ``decision`` does not follow from ``cands`` by the rule above (used by the tests
+    and on every report)."""
+    valid = [c for c in cands if not math.isnan(_num(c.get("measured_speedup")))]
+    if not valid:
+        assert decision["action"] == "none"
+        return
+    top = max(_num(c["measured_speedup"]) for c in valid)
+    best = [c for c in valid if _num(c["measured_speedup"]) == top]
+    if decision["action"] == TARGET_ONLY:
+        assert all(interval(c)[1] < 1.0 for c in best), "target alone although the best interval reaches 1"
+        return
+    assert decision["action"] == SPECULATE
+    chosen = [c for c in valid if c["draft"] == decision["draft"] and c["draft_length_policy"] ==
+              decision["draft_length_policy"] and c["num_draft_tokens"] == decision["num_draft_tokens"]]
+    assert chosen, "the decision names a setting that was not measured"
+    c = chosen[0]
+    assert interval(c)[1] >= 1.0, "recommends a setting whose whole interval lies below 1"
+    b = max(valid, key=lambda x: (_num(x["measured_speedup"]), -(x["num_draft_tokens"] or 0), x["draft"]))
+    assert interval(b)[1] >= 1.0
+    if decision["basis"] == "measured":
+        assert c is b and all(interval(o)[1] < interval(c)[0] for o in valid if o is not c), \
+            "chosen on measured speedup although intervals overlap"
+    else:
+        assert decision["basis"] == "tie"
+        assert interval(c)[1] >= interval(b)[0], "tie pick does not overlap the fastest setting"
+        pool = [o for o in valid if o is b or (interval(o)[1] >= interval(b)[0] and interval(o)[1] >= 1.0)]
+        above = [o for o in pool if interval(o)[0] >= 1.0]
+        assert any(o is c for o in (above or pool)), "tie pick not among the tied settings measured above 1"
+        pool = above or pool
+        ex = lambda o: _num(o.get("expected_speedup"))  # noqa: E731
+        best_ex = max((ex(o) for o in pool if not math.isnan(ex(o))), default=math.nan)
+        assert math.isnan(best_ex) or ex(c) == best_ex, "tie not broken by the cost model"
+
+
+# ------------------------------------------------------------------------------------------------ deployment
+def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] | None,
+                           target_parameters: int | None) -> dict | None:
+    """The deployment's cost ratio c per draft from ``eval.deployment`` (None: no projection).
+
+    ``cost_ratio`` given: that c for every draft. Else ``target_parameters`` and ``draft_parameters`` given: c =
+    draft / target parameters (a memory-bound GPU at batch 1 reads every weight once per forward, so forward time
+    is proportional to the parameter count). Else ``memory_bound: true``: the same with the evaluated models' own
+    parameter counts (``parameters``: draft -> count, ``target_parameters``).
+
+    Returns ``{"cost_ratio": {draft: c}, "source": str, "formula": str}`` or None."""
+    d = dict(deployment or {})
+    names = list(parameters or {})
+    if d.get("cost_ratio") is not None:
+        c = float(d["cost_ratio"])
+        cr, source = {n: c for n in names}, f"eval.deployment.cost_ratio = {c:g}"
+    elif d.get("target_parameters") and d.get("draft_parameters"):
+        c = float(d["draft_parameters"]) / float(d["target_parameters"])
+        cr = {n: c for n in names}
+        source = (f"memory-bound at batch 1: c = draft / target parameters = {int(d['draft_parameters']):,} / "
+                  f"{int(d['target_parameters']):,} = {c:.4f}")
+    elif d.get("memory_bound") and target_parameters and parameters:
+        cr = {n: p / target_parameters for n, p in parameters.items()}
+        source = "memory-bound at batch 1: c = each draft's / the target's parameter count (the evaluated models)"
+    else:
+        return None
+    return {"cost_ratio": cr, "source": source, "formula": f"projected speedup = {FORMULA} (Leviathan et al. "
+            f"2023, Thm 3.8) with the measured per-token acceptance alpha and the deployment's c"}
+
+
+def add_projection(doc: dict, deployment: dict | None) -> None:
+    """Add ``projected_speedup`` to every sweep / policy entry of ``doc`` and ``doc["deployment"]`` (None without
+    a deployment), from ``deployment`` = :func:`deployment_cost_ratios`'s result."""
+    doc["deployment"] = deployment
+    if not deployment:
+        return
+    for draft, by_domain in doc["drafts"].items():
+        c = deployment["cost_ratio"].get(draft)
+        for entry in by_domain.values():
+            items = [(None, e) for e in entry["sweep"].values()] + list(entry.get("policies", {}).items())
+            for policy, e in items:
+                a = _num(e.get("token_acceptance_rate"))
+                if c is None or math.isnan(a):
+                    e["projected_speedup"] = None
+                elif policy is None:
+                    e["projected_speedup"] = expected_speedup(a, int(e["num_draft_tokens"]), c)
+                else:
+                    hist = e.get("draft_length_histogram") or []
+                    e["projected_speedup"] = expected_speedup_mixture(a, hist, c) if hist else None
+            primary = entry["sweep"].get(str(entry["num_draft_tokens"]))
+            entry["projected_speedup"] = primary.get("projected_speedup") if primary else None
+
+
+# ------------------------------------------------------------------------------------------------ the document
+def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: float) -> list[str]:
+    """Why the timing of ``domain`` is not to be trusted (empty: it is not marked noisy)."""
+    out = []
+    lo, hi = interval(decision) if decision.get("measured_speedup") is not None else (math.nan, math.nan)
+    s = _num(decision.get("measured_speedup"))
+    if not math.isnan(s) and s > 0 and (hi - lo) / s > max_relative_width:
+        out.append(f"speedup interval [{_fmt(lo)}, {_fmt(hi)}] is wider than {max_relative_width:g} x the "
+                   f"estimate (eval.noisy_relative_width)")
+    load = (doc.get("timing") or {}).get("machine_load", {}).get(domain)
+    if load and load.get("overloaded"):
+        out.append(f"load average {max(load['loadavg_before'][0], load['loadavg_after'][0]):.2f} above the "
+                   f"{load['cores']} cores while timing")
+    return out
+
+
+def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
+    """Decide every domain of ``doc``: ``doc["recommendation"][domain]`` = :func:`decide`'s decision plus
+    ``noisy`` / ``noisy_reasons``; ``doc["noisy"]`` = domains marked noisy. Each decision is checked against its
+    numbers (:func:`check_consistent`; a failure is logged and recorded as ``consistency_error``)."""
+    from .report import domains_of
+
+    rec = {}
+    for d in domains_of(doc):
+        cands = candidates(doc, d)
+        r = decide(cands)
+        try:
+            check_consistent(r, cands)
+        except AssertionError as e:  # a bug in the rule: say so in the report rather than lose the evaluation
+            log.error("the decision for %s does not follow from its numbers: %s", d, e)
+            r["consistency_error"] = str(e)
+        reasons = noisy_reasons(doc, d, r if r["action"] == SPECULATE else {**r, **(r.get("best_measured") or {})},
+                                noisy_relative_width)
+        r.update(noisy=bool(reasons), noisy_reasons=reasons)
+        rec[d] = r
+    doc["recommendation"] = rec
+    doc["noisy"] = [d for d, r in rec.items() if r["noisy"]]
+    doc["noisy_relative_width"] = noisy_relative_width
+
+
+def verdict_line(doc: dict, domain: str) -> str:
+    """One line: the decision of ``domain``, its numbers, why it was made, its caveats."""
+    r = doc["recommendation"].get(domain)
+    if r is None or r["action"] == "none":
+        return f"{domain}: no measurement."
+    alert = doc["alert_mean_accepted_length"]
+    if r["action"] == TARGET_ONLY:
+        line = f"decode with the target alone: {r['reason']}; routing.json routes {domain} to no draft."
+    else:
+        e = _entry(doc, domain, r)
+        line = (f"use `{r['draft']}` with {label(r)}: measured speedup {_fmt(e['measured_speedup'])}x"
+                + (f" [{_fmt(e['measured_speedup_ci'][0])}, {_fmt(e['measured_speedup_ci'][1])}]"
+                   if e.get("measured_speedup_ci") else "")
+                + f" (Leviathan expects {_fmt(e['expected_speedup'])}x), tau {_fmt(e['mean_accepted_length'])}"
+                + (f" [{_fmt(e['mean_accepted_length_ci'][0])}, {_fmt(e['mean_accepted_length_ci'][1])}]"
+                   if e.get("mean_accepted_length_ci") else ""))
+        if r.get("draft_length_policy", "fixed") != "fixed":
+            line += f", mean draft length {_fmt(e.get('mean_draft_length'))}"
+        if e.get("projected_speedup") is not None:
+            line += f", projected on the deployment {_fmt(e['projected_speedup'])}x"
+        for n, by_domain in doc["drafts"].items():
+            if n != r["draft"] and domain in by_domain:
+                o = _entry(doc, domain, {**r, "draft": n})
+                if o is not None:
+                    line += (f"; `{n}` at the same setting: tau {_fmt(o['mean_accepted_length'])}, "
+                             f"{_fmt(o['measured_speedup'])}x")
+        line += "."
+        line += (" Chosen on measured speedup: " + r["reason"] + "." if r["basis"] == "measured"
+                 else " " + r["reason"][0].upper() + r["reason"][1:] + ".")
+        lo, _ = interval(r)
+        if lo < 1.0:
+            line += " Not clearly faster than the target alone (the interval includes 1)."
+    taus = {n: _num(by_domain[domain]["mean_accepted_length"]) for n, by_domain in doc["drafts"].items()
+            if domain in by_domain}
+    low = [n for n, t in taus.items() if not t >= alert]
+    if taus and len(low) == len(taus):
+        line += (f" **ALERT**: mean accepted length below {alert:g} (eval.alert_mean_accepted_length) for every "
+                 f"draft (best {_fmt(max(taus.values()))}): adapt a draft to this domain.")
+    elif low:
+        line += f" Below the alert threshold (tau < {alert:g}): " + ", ".join(
+            f"`{n}` ({_fmt(taus[n])})" for n in low) + "."
+    if r.get("noisy"):
+        line += " **NOISY** timing: " + "; ".join(r["noisy_reasons"]) + "."
+    lossless = [x["lossless"] for by_domain in doc["drafts"].values() if domain in by_domain
+                for x in [*by_domain[domain]["sweep"].values(), *by_domain[domain].get("policies", {}).values()]]
+    if False in lossless:
+        line += " **LOSSLESS CHECK FAILED** (speculative greedy output differs from target-only)."
+    return line
+
+
+def _entry(doc: dict, domain: str, r: dict) -> dict | None:
+    """The sweep / policy entry of draft ``r["draft"]`` at ``r``'s setting on ``domain`` (None: not measured)."""
+    entry = doc["drafts"].get(r["draft"], {}).get(domain)
+    if entry is None:
+        return None
+    policy = r.get("draft_length_policy") or "fixed"
+    if policy != "fixed":
+        return entry.get("policies", {}).get(policy)
+    return entry["sweep"].get(str(r["num_draft_tokens"]))
+
+
+def verdicts_section(doc: dict) -> str:
+    """The ``## Verdicts`` section of ``report.md``, printed as it is by ``python -m eval`` and ``python -m train``:
+    one line per domain, then the caveats of the timing (trials, machine load, noisy domains) and the deployment
+    projection's formula."""
+    lines = ["## Verdicts", ""]
+    lines += [f"- **{d}**: {doc['verdicts'][d]}" for d in doc["verdicts"]]
+    routing = (doc.get("context") or {}).get("draft_routing") or {}
+    for d, x in (routing.get("target_only") or {}).items():
+        lines.append(f"- **{d}**: decoded with the target alone (routed to no draft by `{routing.get('table')}`): "
+                     f"{_fmt(x.get('tokens_per_s'), 1)} tokens/s.")
+    t = doc.get("timing") or {}
+    loads = list((t.get("machine_load") or {}).values())
+    notes = []
+    if t:
+        notes.append(f"Timing: {t.get('timing_trials', 1)} trial(s) per decode, speculative and target-only "
+                     f"interleaved prompt by prompt; speedup intervals resample prompts and trials (paired).")
+    if loads:
+        peak = max(max(x["loadavg_before"][0], x["loadavg_after"][0]) for x in loads)
+        notes.append(f"Machine load while timing: 1-minute load average up to {peak:.2f} on {loads[0]['cores']} "
+                     f"core(s)" + (" (above the core count: timings include waiting for a core)."
+                                   if any(x["overloaded"] for x in loads) else "."))
+    if doc.get("noisy"):
+        notes.append(f"Noisy timing in {len(doc['noisy'])} domain(s) ({', '.join(doc['noisy'])}): re-measure on a "
+                     f"quiet machine, or with more eval.timing_trials / eval.max_prompts, before relying on their "
+                     f"speed numbers.")
+    if doc.get("deployment"):
+        notes.append(f"Projected speedups are not measured: {doc['deployment']['formula']}; c from "
+                     f"{doc['deployment']['source']}.")
+    if notes:
+        lines += [""] + notes
+    return "\n".join(lines)
+
+
+def deployment_section(doc: dict) -> list[str]:
+    """Markdown lines: per domain, the recommended setting's measured speedup (this machine) beside its projected
+    speedup on the deployment, and the gamma with the highest projected speedup (empty without
+    ``eval.deployment``)."""
+    dep = doc.get("deployment")
+    if not dep:
+        return []
+    lines = ["", "## Projected speedup on the deployment (not measured)", "",
+             f"{dep['formula']}; c from {dep['source']}. The measured speedup is this machine's.", "",
+             "| domain | recommended | measured speedup (this machine) | projected speedup (deployment) | "
+             "best projected setting |", "|---|---|---|---|---|"]
+    for d, r in doc["recommendation"].items():
+        best, best_p = None, -math.inf
+        for c in candidates(doc, d):
+            p = _num(c.get("projected_speedup"))
+            if not math.isnan(p) and p > best_p:
+                best, best_p = c, p
+        best_txt = f"`{best['draft']}` with {label(best)}: {best_p:.2f}x" if best else "n/a"
+        if r.get("action") == SPECULATE:
+            e = _entry(doc, d, r) or {}
+            ci = e.get("measured_speedup_ci")
+            meas = f"{_fmt(e.get('measured_speedup'))}x" + (f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "")
+            lines.append(f"| {d} | `{r['draft']}` with {label(r)} | {meas} | "
+                         f"{_fmt(e.get('projected_speedup'))}x | {best_txt} |")
+        else:
+            lines.append(f"| {d} | target alone | {_fmt(r.get('measured_speedup'))}x (fastest setting) | - | "
+                         f"{best_txt} |")
+    return lines

@@ -1,0 +1,288 @@
+"""Decisions that follow the evidence (eval.verdicts): every decision is consistent with its numbers (property test
+over random metric tables), none recommends a setting whose measured speedup interval lies below 1, the speedup
+interval resamples timing trials as well as prompts, the deployment projection is Leviathan's formula, and the
+decision is the same when another process loads the cores during one of two evaluations (slow)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from decode.stats import expected_speedup
+from eval.metrics import bootstrap_ratio_ci, bootstrap_speedup_ci
+from eval.verdicts import (SPECULATE, TARGET_ONLY, add_projection, check_consistent, decide, deployment_cost_ratios,
+                           interval)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@st.composite
+def tables(draw):
+    """A random metric table of one domain: settings (draft x gamma or policy) with measured speedup, interval
+    (or none), expected speedup and tau."""
+    n = draw(st.integers(1, 8))
+    out, seen = [], set()
+    for _ in range(n):
+        draft = draw(st.sampled_from(["a", "b", "c"]))
+        policy = draw(st.sampled_from(["fixed", "fixed", "fixed", "adaptive"]))
+        g = draw(st.sampled_from([1, 2, 3, 4, 6])) if policy == "fixed" else 8
+        if (draft, policy, g) in seen:
+            continue
+        seen.add((draft, policy, g))
+        s = draw(st.floats(0.05, 4.0))
+        ci = None if draw(st.integers(0, 5)) == 0 else sorted(
+            [s - draw(st.floats(0.0, 1.5)), s + draw(st.floats(0.0, 1.5))])
+        out.append({"draft": draft, "draft_length_policy": policy, "num_draft_tokens": g, "measured_speedup": s,
+                    "measured_speedup_ci": ci, "expected_speedup": draw(st.floats(0.1, 5.0)),
+                    "mean_accepted_length": draw(st.floats(1.0, 7.0))})
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(cands=tables())
+def test_every_decision_is_consistent_with_its_numbers(cands):
+    r = decide(cands)
+    check_consistent(r, cands)  # the rule, checked independently of how decide() is written
+    best = max(cands, key=lambda c: c["measured_speedup"])
+    if interval(best)[1] < 1.0:
+        assert r["action"] == TARGET_ONLY and r["draft"] is None  # routing.json: no draft
+    else:
+        assert r["action"] == SPECULATE
+        chosen = next(c for c in cands if (c["draft"], c["draft_length_policy"], c["num_draft_tokens"]) ==
+                      (r["draft"], r["draft_length_policy"], r["num_draft_tokens"]))
+        assert interval(chosen)[1] >= 1.0  # never a setting whose whole interval lies below 1
+        others = [c for c in cands if c is not chosen]
+        if r["basis"] == "measured":  # chosen on speed only when its interval is above every other one
+            assert all(interval(c)[1] < interval(chosen)[0] for c in others)
+        else:
+            assert r["basis"] == "tie" and r["reason"].startswith("tie: ")
+            tied = [c for c in cands if interval(c)[1] >= interval(best)[0] and interval(c)[1] >= 1.0]
+            assert any(c is chosen for c in tied)
+            if any(interval(c)[0] >= 1.0 for c in tied):  # a tied setting measured clearly above 1 beats one that
+                assert interval(chosen)[0] >= 1.0  # is not, whatever the cost model says
+
+
+def test_check_consistent_catches_a_wrong_decision():
+    cands = [{"draft": "a", "draft_length_policy": "fixed", "num_draft_tokens": 2, "measured_speedup": 0.6,
+              "measured_speedup_ci": [0.5, 0.7], "expected_speedup": 3.0, "mean_accepted_length": 3.0},
+             {"draft": "b", "draft_length_policy": "fixed", "num_draft_tokens": 4, "measured_speedup": 0.8,
+              "measured_speedup_ci": [0.7, 0.95], "expected_speedup": 1.0, "mean_accepted_length": 2.0}]
+    assert decide(cands)["action"] == TARGET_ONLY
+    wrong = {"action": SPECULATE, "basis": "measured", "draft": "b", "draft_length_policy": "fixed",
+             "num_draft_tokens": 4}
+    with pytest.raises(AssertionError):
+        check_consistent(wrong, cands)
+    # overlapping intervals above 1: a tie, broken by the cost model (a's higher expected speedup)
+    cands[0].update(measured_speedup=1.5, measured_speedup_ci=[1.2, 1.8])
+    cands[1].update(measured_speedup=1.6, measured_speedup_ci=[1.3, 1.9])
+    r = decide(cands)
+    assert (r["basis"], r["draft"]) == ("tie", "a")
+    with pytest.raises(AssertionError):
+        check_consistent({**r, "draft": "b", "num_draft_tokens": 4}, cands)
+
+
+def test_speedup_interval_resamples_timing_trials_as_well_as_prompts():
+    n, T = 6, 3
+    new = np.full(n, 10.0)
+    tnew = np.full(n, 10.0)
+    # identical prompts, but the trials' times differ: a prompt-only bootstrap would give a zero-width interval
+    spec = np.tile([0.5, 1.0, 2.0], (n, 1))  # (n, T)
+    tgt = np.ones((n, T))
+    ci = bootstrap_speedup_ci(new, spec, tnew, tgt, samples=400, confidence=0.95, seed=0)
+    assert ci[1] - ci[0] > 0.3 and ci[0] < 1 / spec.mean() < ci[1]  # the point: mean times
+    assert bootstrap_ratio_ci(new, spec.mean(1), num2=tnew, den2=tgt.mean(1), samples=400, confidence=0.95,
+                              seed=0) == pytest.approx([1 / spec.mean(), 1 / spec.mean()])
+    # paired: a load burst that slows both sides of the same trial alike leaves the ratio (and interval) unchanged
+    burst = np.tile([1.0, 3.0, 1.0], (n, 1))
+    steady = bootstrap_speedup_ci(new, np.full((n, T), 0.5), tnew, np.ones((n, T)), samples=200, confidence=0.95,
+                                  seed=1)
+    bursty = bootstrap_speedup_ci(new, 0.5 * burst, tnew, burst, samples=200, confidence=0.95, seed=1)
+    assert steady == pytest.approx([2.0, 2.0]) and bursty == pytest.approx([2.0, 2.0])
+    assert bootstrap_speedup_ci(new, spec, tnew, tgt, samples=0, confidence=0.95, seed=0) is None
+
+
+def test_projection_is_leviathans_formula_with_the_deployments_cost_ratio():
+    dep = deployment_cost_ratios({"cost_ratio": None, "target_parameters": 7_000_000_000,
+                                  "draft_parameters": 70_000_000}, {"a": 1, "b": 2}, None)
+    assert dep["cost_ratio"] == {"a": pytest.approx(0.01), "b": pytest.approx(0.01)}
+    assert deployment_cost_ratios({"cost_ratio": 0.05}, {"a": 1}, None)["cost_ratio"] == {"a": 0.05}
+    own = deployment_cost_ratios({"memory_bound": True}, {"a": 10, "b": 30}, 100)["cost_ratio"]
+    assert own == {"a": 0.1, "b": 0.3}
+    assert deployment_cost_ratios({}, {"a": 10}, 100) is None
+    doc = {"drafts": {"a": {"x": {"num_draft_tokens": 2, "sweep": {
+        str(g): {"num_draft_tokens": g, "token_acceptance_rate": 0.7} for g in (1, 2, 6)}}}}}
+    add_projection(doc, dep)
+    for g in (1, 2, 6):
+        assert doc["drafts"]["a"]["x"]["sweep"][str(g)]["projected_speedup"] == pytest.approx(
+            (1 - 0.7 ** (g + 1)) / ((1 - 0.7) * (g * 0.01 + 1)))
+        assert doc["drafts"]["a"]["x"]["sweep"][str(g)]["projected_speedup"] == pytest.approx(
+            expected_speedup(0.7, g, 0.01))
+    assert doc["drafts"]["a"]["x"]["projected_speedup"] == doc["drafts"]["a"]["x"]["sweep"]["2"]["projected_speedup"]
+
+
+def _rows(draft, domain, g, speed, n=4, emitted=12, steps=4):
+    return [{"draft": draft, "domain": domain, "prompt_id": str(i), "num_draft_tokens": g, "prompt_tokens": 10,
+             "truncated": False, "new_tokens": 16, "verify_steps": steps, "drafted_tokens": steps * g,
+             "accepted_tokens": emitted - steps, "emitted_tokens": emitted, "draft_time_s": 0.1, "verify_time_s": 0.2,
+             "speculative_time_s": (1.0 + 0.05 * i) / speed, "target_new_tokens": 16, "target_time_s": 1.0 + 0.05 * i,
+             "greedy_equal": True, "per_position_drafted": [steps, steps], "per_position_accepted": [steps, 2],
+             "accepted_length_histogram": [0, 2, 2], "draft_length_policy": "fixed", "draft_lengths": [g] * steps,
+             "speculative_trial_times_s": [(1.0 + 0.05 * i) / speed * f for f in (0.9, 1.1)],
+             "target_trial_times_s": [(1.0 + 0.05 * i) * f for f in (0.9, 1.1)]} for i in range(n)]
+
+
+def test_report_verdicts_routing_and_summary_agree(tmp_path):
+    """slow domain: every setting below 1 -> the target alone, in the verdict and in routing.json (which the
+    router loads as a route to no draft); fast domain: a clear winner; the summary printed is report.md's section."""
+    from decode.routing import load_routing
+    from eval.report import render_markdown, write_report
+    from eval.routing import write_routing
+    from eval.verdicts import verdicts_section
+
+    rows = (_rows("a", "slow", 2, 0.5) + _rows("a", "slow", 4, 0.7) + _rows("b", "slow", 2, 0.6)
+            + _rows("b", "slow", 4, 0.4) + _rows("a", "fast", 2, 1.2) + _rows("a", "fast", 4, 2.5)
+            + _rows("b", "fast", 2, 1.1) + _rows("b", "fast", 4, 1.3))
+    results = {"rows": rows, "cost_ratio": {d: {"cost_ratio": 0.2, "draft_forward_s": 2e-4, "target_forward_s": 1e-3}
+                                            for d in "ab"},
+               "num_draft_tokens": [2, 4], "max_new_tokens": 16, "sampling": {}, "truncated_prompts": 0,
+               "timing_trials": 2, "machine_load": {"slow": {"loadavg_before": [5.0, 1, 1], "loadavg_after": [1.0, 1, 1],
+                                                             "cores": 2, "overloaded": True}}}
+    dep = deployment_cost_ratios({"cost_ratio": 0.05}, {"a": 1, "b": 1}, None)
+    doc = write_report(tmp_path, results, {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=4,
+                       bootstrap_samples=200, plots=False, deployment=dep)
+    rec = doc["recommendation"]
+    assert rec["slow"]["action"] == TARGET_ONLY and doc["verdicts"]["slow"].startswith("decode with the target alone")
+    assert (rec["fast"]["draft"], rec["fast"]["num_draft_tokens"], rec["fast"]["basis"]) == ("a", 4, "measured")
+    assert rec["slow"]["noisy"] and "load average 5.00 above the 2 cores" in doc["verdicts"]["slow"]
+    assert doc["noisy"] == ["slow"] and doc["timing"]["timing_trials"] == 2
+    assert doc["drafts"]["a"]["fast"]["sweep"]["4"]["timing_trials"] == 2
+    proj = doc["drafts"]["a"]["fast"]["sweep"]["4"]["projected_speedup"]
+    assert proj == pytest.approx(expected_speedup(doc["drafts"]["a"]["fast"]["sweep"]["4"]["token_acceptance_rate"],
+                                                  4, 0.05))
+    report = (tmp_path / "report.md").read_text()
+    section = verdicts_section(doc)
+    assert section in report and render_markdown(doc).count("## Verdicts") == 1
+    assert "## Projected speedup on the deployment (not measured)" in report and f"{proj:.2f}x" in report
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["recommendation"]["slow"]["draft"] is None and metrics["deployment"]["cost_ratio"] == {
+        "a": 0.05, "b": 0.05}
+    drafts = {}
+    for n in "ab":
+        (tmp_path / "drafts" / n).mkdir(parents=True)
+        (tmp_path / "drafts" / n / "config.json").write_text("{}")
+        drafts[n] = tmp_path / "drafts" / n
+    table = write_routing(tmp_path / "routing.json", doc, drafts)
+    assert table["routes"]["slow"]["target_only"] and table["routes"]["fast"]["draft"] == "a"
+    loaded = load_routing(tmp_path / "routing.json")
+    assert loaded.draft_for("slow").target_only and loaded.draft_for("slow").path is None
+    assert loaded.draft_for("fast").path == str(drafts["a"].resolve())
+
+
+# ------------------------------------------------------------------------------------- the must-show CLI check
+def _identity_padded_target(tmp: Path):
+    """(target, draft, other): a 1-layer draft and a 10-layer target whose extra layers add exactly zero (their
+    output projections are zero), so the target's greedy output is the draft's (alpha = 1) at ~10x its cost; and an
+    unrelated draft (alpha ~ 0)."""
+    import torch
+    from tinymodels import tiny_llama
+
+    from data.tokenization import train_bpe_tokenizer
+
+    text = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
+            "User: hello there\nAssistant: hi, how can I help?"] * 20
+    tok = train_bpe_tokenizer(iter(text), vocab_size=300, min_frequency=1)
+    kw = dict(vocab_size=len(tok), hidden_size=128, num_heads=4, eos_token_id=None)
+    draft = tiny_llama(num_layers=1, seed=0, **kw)
+    target = tiny_llama(num_layers=10, seed=5, **kw)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(draft.model.embed_tokens.weight)
+        target.model.norm.weight.copy_(draft.model.norm.weight)
+        target.lm_head.weight.copy_(draft.lm_head.weight)
+        target.model.layers[0].load_state_dict(draft.model.layers[0].state_dict())
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    other = tiny_llama(num_layers=1, seed=9, **kw)
+    out = []
+    for name, m in (("target", target), ("draft", draft), ("other", other)):
+        m.save_pretrained(tmp / name)
+        tok.save_pretrained(tmp / name)
+        out.append(tmp / name)
+    return out
+
+
+def _eval_cli(target, draft, other, run_dir):
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval", f"target.name_or_path={target}", f"eval.drafts={{good: {draft}, bad: {other}}}",
+         "eval.domains=[chat,code]", "eval.num_draft_tokens=[1,4]", "eval.max_prompts=3", "eval.max_new_tokens=24",
+         "eval.timing_trials=2", "eval.cost_ratio_trials=5", "eval.bootstrap_samples=300", "eval.num_threads=1",
+         "eval.plots=false", "eval.deployment.memory_bound=true", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env={**os.environ, "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((run_dir / "metrics.json").read_text()), proc.stdout, (run_dir / "report.md").read_text()
+
+
+def _burn(seconds: float):
+    """A CPU-bound loop for ``seconds`` (another process loading the cores)."""
+    import time
+
+    end = time.time() + seconds
+    x = 0
+    while time.time() < end:
+        x += 1
+
+
+@pytest.mark.slow
+def test_recommendation_is_the_same_with_the_cores_loaded(tmp_path):
+    import multiprocessing as mp
+
+    target, draft, other = _identity_padded_target(tmp_path)
+    quiet, quiet_out, quiet_md = _eval_cli(target, draft, other, tmp_path / "quiet")
+    burners = [mp.get_context("spawn").Process(target=_burn, args=(300.0,)) for _ in range(os.cpu_count() or 2)]
+    for b in burners:
+        b.start()
+    try:
+        busy, busy_out, busy_md = _eval_cli(target, draft, other, tmp_path / "busy")
+    finally:
+        for b in burners:
+            b.terminate()
+            b.join()
+    for doc, out, md in ((quiet, quiet_out, quiet_md), (busy, busy_out, busy_md)):
+        from eval.verdicts import candidates
+
+        for d, r in doc["recommendation"].items():
+            check_consistent(r, candidates(doc, d))  # consistent with its own numbers
+        section = md[md.index("## Verdicts"):]
+        section = section[:section.index("\n## ", 1)].rstrip("\n")
+        assert section in out  # the stdout summary is report.md's verdict section
+        assert "projected speedup" in md.lower() and doc["deployment"]["cost_ratio"]["good"] == pytest.approx(
+            doc["deployment"]["cost_ratio"]["bad"])
+    for d in quiet["recommendation"]:
+        q, b = quiet["recommendation"][d], busy["recommendation"][d]
+        assert (q["draft"], q["num_draft_tokens"]) == (b["draft"], b["num_draft_tokens"]) or (
+            q["basis"] == b["basis"] == "tie"), (d, q, b)
+        assert q["draft"] in ("good", None) and not math.isnan(q["measured_speedup"])
+    assert any(x["overloaded"] for x in busy["timing"]["machine_load"].values())  # the load was recorded
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"timing_trials": 0}, "eval.timing_trials must be >= 1, got 0"),
+    ({"noisy_relative_width": 0}, "eval.noisy_relative_width must be > 0, got 0"),
+    ({"deployment": {"cost_ratio": -1}}, "eval.deployment.cost_ratio must be > 0"),
+    ({"deployment": {"target_parameters": 7000}}, "eval.deployment.target_parameters and "
+                                                   "eval.deployment.draft_parameters go together"),
+])
+def test_bad_timing_and_deployment_settings_are_one_line_config_errors(override, message):
+    from eval.config import validate_eval
+
+    with pytest.raises(ValueError) as ei:
+        validate_eval({"eval": {"device": "cpu", **override}})
+    assert message in str(ei.value) and "\n" not in str(ei.value)

@@ -398,6 +398,15 @@ def test_serving_settings_for_each_recommendation(tmp_path):
     assert "num_assistant_tokens = 4" in chat["transformers"]["snippet"]
     with pytest.raises(ValueError, match="no checkpoint path"):
         serving_document(doc, {"distilled": tmp_path / "d"}, "org/target")
+    # a domain whose verdict is the target alone gets no engine settings, and the report row says so
+    from eval.serving import serving_markdown
+
+    doc["recommendation"]["math"] = {"action": "target_only", "draft": None, "num_draft_tokens": None,
+                                     "measured_speedup": 0.7, "reason": "every interval lies below 1"}
+    s = serving_document(doc, {"distilled": tmp_path / "d", "baseline": tmp_path / "b"}, "org/target")
+    assert s["domains"]["math"]["draft"] is None and "vllm" not in s["domains"]["math"]
+    assert "target alone" in s["domains"]["math"]["note"]
+    assert "| math | none (the target alone) |" in serving_markdown(s)
 
 
 # --------------------------------------------------------------------------------------------- end to end

@@ -47,7 +47,7 @@ def draft_sources_section(meta: dict[str, dict]):
     """
 
     def section(doc: dict) -> str:
-        from .report import domains_of
+        from .metrics import domains_of
 
         names = list(doc["drafts"])
         domains = domains_of(doc)

@@ -387,3 +387,12 @@ def read_per_prompt_csv(path: str | Path) -> list[dict]:
     """Rows of a ``per_prompt.csv`` with their types restored (feed them to :func:`aggregate`)."""
     with open(path, newline="", encoding="utf-8") as f:
         return [row_from_csv(r) for r in csv.DictReader(f)]
+
+
+def domains_of(doc: dict) -> list[str]:
+    """The domains of a ``metrics.json`` document, in the order its drafts first list them."""
+    seen: dict[str, None] = {}
+    for by_domain in doc["drafts"].values():
+        for d in by_domain:
+            seen.setdefault(d, None)
+    return list(seen)

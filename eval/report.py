@@ -14,7 +14,7 @@ from typing import Any
 from data.devices import describe_runtime
 from data.io import write_json_atomic, write_text_atomic
 
-from .metrics import PER_PROMPT_COLUMNS, aggregate, json_clean, row_to_csv
+from .metrics import PER_PROMPT_COLUMNS, aggregate, domains_of, json_clean, row_to_csv
 
 SCHEMA_VERSION = 2
 METRIC_FIELDS = ("acceptance_rate", "mean_accepted_length", "target_tokens_per_s", "speculative_tokens_per_s",
@@ -89,29 +89,6 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
     add_decisions(doc, noisy_relative_width)
     doc["verdicts"] = {d: verdict(doc, d) for d in domains_of(doc)}
     return json_clean(doc)
-
-
-def domains_of(doc: dict) -> list[str]:
-    seen: dict[str, None] = {}
-    for by_domain in doc["drafts"].values():
-        for d in by_domain:
-            seen.setdefault(d, None)
-    return list(seen)
-
-
-def setting_entry(entry: dict, r: dict) -> dict | None:
-    """The entry of setting ``r`` (a recommendation: gamma or draft-length policy) in a (draft, domain) ``entry``;
-    None when that setting was not measured there."""
-    policy = r.get("draft_length_policy", "fixed")
-    if policy != "fixed":
-        return entry.get("policies", {}).get(policy)
-    return entry["sweep"].get(str(r["num_draft_tokens"]))
-
-
-def recommended_entry(doc: dict, domain: str) -> dict:
-    """The metrics entry behind ``recommendation.<domain>`` (a sweep gamma, or a draft-length policy)."""
-    r = doc["recommendation"][domain]
-    return setting_entry(doc["drafts"][r["draft"]][domain], r)
 
 
 def setting_label(r: dict) -> str:

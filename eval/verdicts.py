@@ -247,7 +247,7 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
     """Decide every domain of ``doc``: ``doc["recommendation"][domain]`` = :func:`decide`'s decision plus
     ``noisy`` / ``noisy_reasons``; ``doc["noisy"]`` = domains marked noisy. Each decision is checked against its
     numbers (:func:`check_consistent`; a failure is logged and recorded as ``consistency_error``)."""
-    from .report import domains_of
+    from .metrics import domains_of
 
     rec = {}
     for d in domains_of(doc):

@@ -28,3 +28,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Property tests draw their examples from a fixed seed (derandomize) so a run is reproducible; no example database
+# is written into the checkout.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("specdraft", derandomize=True, database=None)
+_hypothesis_settings.load_profile("specdraft")

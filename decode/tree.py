@@ -316,27 +316,32 @@ def _draft_static(dstate, nodes: _Nodes, root_logits, tree: TokenTree, depth: in
                   do_sample: bool, sampling: dict, generator, vocab: int) -> None:
     nodes.stochastic = do_sample
     budget = tree.max_nodes
-    parents, logits_of = [-1], {-1: root_logits}
+    parents, logits = [-1], root_logits[None]  # logits (F, V): one row per parent
     region_pos: list[int] = []
     for level in range(depth):
-        b = tree.branching[level]
+        b = min(tree.branching[level], budget)
+        # candidates of every parent of this level at once (one host sync)
+        if do_sample:
+            q = process_logits(logits, **sampling)  # (F, V)
+            if int((q > 0).sum(1).min()) >= b:
+                src = q if generator is None or generator.device == q.device else q.to(generator.device)
+                toks = torch.multinomial(src, b, replacement=False, generator=generator).tolist()
+            else:  # a parent with fewer than b candidates (top-k / top-p): draw per parent
+                toks = [_children(lg, b, True, True, sampling, generator)[0] for lg in logits]
+            for r, par in enumerate(parents):
+                nodes.q[par] = q[r]
+        else:
+            toks = logits.topk(b, dim=-1).indices.tolist()  # (F, b), most likely first
         new = []
-        for par in parents:
-            if budget <= 0:
-                break
-            toks, lps, q = _children(logits_of[par], min(b, budget), do_sample, True, sampling, generator)
-            if q is not None:
-                nodes.q[par] = q
-            for tok, lp in zip(toks, lps):
-                new.append(nodes.add(tok, par, lp))
-            budget -= len(toks)
+        for par, row in zip(parents, toks):
+            row = row[:max(0, budget)]
+            new += [nodes.add(t, par) for t in row]
+            budget -= len(row)
         if level + 1 >= depth or not new or budget <= 0:
             break
         b_next = tree.branching[level + 1]
-        feed = new[:-(-budget // b_next)]  # only the parents that will get children
-        logits = _feed(dstate, nodes, feed, region_start, base_pos, region_pos)[:, :vocab]
-        logits_of = {i: logits[r] for r, i in enumerate(feed)}
-        parents = feed
+        parents = new[:-(-budget // b_next)]  # only the nodes that will get children
+        logits = _feed(dstate, nodes, parents, region_start, base_pos, region_pos)[:, :vocab]
 
 
 def _draft_dynamic(dstate, nodes: _Nodes, root_logits, tree: DynamicTokenTree, depth: int, region_start: int,

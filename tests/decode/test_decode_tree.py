@@ -167,10 +167,10 @@ def test_eos_and_max_new_tokens_inside_an_accepted_path():
 
 # ------------------------------------------------------------------------------------------------ sampling
 scipy_stats = pytest.importorskip("scipy.stats")
-V = 8
-N = 1500
+V = 6
+N = 500
 ALPHA = 1e-4
-PROMPT = torch.tensor([[3, 7, 1]])
+PROMPT = torch.tensor([[3, 5, 1]])
 
 
 @torch.inference_mode()
@@ -182,12 +182,15 @@ def _exact_joint(model, cfg) -> torch.Tensor:
 
 
 def _pvalue(counts, probs) -> float:
+    """Chi-square goodness of fit; cells with expected count < 5 merged into one, zero-probability cells left out
+    (their counts are asserted to be 0 separately)."""
     expected = probs.flatten() * counts.sum()
     big = expected >= 5
+    small = ~big & (expected > 0)
     obs, exp = counts[big], expected[big]
-    if (~big).any():
-        obs = torch.cat([obs, counts[~big].sum()[None]])
-        exp = torch.cat([exp, expected[~big].sum()[None]])
+    if small.any():
+        obs = torch.cat([obs, counts[small].sum()[None]])
+        exp = torch.cat([exp, expected[small].sum()[None]])
     return float(scipy_stats.chisquare(obs.numpy(), (exp * obs.sum() / exp.sum()).numpy()).pvalue)
 
 
@@ -197,9 +200,9 @@ def _pvalue(counts, probs) -> float:
     (DynamicTokenTree(depth=2, top_k=3, max_nodes=6), dict(temperature=1.2, top_p=0.9)),
 ], ids=["2,2", "3,1-topk", "dynamic-topp"])
 def test_sampled_first_two_tokens_follow_the_target_exactly(tree, cfg):
-    """The first two new tokens of N = 1500 single-prompt calls (3 new tokens, so the first step's tree is never
+    """The first two new tokens of N = 500 single-prompt calls (3 new tokens, so the first step's tree is never
     capped and both tokens can come from one accepted path) follow the target's exact joint p(x1) p(x2 | x1)
-    (chi-square, V = 8: 64 cells). False failure: the test fails when p < 1e-4, i.e. with probability 1e-4 for a
+    (chi-square, V = 6: 36 cells). False failure: the test fails when p < 1e-4, i.e. with probability 1e-4 for a
     correct decoder (3 checks: < 3e-4 per run; deterministic under the fixed seed). Power: the same counts must
     reject the draft's own joint (p < 1e-4), and some but not all first candidates are rejected."""
     target = tiny_llama(vocab_size=V, hidden_size=16, num_layers=1, seed=1)

@@ -82,12 +82,16 @@ class TokenTree(DraftTree):
             ``(1,) * g`` is the chain of ``g`` tokens.
         max_nodes: cap on the nodes per step (>= 1; ``None`` = the full tree); the first ``max_nodes`` in
             breadth-first order are kept.
+        spine: expand only the spine, each depth's first child of the previous spine node (the draft's most
+            likely token greedy, its first draw sampling): ``b_i - 1`` alternatives per depth, ``sum(b_i)`` nodes,
+            and one draft token per draft forward as in the chain (spec ``"spine:3,3,3"``).
     Raises:
         ValueError: empty branching, a branching factor or ``max_nodes`` that is not an int >= 1.
     """
 
     branching: tuple[int, ...]
     max_nodes: int | None = None
+    spine: bool = False
 
     def __post_init__(self):
         try:
@@ -100,7 +104,7 @@ class TokenTree(DraftTree):
         for b in branching:
             _positive_int(b, f"every branching factor (got branching={branching!r}), so each")
         object.__setattr__(self, "branching", branching)
-        full = sum(math.prod(branching[:i + 1]) for i in range(len(branching)))
+        full = self._full()
         if self.max_nodes is None:
             object.__setattr__(self, "max_nodes", full)
         else:
@@ -110,10 +114,13 @@ class TokenTree(DraftTree):
     def depth(self) -> int:
         return len(self.branching)
 
+    def _full(self) -> int:
+        b = self.branching
+        return sum(b) if self.spine else sum(math.prod(b[:i + 1]) for i in range(len(b)))
+
     def spec(self) -> str:
-        full = sum(math.prod(self.branching[:i + 1]) for i in range(self.depth))
-        s = ",".join(str(b) for b in self.branching)
-        return s if self.max_nodes == full else f"{s}/{self.max_nodes}"
+        s = ("spine:" if self.spine else "") + ",".join(str(b) for b in self.branching)
+        return s if self.max_nodes == self._full() else f"{s}/{self.max_nodes}"
 
 
 @dataclass(frozen=True)
@@ -145,7 +152,7 @@ class DynamicTokenTree(DraftTree):
 
 def parse_draft_tree(spec) -> DraftTree | None:
     """A tree shape from a config value: ``None`` / ``""`` -> ``None`` (the chain); ``"3,2,1"``, ``[3, 2, 1]`` or
-    ``"3,2,1/12"`` (``max_nodes`` 12) -> :class:`TokenTree`; ``"dynamic:D,K,N"`` -> :class:`DynamicTokenTree`
+    ``"3,2,1/12"`` (``max_nodes`` 12) -> :class:`TokenTree`; ``"spine:3,3,3"`` -> ``TokenTree((3, 3, 3), spine=True)``; ``"dynamic:D,K,N"`` -> :class:`DynamicTokenTree`
     ``(depth=D, top_k=K, max_nodes=N)``; a :class:`DraftTree` is returned as is.
 
     Raises:
@@ -153,7 +160,8 @@ def parse_draft_tree(spec) -> DraftTree | None:
     """
     if spec is None or isinstance(spec, DraftTree):
         return spec
-    fix = "write a static tree as 'b1,b2,...' (optionally '/max_nodes') or a dynamic one as 'dynamic:depth,top_k,max_nodes'"
+    fix = ("write a static tree as 'b1,b2,...' (optionally '/max_nodes'; 'spine:b1,b2,...' expands only the most "
+           "likely path) or a dynamic one as 'dynamic:depth,top_k,max_nodes'")
     if isinstance(spec, str):
         s = spec.strip().replace(" ", "")
         if not s:
@@ -162,8 +170,9 @@ def parse_draft_tree(spec) -> DraftTree | None:
             if s.startswith("dynamic:"):
                 d, k, n = (int(x) for x in s[len("dynamic:"):].split(","))
                 return DynamicTokenTree(depth=d, top_k=k, max_nodes=n)
-            shape, _, cap = s.partition("/")
-            return TokenTree(tuple(int(x) for x in shape.split(",")), int(cap) if cap else None)
+            spine = s.startswith("spine:")
+            shape, _, cap = s[len("spine:") if spine else 0:].partition("/")
+            return TokenTree(tuple(int(x) for x in shape.split(",")), int(cap) if cap else None, spine)
         except ValueError as e:
             raise ValueError(f"draft tree {spec!r} is not valid ({e}): {fix}.") from None
     try:
@@ -340,7 +349,7 @@ def _draft_static(dstate, nodes: _Nodes, root_logits, tree: TokenTree, depth: in
         if level + 1 >= depth or not new or budget <= 0:
             break
         b_next = tree.branching[level + 1]
-        parents = new[:-(-budget // b_next)]  # only the nodes that will get children
+        parents = new[:1] if tree.spine else new[:-(-budget // b_next)]  # only the nodes that will get children
         logits = _feed(dstate, nodes, parents, region_start, base_pos, region_pos)[:, :vocab]
 
 

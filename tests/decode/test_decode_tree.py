@@ -77,7 +77,7 @@ def test_tree_mask_logits_equal_each_root_to_leaf_path_run_separately(family, fa
 # ------------------------------------------------------------------------------------------------ greedy
 
 SHAPES = [TokenTree((1,)), TokenTree((2, 2)), TokenTree((3, 2, 1)), TokenTree((4, 3, 2), max_nodes=10),
-          DynamicTokenTree(depth=4, top_k=3, max_nodes=12)]
+          TokenTree((3, 3, 3, 3), spine=True), DynamicTokenTree(depth=4, top_k=3, max_nodes=12)]
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +235,8 @@ def test_tree_specs_parse_and_bad_shapes_are_refused():
     assert parse_draft_tree([2, 2]) == TokenTree((2, 2))
     assert parse_draft_tree("4,2/6").max_nodes == 6 and parse_draft_tree("4,2/6").spec() == "4,2/6"
     assert parse_draft_tree("dynamic:5,4,20") == DynamicTokenTree(5, 4, 20)
+    spine = parse_draft_tree("spine:3,3,2")
+    assert spine == TokenTree((3, 3, 2), spine=True) and spine.max_nodes == 8 and spine.spec() == "spine:3,3,2"
     assert parse_draft_tree(None) is None and parse_draft_tree("") is None
     for spec in ("3,0", "a,b", "dynamic:5,4", [], "3,2/0"):
         with pytest.raises(ValueError, match="draft tree|branching|max_nodes"):

@@ -168,7 +168,7 @@ def test_eos_and_max_new_tokens_inside_an_accepted_path():
 # ------------------------------------------------------------------------------------------------ sampling
 scipy_stats = pytest.importorskip("scipy.stats")
 V = 6
-N = 500
+N = 300
 ALPHA = 1e-4
 PROMPT = torch.tensor([[3, 5, 1]])
 
@@ -200,7 +200,7 @@ def _pvalue(counts, probs) -> float:
     (DynamicTokenTree(depth=2, top_k=3, max_nodes=6), dict(temperature=1.2, top_p=0.9)),
 ], ids=["2,2", "3,1-topk", "dynamic-topp"])
 def test_sampled_first_two_tokens_follow_the_target_exactly(tree, cfg):
-    """The first two new tokens of N = 500 single-prompt calls (3 new tokens, so the first step's tree is never
+    """The first two new tokens of N = 300 single-prompt calls (3 new tokens, so the first step's tree is never
     capped and both tokens can come from one accepted path) follow the target's exact joint p(x1) p(x2 | x1)
     (chi-square, V = 6: 36 cells). False failure: the test fails when p < 1e-4, i.e. with probability 1e-4 for a
     correct decoder (3 checks: < 3e-4 per run; deterministic under the fixed seed). Power: the same counts must

@@ -8,6 +8,8 @@ Public API::
     AcceptanceStats, expected_speedup, GenerationOutput
     cache_policy(model, batch_size, max_length) -> CachePolicy  (ValueError: cache cannot be rolled back)
     FixedDraftLength, AdaptiveDraftLength, ConfidenceDraftLength, make_policy
+    TokenTree(branching=(b1, b2, ...), max_nodes=None), DynamicTokenTree(depth, top_k, max_nodes), parse_draft_tree
+        (token-tree drafting: speculative_generate(..., draft_tree=...))
 """
 from ._common import CachePolicy, GenerationOutput, cache_policy
 from .autoregressive import autoregressive_generate
@@ -21,6 +23,7 @@ from .policies import (
 from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from .speculative import speculative_generate, verify_block
 from .stats import AcceptanceStats, expected_speedup
+from .tree import DynamicTokenTree, TokenTree, parse_draft_tree
 from .timing import block_forward_times_s, cost_ratio, forward_times_s
 
 __all__ = [
@@ -44,4 +47,7 @@ __all__ = [
     "AdaptiveDraftLength",
     "ConfidenceDraftLength",
     "make_policy",
+    "TokenTree",
+    "DynamicTokenTree",
+    "parse_draft_tree",
 ]

@@ -279,16 +279,20 @@ class FastKVState:
         self.cap = cap
 
     # ------------------------------------------------------------------ forward
-    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, logits_to_keep: int = 1
-                ) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None = None, logits_to_keep: int = 1,
+                tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole; ``None`` = all real) to the cache;
-        return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0)."""
+        return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0).
+
+        ``tree`` (token trees, :mod:`decode.tree`): ``(position_ids (B, T), additive mask (B, 1, T, L+T))`` used
+        as given instead of the causal ones (every new token is a real token)."""
         if not torch.is_inference_mode_enabled():  # the buffers are inference tensors (the decoders run inside)
             with torch.inference_mode():
-                return self._forward(tokens, token_mask, logits_to_keep)
-        return self._forward(tokens, token_mask, logits_to_keep)
+                return self._forward(tokens, token_mask, logits_to_keep, tree)
+        return self._forward(tokens, token_mask, logits_to_keep, tree)
 
-    def _forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None, logits_to_keep: int) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None, logits_to_keep: int,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         bsz, t = tokens.shape
         start = self.length
         end = start + t
@@ -299,7 +303,13 @@ class FastKVState:
         arange = self.arange
         window = self.window
         kv_start = 0  # keys before this slot are outside every query's window (dense: slot == position)
-        if self.dense:
+        if tree is not None:  # decode.tree: the caller's positions and mask (window included)
+            position_ids, attn_mask = tree
+            self.valid[:, start:end] = True
+            cos = self.cos[position_ids][:, :, None, :]  # (B, T, 1, D)
+            sin = self.sin_signed[position_ids][:, :, None, :]
+            self.num_valid = self.num_valid + t
+        elif self.dense:
             self.valid[:, start:end] = True
             cos = self.cos4[:, start:end]  # (1, T, 1, D)
             sin = self.sin4[:, start:end]

@@ -279,6 +279,7 @@ def speculative_generate(
     draft_length_policy: DraftLengthPolicy | None = None,
     vocab_size: int | None = None,
     fast_path: bool | None = None,
+    draft_tree=None,
 ) -> GenerationOutput:
     """Generate with speculative decoding; the output is distributed exactly as the target's own decoding.
 
@@ -301,13 +302,17 @@ def speculative_generate(
         fast_path: run supported Llama models through the lean forward of :mod:`decode.fast_llama` (same math,
             no Hugging Face wrapper overhead): ``None`` = wherever supported, per model; ``False`` = always the
             Hugging Face forward; ``True`` = require it (``ValueError`` for an unsupported model).
+        draft_tree: ``None`` (default) = the chain above; a :class:`decode.tree.TokenTree` /
+            :class:`decode.tree.DynamicTokenTree` (or a spec string such as ``"3,2,1"``, see
+            :func:`decode.tree.parse_draft_tree`) = token-tree drafting, all nodes verified in one target forward
+            with a tree attention mask (batch size 1; ``num_draft_tokens`` and ``draft_length_policy`` unused).
     Returns:
         :class:`GenerationOutput` with ``sequences (B, P + max_new_tokens)``, ``num_new_tokens (B,)`` and
         :class:`~decode.stats.AcceptanceStats` (row-steps; draft/verify seconds from ``time.perf_counter``).
     Raises:
         ValueError: ``num_draft_tokens < 1``, ``max_new_tokens < 0``, ``temperature < 0`` (or 0 with
             ``do_sample``), ``top_p`` outside (0, 1], ``top_k < 0``, bad shapes / right padding, models on
-            different devices.
+            different devices; a ``draft_tree`` with a batch > 1 or with a ``draft_length_policy``.
     """
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1 (got {num_draft_tokens!r}).")
@@ -316,6 +321,21 @@ def speculative_generate(
     policy = draft_length_policy if draft_length_policy is not None else FixedDraftLength(num_draft_tokens)
     if not isinstance(policy, DraftLengthPolicy):
         raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
+    if draft_tree is not None:  # token trees live in decode/tree.py
+        from .tree import parse_draft_tree, tree_generate
+
+        tree = parse_draft_tree(draft_tree)
+        if draft_length_policy is not None:
+            raise ValueError("draft_tree and draft_length_policy cannot be combined: the tree fixes the draft shape; "
+                             "pass one of them.")
+        io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
+                            vocab_size, spare=0)
+        if io.input_ids.shape[0] != 1:
+            raise ValueError(f"draft_tree supports batch size 1 only (got a batch of {io.input_ids.shape[0]}): decode "
+                             "one prompt per call, or use the chain (draft_tree=None) for batches.")
+        return tree_generate(target, draft, io, tree=tree, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                             sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p), generator=generator,
+                             fast_path=fast_path)
     max_gamma = int(policy.max_draft_tokens)
     io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                         vocab_size, spare=max_gamma + 1)  # buf (B, P + max_new_tokens + G + 1): a block's overhang

@@ -49,6 +49,9 @@ class AcceptanceStats:
         per_position_accepted: ``[i]`` = how often the i-th draft token was accepted (all previous accepted).
         accepted_length_histogram: ``[n]`` = number of row-steps that accepted exactly ``n`` draft tokens.
         draft_lengths: the draft length used at every row-step, in order.
+        nodes_verified: draft tokens the target scored, summed over row-steps: the draft length for a chain, every
+            node of the tree for a token tree (:mod:`decode.tree`, where ``draft_lengths`` holds the tree's depth
+            and ``accepted_tokens`` the accepted path lengths).
     """
 
     verify_steps: int = 0
@@ -63,6 +66,7 @@ class AcceptanceStats:
     per_position_accepted: list[int] = field(default_factory=list)
     accepted_length_histogram: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    nodes_verified: int = 0
 
     # ------------------------------------------------------------------ derived metrics
     @property
@@ -85,6 +89,12 @@ class AcceptanceStats:
     def mean_accepted_length(self) -> float:
         """tau = emitted_tokens / verify_steps, bonus token included (1 <= tau <= gamma+1). NaN if no step."""
         return self.emitted_tokens / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def mean_nodes_verified(self) -> float:
+        """Draft tokens scored per target forward (``nodes_verified / verify_steps``; gamma for a chain). NaN if no
+        step."""
+        return self.nodes_verified / self.verify_steps if self.verify_steps else float("nan")
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -118,6 +128,7 @@ class AcceptanceStats:
             per_position_accepted=_add_lists(self.per_position_accepted, other.per_position_accepted),
             accepted_length_histogram=_add_lists(self.accepted_length_histogram, other.accepted_length_histogram),
             draft_lengths=list(self.draft_lengths) + list(other.draft_lengths),
+            nodes_verified=self.nodes_verified + other.nodes_verified,
         )
 
     def __radd__(self, other):  # lets sum([...]) start from 0
@@ -134,9 +145,12 @@ class AcceptanceStats:
         return out
 
     # ------------------------------------------------------------------ recording
-    def record_step(self, draft_length: int, num_accepted: int, num_emitted: int) -> None:
-        """Add one row-step: ``draft_length`` proposed, ``num_accepted`` accepted, ``num_emitted`` written."""
+    def record_step(self, draft_length: int, num_accepted: int, num_emitted: int, nodes_verified: int | None = None
+                    ) -> None:
+        """Add one row-step: ``draft_length`` proposed, ``num_accepted`` accepted, ``num_emitted`` written;
+        ``nodes_verified`` draft tokens scored by the target (default ``draft_length``: a chain)."""
         self.verify_steps += 1
+        self.nodes_verified += draft_length if nodes_verified is None else nodes_verified
         self.drafted_tokens += draft_length
         self.accepted_tokens += num_accepted
         self.emitted_tokens += num_emitted
@@ -163,6 +177,7 @@ class AcceptanceStats:
         d["acceptance_rate"] = clean(self.acceptance_rate)
         d["mean_accepted_length"] = clean(self.mean_accepted_length)
         d["per_token_acceptance"] = clean(self.per_token_acceptance)
+        d["mean_nodes_verified"] = clean(self.mean_nodes_verified)
         d["per_position_acceptance"] = [clean(x) for x in self.per_position_acceptance]
         return d
 

@@ -75,6 +75,10 @@ class EvalConfig:
     # draft-length policies measured beside the fixed-gamma sweep (fixed | adaptive | confidence, parameters from
     # decode.*); null: just decode.draft_length_policy. The fixed sweep is always measured.
     draft_length_policies: list[str] | None = None
+    # token trees measured beside the chain (decode.tree, batch 1 per prompt, as the rest of eval): a branching list
+    # [3, 2, 1] for one static tree, or a list of shape strings ["3,2,1", "2,2,1,1/10", "dynamic:6,4,16"]
+    # (decode.parse_draft_tree); each is reported as the policy "tree:<shape>"; null: no tree.
+    draft_tree: list[Any] | None = None
     bootstrap_samples: int = 1000  # resamples of the prompts for the 95% confidence intervals (0: none)
     confidence: float = 0.95  # level of the bootstrap percentile intervals, in (0, 1)
     alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
@@ -107,6 +111,7 @@ class EvalConfig:
             if not self.draft_length_policies or bad:
                 raise ValueError(f"eval.draft_length_policies must be null or a non-empty list of "
                                  f"{', '.join(DRAFT_LENGTH_POLICIES)}, got {self.draft_length_policies}")
+        self.trees()  # ValueError naming eval.draft_tree
         if self.bootstrap_samples < 0:
             raise ValueError(f"eval.bootstrap_samples must be >= 0 (0 disables the intervals), "
                              f"got {self.bootstrap_samples}")
@@ -158,6 +163,27 @@ class EvalConfig:
     def sweep(self, default: int) -> list[int]:
         """The gamma values to measure: the sweep sorted without duplicates, or ``[default]``."""
         return sorted(set(self.num_draft_tokens)) if self.num_draft_tokens else [default]
+
+    def trees(self) -> list:
+        """The token-tree shapes of ``draft_tree`` (:class:`decode.tree.DraftTree`), in order, no duplicates.
+
+        Raises:
+            ValueError: a shape :func:`decode.parse_draft_tree` refuses, with the key named.
+        """
+        from decode.tree import parse_draft_tree
+
+        if not self.draft_tree:
+            return []
+        items = list(self.draft_tree)
+        try:
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+                return [parse_draft_tree(items)]  # one branching list
+            trees = [parse_draft_tree(x if isinstance(x, str) else list(x)) for x in items]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"eval.draft_tree: {e}") from None
+        if any(t is None for t in trees):
+            raise ValueError(f"eval.draft_tree has an empty shape, got {items}")
+        return list({t.spec(): t for t in trees}.values())
 
     def policies(self, default: str) -> list[str]:
         """The draft-length policies other than ``fixed`` to measure beside the fixed sweep, in order, no

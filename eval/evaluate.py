@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
+from decode.tree import DraftTree
 from decode import autoregressive_generate, speculative_generate
 from decode._common import sync
 from decode.timing import cost_ratio
@@ -149,10 +150,13 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             def run_spec(gamma, make, draft):
                 g = torch.Generator(device=device).manual_seed(seed + i)
                 policy = make() if make is not None else None
+                tree = policy if isinstance(policy, DraftTree) else None  # eval.draft_tree: a token tree
                 t0 = time.perf_counter()
                 out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
-                                           num_draft_tokens=gamma or 1, draft_length_policy=policy,
-                                           eos_token_id=eos, pad_token_id=pad, generator=g, **decode_kwargs)
+                                           num_draft_tokens=gamma or 1,
+                                           draft_length_policy=None if tree is not None else policy,
+                                           eos_token_id=eos, pad_token_id=pad, generator=g, draft_tree=tree,
+                                           **decode_kwargs)
                 sync(device)
                 bar.update(1)
                 return out, policy, time.perf_counter() - t0
@@ -184,7 +188,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     s = out.stats
                     rows.append({
                         "draft": name, "domain": domain, "prompt_id": p.id,
-                        "num_draft_tokens": gamma if policy is None else int(policy.max_draft_tokens),
+                        "num_draft_tokens": policy.depth if isinstance(policy, DraftTree) else gamma
+                        if policy is None else int(policy.max_draft_tokens),
                         "draft_length_policy": policy_name, "draft_lengths": list(s.draft_lengths),
                         "prompt_tokens": ids.size(1), "truncated": truncated,
                         "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,

@@ -262,11 +262,16 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
     policies = {p: (lambda p=p: rc.decode.make_policy(p)) for p in policy_names}  # a fresh policy per decode
+    trees = {f"tree:{t.spec()}": t for t in rc.eval.trees()}  # eval.draft_tree, measured like the policies
+    policies.update({name: (lambda t=t: t) for name, t in trees.items()})
+    policy_settings = {**{p: rc.decode.policy_settings(p) for p in policy_names},
+                       **{name: {"draft_tree": t.spec(), "depth": t.depth, "max_nodes": t.max_nodes}
+                          for name, t in trees.items()}}
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
-       draft_length_policies={p: rc.decode.policy_settings(p) for p in policy_names},
+       draft_length_policies=policy_settings,
        prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
     # Without routing every draft decodes every domain; with routing each domain only its routed draft.
     groups = [(drafts, prompts)] if routed is None else [
@@ -287,7 +292,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
                "machine_load": {d: x for p in parts for d, x in p["machine_load"].items()},
                "target_only": {d: x for p in parts for d, x in p["target_only"].items()},
-               "draft_length_policy_settings": {p: rc.decode.policy_settings(p) for p in policy_names}}
+               "draft_length_policy_settings": policy_settings}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:

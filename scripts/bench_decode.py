@@ -5,7 +5,7 @@
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
         [--target-dtype D] [--draft-dtype D]
         [--draft-length-policy fixed|adaptive|confidence --policy-param max_draft_tokens=8 ...] [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
-        [--fast-path auto|off] [--json-out F]
+        [--fast-path auto|off] [--json-out F] [--draft-tree 3,2,1 ...] [--chain-gamma 2 ...] [--no-hf]
     python scripts/bench_decode.py --family mistral|qwen2|qwen3|gemma2|gemma3|phi3|llama [--family-layers 4]
         [--family-hidden 256] [--family-window 16] ...
 
@@ -38,6 +38,14 @@ models this small more threads do not help); ``--fast-path off`` runs ours throu
 instead of the lean Llama forward (:mod:`decode.fast_llama`), to measure what the lean forward buys.
 ``--draft-length-policy`` runs ours with a draft-length policy (the ``decode.*`` keys through ``--policy-param``,
 checked like the config); transformers assisted keeps its constant schedule of ``--num-draft-tokens``.
+
+Chain vs tree: ``--draft-tree SPEC`` (repeatable; ``b1,b2,...``, ``b1,b2/max_nodes`` or ``dynamic:depth,top_k,
+max_nodes``, :func:`decode.parse_draft_tree`) adds token-tree speculative decoding of each shape, and
+``--chain-gamma G`` (repeatable) more chains, all alternated with the others on every prompt and repeat. The
+"chain vs tree" table gives, per method, tokens per target forward (= mean accepted length tau: equal target
+forwards), draft nodes verified per target forward, tokens/s and tokens/s over the main chain's
+(``--num-draft-tokens``), and greedy outputs differing from target-only. ``--no-hf`` skips transformers assisted
+generation (its columns are then NaN).
 """
 from __future__ import annotations
 
@@ -109,6 +117,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",
                     help="ours: draft-length policy (decode.draft_length_policy; adaptive starts at "
                          "--num-draft-tokens)")
+    ap.add_argument("--draft-tree", action="append", default=[], metavar="SPEC",
+                    help="also run token-tree speculative decoding with this shape (repeatable): b1,b2,... | "
+                         "b1,b2/max_nodes | dynamic:depth,top_k,max_nodes")
+    ap.add_argument("--chain-gamma", action="append", default=[], type=int, metavar="G",
+                    help="also run the chain with this num_draft_tokens (repeatable), for chain vs tree")
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a decode.* policy key, e.g. max_draft_tokens=8, adaptive_window=4, "
                          "confidence_threshold=0.6")
@@ -135,6 +149,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                                           draft_length_policy=args.draft_length_policy, **params)
     except ValueError as e:
         ap.error(str(e))
+    from decode import parse_draft_tree
+
+    try:
+        args.trees = [parse_draft_tree(s) for s in args.draft_tree]
+    except ValueError as e:
+        ap.error(f"--draft-tree: {e}")
+    if any(t is None for t in args.trees):
+        ap.error("--draft-tree: an empty shape; give b1,b2,... or dynamic:depth,top_k,max_nodes")
+    if any(g < 1 for g in args.chain_gamma):
+        ap.error("--chain-gamma must be >= 1")
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
                  "num_threads"):
         if getattr(args, name) < 1:
@@ -301,7 +325,27 @@ def _run(args) -> dict:
                                    draft_length_policy=args.policy_config.make_policy())
         return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
+    def chain_fn(g):
+        def fn(p):
+            out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=g, eos_token_id=eos,
+                                       pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
+            return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
+        return fn
+
+    def tree_fn(tree):
+        def fn(p):
+            out = speculative_generate(target, draft, p, max_new_tokens=n_new, draft_tree=tree, eos_token_id=eos,
+                                       pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
+            return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
+        return fn
+
     methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
+    if args.no_hf:
+        del methods["hf_assisted"]
+    extra = {f"chain {g}": chain_fn(g) for g in sorted(set(args.chain_gamma) - {gamma})}
+    extra.update({f"tree {t.spec()}": tree_fn(t) for t in args.trees})
+    methods.update(extra)
+    extra_stats: dict[str, list[AcceptanceStats]] = {m: [] for m in extra}
     # warm-up (allocations, kernels), untimed
     for fn in methods.values():
         fn(prompts[0])
@@ -323,6 +367,8 @@ def _run(args) -> dict:
                 new = res[0] if isinstance(res, tuple) else res
                 tokens[name] += new.shape[1]
                 outputs[name] = new.cpu()
+                if name in extra_stats:
+                    extra_stats[name].append(res[1])
                 if name == "ours_speculative":
                     spec_stats.append(res[1])
                 elif name == "target_only":
@@ -335,6 +381,22 @@ def _run(args) -> dict:
     stats = AcceptanceStats.pool(spec_stats)
     ar = AcceptanceStats.pool(ar_stats)
     tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
+    tps.setdefault("hf_assisted", float("nan"))
+    mismatches.setdefault("hf_assisted", 0)
+    compare = {}
+    for name, st_list in [(f"chain {gamma}", spec_stats)] + list(extra_stats.items()):
+        method = "ours_speculative" if name == f"chain {gamma}" else name
+        st = AcceptanceStats.pool(st_list)
+        compare[name] = {
+            "tokens_per_target_forward": st.mean_accepted_length,
+            "nodes_per_target_forward": st.mean_nodes_verified,
+            "target_forwards": st.verify_steps,
+            "tokens_per_s": tps[method],
+            "tokens_per_s_over_chain": tps[method] / tps["ours_speculative"],
+            "tokens_per_s_over_target_only": tps[method] / tps["target_only"],
+            "greedy_output_mismatches": mismatches[method],
+            "draft_s": st.draft_time_s, "verify_s": st.verify_time_s, "wall_s": st.wall_time_s,
+        }
     t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
     blocks = block_forward_times_s(target, prompts[0], [1, gamma + 1], args.cost_steps, fast_path)
     cost_ratio = t_draft / t_target
@@ -401,6 +463,7 @@ def _run(args) -> dict:
         "in_loop": in_loop,
         "greedy_output_mismatches": mismatches,
         "stats": stats.to_dict(),
+        "chain_vs_tree": compare,
     }
 
 
@@ -450,10 +513,25 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def format_compare(r: dict) -> str:
+    """Chain vs tree: one row per chain / tree method (equal target forwards: tokens per target forward)."""
+    lines = ["| method | tokens / target forward (tau) | nodes / target forward | target forwards | tokens/s | "
+             "tokens/s vs chain | vs target-only | greedy mismatches |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in r["chain_vs_tree"].items():
+        lines.append(f"| {name} | {c['tokens_per_target_forward']:.2f} | {c['nodes_per_target_forward']:.1f} | "
+                     f"{c['target_forwards']} | {c['tokens_per_s']:.1f} | {c['tokens_per_s_over_chain']:.2f}x | "
+                     f"{c['tokens_per_s_over_target_only']:.2f}x | {c['greedy_output_mismatches']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     result = run(args)
     print(format_table(result))
+    if len(result["chain_vs_tree"]) > 1:
+        print()
+        print(format_compare(result))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2, default=float))
     return result

@@ -193,6 +193,7 @@ print(json.dumps(ds.to_dict()["input_ids"]))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_building_the_same_cache_entry_read_complete_data(tmp_path):
     """Two runs at once share $SPECDRAFT_CACHE: both build the same token-block entry concurrently; each reads a
     complete entry (the loser of the rename race reads the winner's), equal to the other's, and no temporary

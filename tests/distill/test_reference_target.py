@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
+
 ROOT = Path(__file__).resolve().parents[2]
 REF = ROOT / "distill" / "reference_target"
 

@@ -63,6 +63,7 @@ def _assert_same_curve(a: dict[int, float], b: dict[int, float]):
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a, b)
 
 
+@pytest.mark.slow
 def test_two_ddp_processes_match_one_and_resume_on_one(tmp_path, one_process):
     ref_dir, ref = one_process
     out = tmp_path / "two"

@@ -19,6 +19,8 @@ from distill.losses import forward_kl
 from distill.trainer import TrainerConfig, make_distill_step, train
 from tinymodels import kill_9_when, tiny_llama
 
+pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
+
 ROOT = Path(__file__).resolve().parents[2]
 V, T, MAX_STEPS, SAVE_EVERY = 64, 16, 12, 3
 

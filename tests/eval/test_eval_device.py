@@ -44,6 +44,7 @@ def pair(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_bfloat16_on_cpu_end_to_end_and_the_report_says_so(pair, tmp_path):
     proc = _eval(f"target.name_or_path={pair['target']}", f"eval.drafts={{mine: {pair['draft']}, twin: {pair['twin']}}}",
                  "eval.domains=[chat]", "eval.max_prompts=2", "eval.max_new_tokens=6", "eval.cost_ratio_trials=2",
@@ -73,6 +74,7 @@ def test_models_load_in_the_requested_dtype_and_device(pair):
     assert {p.device.type for p in draft.parameters()} == {"cpu"}
 
 
+@pytest.mark.slow
 def test_unavailable_cuda_is_refused_with_one_line_and_exit_2(pair, tmp_path):
     """A machine without a visible GPU (CUDA_VISIBLE_DEVICES= hides one where there is one) refuses eval.device=cuda
     before Hydra writes anything."""

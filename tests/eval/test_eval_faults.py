@@ -22,6 +22,8 @@ import torch
 
 from tinymodels import kill_9_when, tiny_llama
 
+pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
+
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
         "User: hello there\nAssistant: hi, how can I help?", "The patient reports chest pain and cough."] * 20

@@ -208,6 +208,7 @@ def _run_train(args: list[str], tmp_path: Path, timeout: float = 60) -> tuple[su
     return proc, time.perf_counter() - t0
 
 
+@pytest.mark.slow  # a python -m train subprocess
 def test_cli_unknown_experiment_fails_naming_it(tmp_path):
     proc, _ = _run_train(["+experiment=does_not_exist"], tmp_path)
     out = proc.stdout + proc.stderr
@@ -217,6 +218,7 @@ def test_cli_unknown_experiment_fails_naming_it(tmp_path):
         assert name in out
 
 
+@pytest.mark.slow  # a python -m train subprocess
 def test_cli_invalid_value_fails_fast_before_any_model(tmp_path):
     proc, seconds = _run_train(["decode.num_draft_tokens=0", "stages=[eval]"], tmp_path, timeout=60)
     out = proc.stdout + proc.stderr
@@ -226,6 +228,7 @@ def test_cli_invalid_value_fails_fast_before_any_model(tmp_path):
     assert not (tmp_path / "run").exists()  # rejected before Hydra creates the run directory
 
 
+@pytest.mark.slow  # a python -m train subprocess
 def test_cli_strategy_that_does_not_fit_the_launch_fails_before_any_model(tmp_path):
     """trainer=deepspeed_zero2 under plain python (no DeepSpeed launch) is refused before any work, naming the fix."""
     proc, _ = _run_train(["+experiment=smoke", "trainer=deepspeed_zero2"], tmp_path)

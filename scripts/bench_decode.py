@@ -103,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
-                    help="ours: lean forward where supported (Llama, Mistral, Qwen2, Qwen3; auto) or always the "
+                    help="ours: lean forward where supported (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3; auto) or the "
                          "Hugging Face forward (off)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",

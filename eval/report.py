@@ -14,6 +14,7 @@ from typing import Any
 from data.devices import describe_runtime
 from data.io import write_json_atomic, write_text_atomic
 
+from .breakdown import time_breakdown, time_breakdown_section
 from .metrics import PER_PROMPT_COLUMNS, aggregate, json_clean, row_to_csv
 
 SCHEMA_VERSION = 2
@@ -76,6 +77,10 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "drafts": agg["drafts"],
         "recommendation": agg["recommendation"],
         "vs_baseline": agg["vs_baseline"],
+        "verify_cost_ratio": results.get("verify_cost_ratio"),
+        # where decoding time goes per draft and domain (eval/breakdown.py)
+        "time_breakdown": time_breakdown(results["rows"], results["cost_ratio"], results.get("verify_cost_ratio"),
+                                         agg["drafts"], primary),
     }
     doc["verdicts"] = {d: verdict(doc, d) for d in domains_of(doc)}
     return json_clean(doc)
@@ -259,6 +264,7 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                          f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
                          f"{_fmt(e['lossless'])} |")
     lines += policies_section(doc)
+    lines += time_breakdown_section(doc)
     if plots:
         lines += ["", "## Plots", ""]
         titles = {"acceptance_by_domain": "Acceptance by domain",

@@ -23,6 +23,8 @@ config with a sliding window, another activation, ...) fall back to the Hugging 
 """
 from __future__ import annotations
 
+import functools
+import time
 import weakref
 
 import torch
@@ -242,6 +244,67 @@ def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], t
     return layers, lm
 
 
+# ---------------------------------------------------------------------------------------------- decode.compile
+# torch.compile of the lean forward's layers and head (FastKVState._core_impl) over its preallocated K/V buffers
+# (dynamic shapes: one graph serves every cache length and block width; a graph per model layout and mask kind).
+# Inductor on CPU, mode="reduce-overhead" (CUDA graphs where inductor can use them) on CUDA. "auto" = on for CUDA,
+# off on CPU: on the 2-core AVX2 machine the first compile of the reference target's forward took 324 s (load
+# average 9) and the compiled 1- and 5-position forwards were no faster than the uncompiled ones (12.2 / 20.0 ms
+# against 12.6-17.9 / 22.9-31.1 ms in the same run; see the README), so compiling cannot pay back within an
+# evaluation there.
+COMPILE_MODES = ("auto", "on", "off")
+_compile_mode = "auto"
+_compile_seconds = 0.0
+_compiled: dict[str, object] = {}
+
+
+def set_compile(mode: str) -> None:
+    """Set ``decode.compile`` for lean forwards built from now on: ``"auto"`` (on for CUDA, off on CPU), ``"on"``,
+    ``"off"``. Raises ``ValueError`` for another value."""
+    global _compile_mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"decode.compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    _compile_mode = mode
+
+
+def compile_enabled(device) -> bool:
+    """Whether a lean forward on ``device`` is compiled under the current ``decode.compile`` setting."""
+    if _compile_mode == "auto":
+        return torch.device(device).type == "cuda"
+    return _compile_mode == "on"
+
+
+def compile_seconds() -> float:
+    """Seconds spent in lean-forward calls that compiled a new graph (compile time), since the process started."""
+    return _compile_seconds
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compiled_core(device):
+    """The compiled ``FastKVState._core_impl`` for ``device``'s type (one per process, shared by every state)."""
+    kind = torch.device(device).type
+    if kind not in _compiled:
+        import torch._dynamo as dynamo
+
+        # target and draft layouts x (one-token, block) x dense / holes: more graphs than the default limit of 8
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        mode = None
+        if kind == "cuda":
+            import torch._inductor.config as inductor
+
+            # CUDA graphs replay fixed shapes: a graph whose shapes follow the cache length would be re-recorded at
+            # every length, so those run as plain inductor kernels (a static-shape forward is not built yet)
+            inductor.triton.cudagraph_skip_dynamic_graphs = True
+            mode = "reduce-overhead"
+        _compiled[kind] = torch.compile(FastKVState._core_impl, dynamic=True, mode=mode)
+    return _compiled[kind]
+
+
 class FastKVState:
     """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode._common.KVState``.
 
@@ -262,7 +325,7 @@ class FastKVState:
     fast = True
 
     def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
-                 packed: bool | None = None, fused_norm: bool | None = None):
+                 packed: bool | None = None, fused_norm: bool | None = None, compile: bool | None = None):
         from ._common import cache_policy
 
         self.model = model
@@ -337,6 +400,8 @@ class FastKVState:
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)
         with torch.inference_mode():
             self._grow(max(int(capacity), 16))
+        self.compiled = compile_enabled(device) if compile is None else bool(compile)
+        self._core = self._core_impl if not self.compiled else functools.partial(_compiled_core(device), self)
 
     def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
         """The factor an RMSNorm scales by: Gemma ``1 + w`` in fp32 (Gemma2RMSNorm), else ``w`` itself."""
@@ -441,7 +506,20 @@ class FastKVState:
                 masks[window] = (0, torch.where((allowed | diag)[:, None], 0.0, self._neg_inf))  # (B, 1, T, L+T)
             self.num_valid = self.num_valid + tm.sum(1)
         self.length = end
+        if not self.compiled:
+            return self._core(tokens, rope, masks, start, end, logits_to_keep)
+        global _compile_seconds
+        graphs = _graph_count()
+        t0 = time.perf_counter()
+        out = self._core(tokens, rope, masks, start, end, logits_to_keep)
+        if _graph_count() != graphs:  # this call compiled a new graph: its time is compile time
+            _compile_seconds += time.perf_counter() - t0
+        return out
 
+    def _core_impl(self, tokens: torch.Tensor, rope: list, masks: dict, start: int, end: int, logits_to_keep: int
+                   ) -> torch.Tensor:
+        """The layers and the head over the prepared rotary tables and masks (what ``decode.compile`` compiles)."""
+        bsz, t = tokens.shape
         half = self.head_dim // 2
         h_kv, h_q, d = self.n_kv, self.n_heads, self.head_dim
         qd, kd, inter, packed = h_q * d, h_kv * d, self.inter, self.packed

@@ -267,6 +267,10 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
+    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+
+    set_compile(rc.decode.compile)  # decode.compile for the lean forwards built below
+    compile_s0 = compile_seconds()
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
     policies = {p: (lambda p=p: rc.decode.make_policy(p)) for p in policy_names}  # a fresh policy per decode
     routed = None  # domain -> draft name, with decode.draft_routing
@@ -293,7 +297,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
                "draft_length_policy_settings": {p: rc.decode.policy_settings(p) for p in policy_names}}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime,
+               "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
+                                  "compile_time_s": compile_seconds() - compile_s0}}
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed}
     sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []

@@ -357,3 +357,49 @@ def test_mixed_window_layers_on_the_lean_forward():
     assert isinstance(state, FastKVState) and state.layer_window == [None, 3]
     gemma3 = new_kv_state(tiny_family("gemma3", sliding_window=3), 1, torch.device("cpu"))
     assert gemma3.layer_window == [3, None] and len(gemma3.inv_freqs) == 2  # RoPE base per layer type
+
+
+def test_decode_compile_setting_resolves_per_device_and_refuses_unknown_values():
+    from decode.config import DecodeConfig
+    from decode.fast_llama import compile_enabled, set_compile
+
+    try:
+        set_compile("auto")
+        assert not compile_enabled("cpu") and compile_enabled("cuda")  # auto: measured not to pay on CPU
+        set_compile("on")
+        assert compile_enabled("cpu")
+        assert FastKVState(_llama(), 1, torch.device("cpu")).compiled
+        set_compile("off")
+        assert not compile_enabled("cuda")
+        with pytest.raises(ValueError, match="decode.compile must be one of auto, on, off"):
+            set_compile("yes")
+    finally:
+        set_compile("auto")
+    with pytest.raises(ValueError, match="decode.compile"):
+        DecodeConfig(compile="true")
+
+
+@pytest.mark.slow  # compiling takes tens of seconds on a small CPU
+def test_compiled_lean_forward_is_lossless():
+    """decode.compile=on: the same greedy tokens as the uncompiled lean forward (same dtype), batch 1 and a left
+    padded batch with holes, on a windowed family; the compile time is counted."""
+    from decode.fast_llama import compile_seconds, set_compile
+    from tinymodels import tiny_family
+
+    target = tiny_family("gemma2", vocab_size=64, hidden_size=32, seed=3, sliding_window=3)
+    draft = tiny_family("gemma2", vocab_size=64, hidden_size=32, num_layers=1, seed=4, sliding_window=3)
+    ids, mask = left_pad(random_prompts([6, 3], 64, seed=2))
+    runs = {}
+    before = compile_seconds()
+    try:
+        for mode in ("off", "on"):
+            set_compile(mode)
+            runs[mode] = [speculative_generate(target, draft, ids[:1], max_new_tokens=12, num_draft_tokens=3),
+                          speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3),
+                          autoregressive_generate(target, ids, mask, max_new_tokens=12)]
+    finally:
+        set_compile("auto")
+    assert compile_seconds() > before  # the compiled calls compiled (and their time was counted)
+    for off, on in zip(runs["off"], runs["on"]):
+        assert torch.equal(off.sequences, on.sequences)
+    assert torch.equal(runs["on"][1].sequences, hf_greedy(target, ids, mask, 12))

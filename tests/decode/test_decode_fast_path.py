@@ -379,7 +379,7 @@ def test_decode_compile_setting_resolves_per_device_and_refuses_unknown_values()
         DecodeConfig(compile="true")
 
 
-@pytest.mark.slow  # compiling takes tens of seconds on a small CPU
+@pytest.mark.slow  # compiling takes minutes on a small CPU (each graph: inductor + gcc)
 def test_compiled_lean_forward_is_lossless():
     """decode.compile=on: the same greedy tokens as the uncompiled lean forward (same dtype), batch 1 and a left
     padded batch with holes, on a windowed family; the compile time is counted."""
@@ -395,8 +395,7 @@ def test_compiled_lean_forward_is_lossless():
         for mode in ("off", "on"):
             set_compile(mode)
             runs[mode] = [speculative_generate(target, draft, ids[:1], max_new_tokens=12, num_draft_tokens=3),
-                          speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3),
-                          autoregressive_generate(target, ids, mask, max_new_tokens=12)]
+                          speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3)]
     finally:
         set_compile("auto")
     assert compile_seconds() > before  # the compiled calls compiled (and their time was counted)

@@ -100,7 +100,7 @@ step "5/6 benchmark on $device"
 rc[bench]=0
 for dtype in float32 bfloat16; do
   if [ "${rc[distill]}" -ne 0 ]; then rc[bench]=1; break; fi
-  compile=$([ "$dtype" = bfloat16 ] && echo on || echo off)
+  compile=$([ "$dtype" = bfloat16 ] && [ "$mode" = gpu ] && echo on || echo off)  # CPU: compiling takes minutes
   timeout $(t 45) python scripts/bench_decode.py --target "$target" --draft "$draft" --device "$device" --dtype "$dtype" \
     --compile "$compile" --num-draft-tokens 4 "${bench_size[@]}" --json-out "$out/bench_$dtype.json" \
     > "$out/bench_$dtype.txt" 2>&1 || rc[bench]=1

@@ -25,6 +25,9 @@ class DecodeConfig:
     adaptive_window: int = 4  # adaptive: verify steps (per row) behind each grow/shrink decision
     adaptive_step: int = 1  # adaptive: change of the draft length per decision
     confidence_threshold: float = 0.5  # confidence: keep drafting while the draft's top probability is >= this
+    # torch.compile of the lean forward (decode/fast_llama.py): auto (on for CUDA, off on CPU, where it does not pay),
+    # on, off. Lossless either way (the same computation).
+    compile: str = "auto"
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -50,6 +53,8 @@ class DecodeConfig:
             raise ValueError(f"decode.confidence_threshold must be a probability in [0, 1], got "
                              f"{self.confidence_threshold}")
         self.check_policy(self.draft_length_policy)
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"decode.compile must be one of auto, on, off, got {self.compile!r}")
 
     def check_policy(self, name: str) -> None:
         """Raise ValueError (naming the keys to fix) unless policy ``name`` can be built from this section."""

@@ -1,9 +1,10 @@
-"""A lean cached forward for Hugging Face Llama and Mistral causal LMs (not public API).
+"""A lean cached forward for Hugging Face Llama-family causal LMs: Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3, Phi-3
+(not public API).
 
 For small models at batch 1 most of the time of a Hugging Face forward is Python wrapper work (mask creation,
 rotary module, output dataclasses, config look-ups), not matmuls. :class:`FastKVState` runs the same computation
 directly on the model's own parameters (on CPU through packed, transposed copies that every new state checks bit
-for bit against the live parameters: see ``_packed_weights``), with the same ops in the same order as
+for bit against the live parameters: see ``_layer_weights``), with the same ops in the same order as
 ``transformers.models.llama.modeling_llama``:
 
     embed -> per layer [RMSNorm (fp32, ``variance_epsilon``) -> q/k/v ``F.linear`` -> rotary (cos/sin from the
@@ -13,13 +14,17 @@ for bit against the live parameters: see ``_packed_weights``), with the same ops
 
 Cropping the cache only moves the valid length (no copy). Mistral is Llama plus a sliding window W: the cache keeps
 every slot (so rollback is exact) and attention is limited to keys whose *position* is within W of the query's
-(transformers' ``sliding_window_overlay``); at batch 1 without holes that is a slice of the key buffer. Models the
-lean forward does not cover (another architecture, rope scaling, attention / MLP bias, a Llama config with a
-sliding window, a non-SiLU activation, ...) fall back to the Hugging Face forward (:func:`fast_path_supported`
-says which and why).
+(transformers' ``sliding_window_overlay``); at batch 1 without holes that is a slice of the key buffer. Each layer
+takes its window from the decoder's cache policy, so full and windowed layers may alternate (Qwen2's
+``max_window_layers``, Gemma-2/3). The other families differ from Llama as listed at ``_CLASSES``. Models the
+lean forward does not cover (another architecture, rope scaling, partial rotary, attention / MLP bias, a Llama
+config with a sliding window, another activation, ...) fall back to the Hugging Face forward
+(:func:`fast_path_supported` says which and why).
 """
 from __future__ import annotations
 
+import functools
+import time
 import weakref
 
 import torch
@@ -28,65 +33,121 @@ import torch.nn.functional as F
 __all__ = ["fast_path_supported", "FastKVState"]
 
 
+def _eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (Llama / Qwen / Phi-3: ``variance_epsilon``; Gemma: ``eps``)."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def _rope_dicts(cfg) -> list:
+    """The config's RoPE parameter dicts: one, or one per layer type (Gemma-3)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return [None]
+    if rope and all(isinstance(v, dict) or v is None for v in rope.values()):
+        return [v for v in rope.values() if v is not None]
+    return [rope]
+
+
+def _layer_inv_freqs(model: torch.nn.Module, layer_types) -> list[torch.Tensor]:
+    """Per decoder layer, the rotary ``inv_freq`` its attention uses (Gemma-3: one per layer type)."""
+    rot = model.model.rotary_emb
+    if hasattr(rot, "inv_freq"):
+        return [rot.inv_freq] * len(model.model.layers)
+    return [getattr(rot, f"{t}_inv_freq") for t in layer_types]
+
+
 def _unsupported_reason(model: torch.nn.Module) -> str | None:
     """``None`` when :class:`FastKVState` reproduces ``model``'s forward, else why not."""
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "model_type", None) not in _CLASSES:
-        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {sorted(_CLASSES)}"
-    if type(model).__name__ != _CLASSES[cfg.model_type]:
-        return f"{type(model).__name__} is not {_CLASSES[cfg.model_type]}"
+    family = getattr(cfg, "model_type", None)
+    if cfg is None or family not in _CLASSES:
+        return f"model_type {family!r} is not one of {sorted(_CLASSES)}"
+    if type(model).__name__ != _CLASSES[family]:
+        return f"{type(model).__name__} is not {_CLASSES[family]}"
     if model.training:
         return "model is in training mode (dropout)"
     base = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, n) for n in needed) or getattr(model, "lm_head", None) is None:
         return "unexpected module layout"
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
-    if rope_type != "default" or getattr(base.rotary_emb, "rope_type", "default") != "default":
-        return f"rope type {rope_type!r} is not 'default'"
-    if float(getattr(base.rotary_emb, "attention_scaling", 1.0)) != 1.0:
+    for rope in _rope_dicts(cfg):
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
+        if rope_type != "default":
+            return f"rope type {rope_type!r} is not 'default'"
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            return "partial rotary embedding (partial_rotary_factor != 1)"
+    rot_types = getattr(base.rotary_emb, "rope_type", "default")
+    if any(t != "default" for t in (rot_types.values() if isinstance(rot_types, dict) else [rot_types])):
+        return f"rotary embedding type {rot_types!r} is not 'default'"
+    scalings = [v for k, v in vars(base.rotary_emb).items() if k.endswith("attention_scaling")]
+    if any(float(v) != 1.0 for v in scalings):
         return "rotary attention_scaling != 1"
     if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
         return "attention / MLP bias"
-    if cfg.model_type == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
+    if family == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
         return "sliding window attention"
-    if getattr(cfg, "layer_types", None) and len(set(cfg.layer_types)) > 1:
-        return "mixed full / sliding layers"
+    try:
+        from ._common import cache_policy
+
+        cache_policy(model)
+    except ValueError as e:
+        return str(e)
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         return f"attn_implementation {cfg._attn_implementation!r}"
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
-        return f"hidden_act {cfg.hidden_act!r} is not SiLU"
+    gemma = family in _GEMMA
+    act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+    if act not in _ACTS:
+        return f"{'hidden_activation' if gemma else 'hidden_act'} {act!r} is not one of {sorted(_ACTS)}"
     if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
         return "pretraining_tp > 1"
     if len(base.layers) != cfg.num_hidden_layers:
         return "layer count differs from the config"
+    if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
+        return "Gemma embedding without its embed_scale"
     if type(model.lm_head) is not torch.nn.Linear:  # e.g. int8 dynamic Linear (decode/quantize.py): HF forward
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
     if model.lm_head.bias is not None:
         return "lm_head has a bias"
-    qkv_bias = cfg.model_type == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
+    qkv_bias = family == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
+    norm_names = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
     for layer in base.layers:
         attn = layer.self_attn
-        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                    layer.mlp.down_proj):
+        if family == "phi3":
+            lins = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        else:
+            lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj]
+        for lin in lins:
             biased = qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)
             if type(lin) is not torch.nn.Linear or (lin.bias is not None) != biased:
                 return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
-        if cfg.model_type == "qwen3" and not all(
-                type(getattr(attn, n, None)).__name__ == "Qwen3RMSNorm" for n in ("q_norm", "k_norm")):
-            return "Qwen3 attention without its q_norm / k_norm"
-        if getattr(attn, "scaling", None) != attn.head_dim ** -0.5:
-            return "attention scaling differs from head_dim ** -0.5"
+        if not all(hasattr(getattr(layer, n, None), "weight") for n in norm_names):
+            return "a decoder layer without the family's RMSNorms"
+        if family in ("qwen3", "gemma3_text") and not all(
+                type(getattr(attn, n, None)).__name__.endswith("RMSNorm") for n in ("q_norm", "k_norm")):
+            return "attention without its q_norm / k_norm"
+        want = (cfg.query_pre_attn_scalar ** -0.5) if gemma else attn.head_dim ** -0.5
+        if getattr(attn, "scaling", None) != want:
+            return "attention scaling differs from the family's (head_dim or query_pre_attn_scalar) ** -0.5"
+        if family != "phi3" and attn.head_dim != base.layers[0].self_attn.head_dim:
+            return "head_dim differs between layers"
     if any(p.device.type == "meta" for p in model.parameters()):
         return "meta parameters"
     return None
 
 
-# Mistral = Llama + a sliding window; Qwen2 = Llama + q/k/v biases (+ a window); Qwen3 = Llama + per-head RMSNorm
-# of q and k before rotary (+ a window). Windows only where every layer has the same type (mixed: HF forward).
+# Mistral = Llama + a sliding window; Qwen2 = Llama + q/k/v biases; Qwen3 = Llama + per-head RMSNorm of q and k
+# before rotary; Phi-3 = Llama with fused qkv_proj / gate_up_proj; Gemma-2 = Llama with (1 + w) RMSNorms, a scaled
+# embedding, norms after attention and MLP as well as before, GELU-tanh, query scaling query_pre_attn_scalar ** -0.5,
+# attention and final logit soft-capping (tanh(x / cap) * cap); Gemma-3 = Gemma-2 + q/k head norms and a RoPE base
+# per layer type. Windows per layer from the decoder's cache policy (full and sliding layers may alternate).
 _CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}
+_GEMMA = ("gemma2", "gemma3_text")
+_ACTS = {"silu": F.silu, "swish": F.silu,
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:
@@ -144,37 +205,117 @@ def _packed(entry: dict, key, parts: list[torch.Tensor]) -> torch.Tensor:
     return packed
 
 
-def _packed_weights(model: torch.nn.Module) -> tuple[list[tuple], torch.Tensor]:
-    """Per layer ``(ln1, eps1, W_qkv (E, (H + 2 H_kv) D), W_o (H D, E), ln2, eps2, W_gu (E, 2 I), W_down (I, E))``
-    and ``W_lm (E, V)``: norms are the live parameters, projections transposed copies checked against the live
-    parameters on this call (see above)."""
-    entry = _packed_cache.setdefault(model, {})
+def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], torch.Tensor]:
+    """Per layer ``(ln1, eps1, W_qkv, W_o, ln2, eps2, W_gu, W_down)`` and the head ``W_lm``.
+
+    Packed (CPU): ``W_qkv (E, (H + 2 H_kv) D)``, ``W_o (H D, E)``, ``W_gu (E, 2 I)``, ``W_down (I, E)``,
+    ``W_lm (E, V)``: transposed copies checked against the live parameters on this call (see above). Unpacked: the
+    live parameters (or row views of Phi-3's fused ``qkv_proj`` / ``gate_up_proj``), ``W_qkv`` and ``W_gu`` as
+    tuples ``(q, k, v)`` / ``(gate, up)`` for ``F.linear``. ``ln2`` is the norm before the MLP (Gemma:
+    ``pre_feedforward_layernorm``); norms are the live parameters."""
+    phi3 = model.config.model_type == "phi3"
+    pre_mlp = "pre_feedforward_layernorm" if model.config.model_type in _GEMMA else "post_attention_layernorm"
+    entry = _packed_cache.setdefault(model, {}) if packed else None
     layers = []
     # ordinary tensors even when first built under inference_mode (the copies outlive the call)
     with torch.inference_mode(False), torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             a, m = layer.self_attn, layer.mlp
-            layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                _packed(entry, (i, "qkv"), [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                _packed(entry, (i, "o"), [a.o_proj.weight]),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                _packed(entry, (i, "gu"), [m.gate_proj.weight, m.up_proj.weight]),
-                _packed(entry, (i, "down"), [m.down_proj.weight]),
-            ))
-        for key in [k for k in entry if k != "lm" and k[0] >= len(layers)]:  # layers removed since
-            del entry[key]
-        lm = _packed(entry, "lm", [model.lm_head.weight])
+            qkv = [a.qkv_proj.weight] if phi3 else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+            gu = [m.gate_up_proj.weight] if phi3 else [m.gate_proj.weight, m.up_proj.weight]
+            if packed:
+                qkv = _packed(entry, (i, "qkv"), qkv)
+                o = _packed(entry, (i, "o"), [a.o_proj.weight])
+                gu = _packed(entry, (i, "gu"), gu)
+                down = _packed(entry, (i, "down"), [m.down_proj.weight])
+            else:
+                if phi3:
+                    qd, kd = a.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+                    qkv = list(qkv[0].split([qd, kd, kd]))
+                    gu = list(gu[0].chunk(2))
+                qkv, gu, o, down = tuple(qkv), tuple(gu), a.o_proj.weight, m.down_proj.weight
+            ln2 = getattr(layer, pre_mlp)
+            layers.append((layer.input_layernorm.weight, _eps(layer.input_layernorm), qkv, o,
+                           ln2.weight, _eps(ln2), gu, down))
+        if packed:
+            for key in [k for k in entry if k != "lm" and k[0] >= len(layers)]:  # layers removed since
+                del entry[key]
+        lm = _packed(entry, "lm", [model.lm_head.weight]) if packed else model.lm_head.weight
     return layers, lm
 
 
+# ---------------------------------------------------------------------------------------------- decode.compile
+# torch.compile of the lean forward's layers and head (FastKVState._core_impl) over its preallocated K/V buffers
+# (dynamic shapes: one graph serves every cache length and block width; a graph per model layout and mask kind).
+# Inductor on CPU, mode="reduce-overhead" (CUDA graphs where inductor can use them) on CUDA. "auto" = on for CUDA,
+# off on CPU: on the 2-core AVX2 machine the first compile of the reference target's forward took 324 s (load
+# average 9) and the compiled 1- and 5-position forwards were no faster than the uncompiled ones (12.2 / 20.0 ms
+# against 12.6-17.9 / 22.9-31.1 ms in the same run; see the README), so compiling cannot pay back within an
+# evaluation there.
+COMPILE_MODES = ("auto", "on", "off")
+_compile_mode = "auto"
+_compile_seconds = 0.0
+_compiled: dict[str, object] = {}
+
+
+def set_compile(mode: str) -> None:
+    """Set ``decode.compile`` for lean forwards built from now on: ``"auto"`` (on for CUDA, off on CPU), ``"on"``,
+    ``"off"``. Raises ``ValueError`` for another value."""
+    global _compile_mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"decode.compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    _compile_mode = mode
+
+
+def compile_enabled(device) -> bool:
+    """Whether a lean forward on ``device`` is compiled under the current ``decode.compile`` setting."""
+    if _compile_mode == "auto":
+        return torch.device(device).type == "cuda"
+    return _compile_mode == "on"
+
+
+def compile_seconds() -> float:
+    """Seconds spent in lean-forward calls that compiled a new graph (compile time), since the process started."""
+    return _compile_seconds
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _compiled_core(device):
+    """The compiled ``FastKVState._core_impl`` for ``device``'s type (one per process, shared by every state)."""
+    kind = torch.device(device).type
+    if kind not in _compiled:
+        import torch._dynamo as dynamo
+
+        # target and draft layouts x (one-token, block) x dense / holes: more graphs than the default limit of 8
+        dynamo.config.cache_size_limit = max(dynamo.config.cache_size_limit, 64)
+        mode = None
+        if kind == "cuda":
+            import torch._inductor.config as inductor
+
+            # CUDA graphs replay fixed shapes: a graph whose shapes follow the cache length would be re-recorded at
+            # every length, so those run as plain inductor kernels (a static-shape forward is not built yet)
+            inductor.triton.cudagraph_skip_dynamic_graphs = True
+            mode = "reduce-overhead"
+        _compiled[kind] = torch.compile(FastKVState._core_impl, dynamic=True, mode=mode)
+    return _compiled[kind]
+
+
 class FastKVState:
-    """Lean cached forward for a Llama model: the same interface and semantics as ``decode._common.KVState``.
+    """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode._common.KVState``.
 
     Buffers: per layer ``K, V (B, cap, H_kv, D)``; ``valid (B, cap)`` bool over physical slots (0 = left padding or
     a hole left by a rejected token); ``num_valid (B,)`` = next position id per row. While no row has a hole or
     padding (``dense``, the batch-1 case), positions are the slot indices and no key mask is needed for one-token
     steps, so a step does no index arithmetic at all.
+
+    Per layer, the window (``None`` or W, from :func:`decode._common.cache_policy`: full and sliding layers may
+    alternate, Gemma-2/3) and the rotary table (Gemma-3: one RoPE base per layer type) are looked up; one mask per
+    distinct window is built per forward.
 
     The weights are read when the state is built (on CPU: packed copies, verified against the live parameters bit
     for bit, rebuilt where they differ); like the K/V cache, a state belongs to the weights of that moment, so build
@@ -184,15 +325,20 @@ class FastKVState:
     fast = True
 
     def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
-                 packed: bool | None = None, fused_norm: bool | None = None):
+                 packed: bool | None = None, fused_norm: bool | None = None, compile: bool | None = None):
+        from ._common import cache_policy
+
         self.model = model
         base = model.model
         cfg = model.config
+        family = cfg.model_type
+        self.gemma = family in _GEMMA
         self.device = device
         self.dtype = model.lm_head.weight.dtype
         self.batch_size = batch_size
         self.embed_w = base.embed_tokens.weight
-        self.norm_w, self.norm_eps = base.norm.weight, base.norm.variance_epsilon
+        # Gemma: embeddings times sqrt(hidden) cast to the weights' dtype (Gemma2TextScaledWordEmbedding)
+        self.embed_scale = base.embed_tokens.embed_scale.to(self.dtype) if self.gemma else None
         attn0 = base.layers[0].self_attn
         self.head_dim = attn0.head_dim
         self.n_heads = cfg.num_attention_heads
@@ -200,43 +346,50 @@ class FastKVState:
         self.n_rep = self.n_heads // self.n_kv
         self.scaling = attn0.scaling
         self.hidden = cfg.hidden_size
-        self.inter = base.layers[0].mlp.gate_proj.weight.shape[0]
+        self.act = _ACTS[cfg.hidden_activation if self.gemma else getattr(cfg, "hidden_act", "silu")]
+        self.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if self.gemma else None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None) if self.gemma else None
         # fp32: torch's fused rms_norm computes exactly LlamaRMSNorm's formula (fp32 variance, rsqrt, scale);
         # other dtypes keep the explicit formula (HF casts back to the input dtype before scaling)
         self.fused_norm = self.dtype == torch.float32 if fused_norm is None else fused_norm
         self.packed = _use_packed(model, device) if packed is None else packed
-        if self.packed:
-            self.layers, self.lm_w = _packed_weights(model)
-        else:
-            self.layers = [
-                (
-                    layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                    (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight),
-                    layer.self_attn.o_proj.weight,
-                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                    (layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight), layer.mlp.down_proj.weight,
-                )
-                for layer in base.layers
-            ]
-            self.lm_w = model.lm_head.weight
-        self.inv_freq = base.rotary_emb.inv_freq
-        # Mistral's sliding window W: a query at position p sees keys at positions p - W < q <= p
-        # (transformers' sliding_window_overlay); None = full attention
-        if cfg.model_type == "mistral":
-            self.window = getattr(cfg, "sliding_window", None)
-        elif cfg.model_type in ("qwen2", "qwen3") and set(getattr(cfg, "layer_types", None) or ()) == {
-                "sliding_attention"}:
-            self.window = cfg.sliding_window
-        else:
-            self.window = None
-        # per layer: concatenated q/k/v bias (Qwen2) and (q_norm weight, k_norm weight, eps) (Qwen3), else None;
-        # built per state from the live parameters (never cached across calls)
+        self.layers, self.lm_w = _layer_weights(model, self.packed)
+        self.inter = (self.layers[0][7].shape[0] if self.packed else self.layers[0][7].shape[1])
+        norm_w = self._norm_weight
+        self.norm_w, self.norm_eps = norm_w(base.norm.weight), _eps(base.norm)
+        if self.gemma:  # (1 + w) in fp32, as Gemma2RMSNorm computes it on every call
+            self.layers = [(norm_w(l1), e1, qkv, o, norm_w(l2), e2, gu, d)
+                           for l1, e1, qkv, o, l2, e2, gu, d in self.layers]
+        # per layer: the window (a query at position p sees keys at positions p - W < q <= p, transformers'
+        # sliding_window_overlay; None = full attention) and the index of its rotary table
+        policy = cache_policy(model)
+        types = policy.layer_types or ("full_attention",) * len(base.layers)
+        self.layer_window = [policy.window if t == "sliding_attention" else None for t in types]
+        self.windows = sorted(set(self.layer_window), key=lambda w: -1 if w is None else w)
+        inv_freqs = _layer_inv_freqs(model, types)
+        self.inv_freqs: list[torch.Tensor] = []
+        self.layer_rope = []
+        for f in inv_freqs:
+            idx = next((j for j, g in enumerate(self.inv_freqs) if g is f), None)
+            if idx is None:
+                self.inv_freqs.append(f)
+                idx = len(self.inv_freqs) - 1
+            self.layer_rope.append(idx)
+        # per layer: concatenated q/k/v bias (Qwen2), (q_norm weight, k_norm weight, eps) (Qwen3, Gemma-3) and the
+        # Gemma norms after attention and after the MLP ((weight, eps) or None); built per state from the live
+        # parameters (never cached across calls)
         self.extras = []
         for layer in base.layers:
             a = layer.self_attn
-            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if a.q_proj.bias is not None else None
-            qk_norm = (a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None
-            self.extras.append((bias, qk_norm))
+            bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if getattr(
+                a, "q_proj", None) is not None and a.q_proj.bias is not None else None
+            qk_norm = (norm_w(a.q_norm.weight), norm_w(a.k_norm.weight), _eps(a.q_norm)) if hasattr(
+                a, "q_norm") else None
+            post = None
+            if self.gemma:
+                pa, pf = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+                post = ((norm_w(pa.weight), _eps(pa)), (norm_w(pf.weight), _eps(pf)))
+            self.extras.append((bias, qk_norm, post))
         self._neg_inf = torch.tensor(float("-inf"), dtype=self.dtype, device=device)
         self.cap = 0
         self.length = 0  # physical slots in use
@@ -247,6 +400,15 @@ class FastKVState:
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)
         with torch.inference_mode():
             self._grow(max(int(capacity), 16))
+        self.compiled = compile_enabled(device) if compile is None else bool(compile)
+        self._core = self._core_impl if not self.compiled else functools.partial(_compiled_core(device), self)
+
+    def _norm_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """The factor an RMSNorm scales by: Gemma ``1 + w`` in fp32 (Gemma2RMSNorm), else ``w`` itself."""
+        if not self.gemma:
+            return w
+        with torch.no_grad():
+            return 1.0 + w.float()
 
     # ------------------------------------------------------------------ buffers
     def _grow(self, need: int) -> None:
@@ -265,16 +427,22 @@ class FastKVState:
         valid = torch.zeros(b, cap, dtype=torch.bool, device=self.device)
         valid[:, :n] = self.valid[:, :n]
         self.valid = valid
-        # rotary tables exactly as LlamaRotaryEmbedding.forward: fp32 freqs, cat, cos/sin, cast to the model dtype
+        # rotary tables exactly as LlamaRotaryEmbedding.forward: fp32 freqs, cat, cos/sin, cast to the model dtype;
+        # one (cos (cap, D), signed sin (cap, D)) per distinct inv_freq
         pos = torch.arange(cap, device=self.device)
-        freqs = pos[:, None].float() * self.inv_freq.to(device=self.device, dtype=torch.float)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # (cap, D)
         half = self.head_dim // 2
-        self.cos = emb.cos().to(self.dtype)  # (cap, D)
-        sin = emb.sin().to(self.dtype)
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]  (negation is exact, so bitwise equal)
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-        self.cos4, self.sin4 = self.cos[None, :, None, :], self.sin_signed[None, :, None, :]  # (1, cap, 1, D)
+        self.cos, self.sin_signed, self.cos4, self.sin4 = [], [], [], []
+        for inv_freq in self.inv_freqs:
+            freqs = pos[:, None].float() * inv_freq.to(device=self.device, dtype=torch.float)[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (cap, D)
+            cos = emb.cos().to(self.dtype)
+            sin = emb.sin().to(self.dtype)
+            # rotate_half(x) * sin == roll(x, D/2) * [-sin_lo, sin_hi]  (negation is exact, so bitwise equal)
+            sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            self.cos.append(cos)
+            self.sin_signed.append(sin_signed)
+            self.cos4.append(cos[None, :, None, :])  # (1, cap, 1, D)
+            self.sin4.append(sin_signed[None, :, None, :])
         self.arange = pos
         self.cap = cap
 
@@ -284,8 +452,9 @@ class FastKVState:
         """Append ``tokens (B, T)`` (``token_mask (B, T)``: 1 real, 0 hole; ``None`` = all real) to the cache;
         return logits ``(B, T', V)`` for the last ``T' = logits_to_keep`` slots (all slots when 0).
 
-        ``tree`` (token trees, :mod:`decode.tree`): ``(position_ids (B, T), additive mask (B, 1, T, L+T))`` used
-        as given instead of the causal ones (every new token is a real token)."""
+        ``tree`` (token trees, :mod:`decode.tree`): ``(position_ids (1, T), allowed (T, L+T) bool, key positions
+        (L+T,))``: the tree's visibility (ancestors and self) used instead of the causal mask, each layer's window
+        applied on top by position (every new token is a real token)."""
         if not torch.is_inference_mode_enabled():  # the buffers are inference tensors (the decoders run inside)
             with torch.inference_mode():
                 return self._forward(tokens, token_mask, logits_to_keep, tree)
@@ -301,28 +470,31 @@ class FastKVState:
         if token_mask is not None and self.dense and not bool(token_mask.all()):
             self.dense = False
         arange = self.arange
-        window = self.window
-        kv_start = 0  # keys before this slot are outside every query's window (dense: slot == position)
-        if tree is not None:  # decode.tree: the caller's positions and mask (window included)
-            position_ids, attn_mask = tree
+        masks = {}  # window -> (first key slot, additive mask or None)
+        if tree is not None:  # decode.tree: the caller's positions, tree structure and key positions
+            position_ids, allowed, key_pos = tree  # (B, T), (T, L+T) bool, (L+T,)
             self.valid[:, start:end] = True
-            cos = self.cos[position_ids][:, :, None, :]  # (B, T, 1, D)
-            sin = self.sin_signed[position_ids][:, :, None, :]
+            rope = [(c[position_ids][:, :, None, :], s[position_ids][:, :, None, :])  # (B, T, 1, D)
+                    for c, s in zip(self.cos, self.sin_signed)]
+            for window in self.windows:  # the window counts positions, as in the chain
+                a = allowed if window is None else allowed & ((position_ids[0][:, None] - key_pos[None, :]) < window)
+                masks[window] = (0, torch.where(a, 0.0, self._neg_inf)[None, None])  # (1, 1, T, L+T)
             self.num_valid = self.num_valid + t
         elif self.dense:
             self.valid[:, start:end] = True
-            cos = self.cos4[:, start:end]  # (1, T, 1, D)
-            sin = self.sin4[:, start:end]
-            if window is not None:
-                kv_start = max(0, start - window + 1)
-            if t == 1:
-                attn_mask = None
-            else:  # (T, L+T) causal, additive (SDPA would convert a boolean mask again in every layer)
+            rope = [(c[:, start:end], s[:, start:end]) for c, s in zip(self.cos4, self.sin4)]  # (1, T, 1, D)
+            for window in self.windows:
+                # keys before kv_start are outside every query's window (dense: slot == position)
+                kv_start = 0 if window is None else max(0, start - window + 1)
+                if t == 1:
+                    masks[window] = (kv_start, None)
+                    continue
+                # (T, L+T) causal, additive (SDPA would convert a boolean mask again in every layer)
                 kpos, qpos = arange[kv_start:end][None, :], arange[start:end][:, None]
                 allowed = kpos <= qpos
                 if window is not None:
                     allowed = allowed & (kpos > qpos - window)
-                attn_mask = torch.where(allowed, 0.0, self._neg_inf)
+                masks[window] = (kv_start, torch.where(allowed, 0.0, self._neg_inf))
             self.num_valid = self.num_valid + t
         else:
             if token_mask is None:
@@ -332,37 +504,56 @@ class FastKVState:
                 tm = token_mask.to(torch.long)
                 position_ids = self.num_valid[:, None] + tm.cumsum(1) - tm  # (B, T) valid tokens before each slot
             self.valid[:, start:end] = tm.bool()
-            cos = self.cos[position_ids][:, :, None, :]  # (B, T, 1, D)
-            sin = self.sin_signed[position_ids][:, :, None, :]
+            rope = [(c[position_ids][:, :, None, :], s[position_ids][:, :, None, :])  # (B, T, 1, D)
+                    for c, s in zip(self.cos, self.sin_signed)]
             keys = self.valid[:, None, :end]  # (B, 1, L+T)
             kpos, qpos = arange[:end][None, :], arange[start:end][:, None]
             # every query also sees its own slot, so a padding / hole query never has an all-masked row (NaN);
             # its output is never read and its key stays masked for every other query
-            allowed = keys & (kpos <= qpos)[None]  # (B, T, L+T)
-            if window is not None:  # the window counts positions (valid tokens), not slots: holes are skipped
-                key_pos = self.valid[:, :end].cumsum(1) - 1  # (B, L+T) position of each valid slot
-                allowed = allowed & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
-            allowed = allowed | (kpos == qpos)[None]
-            attn_mask = torch.where(allowed[:, None], 0.0, self._neg_inf)  # (B, 1, T, L+T) additive
+            causal = keys & (kpos <= qpos)[None]  # (B, T, L+T)
+            diag = (kpos == qpos)[None]
+            for window in self.windows:
+                allowed = causal
+                if window is not None:  # the window counts positions (valid tokens), not slots: holes are skipped
+                    key_pos = self.valid[:, :end].cumsum(1) - 1  # (B, L+T) position of each valid slot
+                    allowed = allowed & ((position_ids[:, :, None] - key_pos[:, None, :]) < window)
+                masks[window] = (0, torch.where((allowed | diag)[:, None], 0.0, self._neg_inf))  # (B, 1, T, L+T)
             self.num_valid = self.num_valid + tm.sum(1)
         self.length = end
+        if not self.compiled:
+            return self._core(tokens, rope, masks, start, end, logits_to_keep)
+        global _compile_seconds
+        graphs = _graph_count()
+        t0 = time.perf_counter()
+        out = self._core(tokens, rope, masks, start, end, logits_to_keep)
+        if _graph_count() != graphs:  # this call compiled a new graph: its time is compile time
+            _compile_seconds += time.perf_counter() - t0
+        return out
 
+    def _core_impl(self, tokens: torch.Tensor, rope: list, masks: dict, start: int, end: int, logits_to_keep: int
+                   ) -> torch.Tensor:
+        """The layers and the head over the prepared rotary tables and masks (what ``decode.compile`` compiles)."""
+        bsz, t = tokens.shape
         half = self.head_dim // 2
         h_kv, h_q, d = self.n_kv, self.n_heads, self.head_dim
         qd, kd, inter, packed = h_q * d, h_kv * d, self.inter, self.packed
-        norm = self._norm
+        norm, act = self._norm, self.act
         x = F.embedding(tokens, self.embed_w)  # (B, T, E)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for i, (ln1, eps1, w_qkv, w_o, ln2, eps2, w_gu, w_d) in enumerate(self.layers):
             # --- attention block
             hs = norm(x, ln1, eps1)
             kbuf, vbuf = self.k[i], self.v[i]
-            b_qkv, qk_norm = self.extras[i]
+            b_qkv, qk_norm, post = self.extras[i]
+            cos, sin = rope[self.layer_rope[i]]
+            kv_start, attn_mask = masks[self.layer_window[i]]
             if packed:  # (E, (H + 2 H_kv) D) = [q_proj; k_proj; v_proj]^T
                 qkv = torch.matmul(hs, w_qkv)  # (B, T, (H + 2 H_kv) D)
                 if b_qkv is not None:
                     qkv = qkv + b_qkv
                 qk = qkv[..., :qd + kd].view(bsz, t, h_q + h_kv, d)  # (B, T, H + H_kv, D)
-                if qk_norm is not None:  # Qwen3: RMSNorm over head_dim, q and k heads with their own weights
+                if qk_norm is not None:  # Qwen3 / Gemma-3: RMSNorm over head_dim, q and k heads with their weights
                     qk = torch.cat([self._head_norm(qk[:, :, :h_q], qk_norm[0], qk_norm[2]),
                                     self._head_norm(qk[:, :, h_q:], qk_norm[1], qk_norm[2])], 2)
                 qk = qk * cos + qk.roll(half, -1) * sin  # apply_rotary_pos_emb on q and k at once
@@ -385,34 +576,64 @@ class FastKVState:
                 n_kv = end - kv_start
                 key = key[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
                 val = val[:, :, None].expand(bsz, h_kv, self.n_rep, n_kv, d).reshape(bsz, h_q, n_kv, d)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), key, val, attn_mask=attn_mask, scale=self.scaling)
+            if self.attn_softcap is None:
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), key, val, attn_mask=attn_mask,
+                                                   scale=self.scaling)
+            else:
+                o = self._softcapped_attention(q.transpose(1, 2), key, val, attn_mask)
             o = o.transpose(1, 2).reshape(bsz, t, qd)  # (B, T, H D)
-            x = x + (torch.matmul(o, w_o) if packed else F.linear(o, w_o))
-            # --- MLP block (SiLU-gated)
+            o = torch.matmul(o, w_o) if packed else F.linear(o, w_o)
+            if post is not None:  # Gemma: RMSNorm on the attention output before the residual
+                o = norm(o, post[0][0], post[0][1])
+            x = x + o
+            # --- MLP block (gated: SiLU, Gemma GELU-tanh)
             hs = norm(x, ln2, eps2)
             if packed:  # (E, 2 I) = [gate_proj; up_proj]^T
                 gu = torch.matmul(hs, w_gu)  # (B, T, 2 I)
-                x = x + torch.matmul(F.silu(gu[..., :inter]) * gu[..., inter:], w_d)
+                m = torch.matmul(act(gu[..., :inter]) * gu[..., inter:], w_d)
             else:
-                x = x + F.linear(F.silu(F.linear(hs, w_gu[0])) * F.linear(hs, w_gu[1]), w_d)
+                m = F.linear(act(F.linear(hs, w_gu[0])) * F.linear(hs, w_gu[1]), w_d)
+            if post is not None:  # Gemma: RMSNorm on the MLP output before the residual
+                m = norm(m, post[1][0], post[1][1])
+            x = x + m
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         hs = norm(x, self.norm_w, self.norm_eps)
-        return torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
+        logits = torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
+        if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
 
-    @staticmethod
-    def _head_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """Qwen3RMSNorm over the last (head) dim: fp32 variance, rsqrt, cast back, times weight."""
+    def _softcapped_attention(self, q: torch.Tensor, key: torch.Tensor, val: torch.Tensor,
+                              attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """Gemma-2's eager attention with logit soft-capping: ``softmax(cap * tanh(q k^T s / cap) + mask)`` (fp32
+        softmax, cast back) times ``v``; ``q (B, H, T, D)``, ``key`` / ``val (B, H, L, D)`` -> ``(B, H, T, D)``."""
+        cap = self.attn_softcap
+        scores = torch.matmul(q, key.transpose(2, 3)) * self.scaling
+        scores = torch.tanh(scores / cap) * cap
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, val)
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last (head) dim: fp32 variance, rsqrt; Qwen3: cast back, times weight; Gemma-3: times
+        ``1 + w`` (``weight`` here) in fp32, cast back."""
         hs = x.float()
         hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+        if self.gemma:
+            return (hs * weight).to(x.dtype)
         return weight * hs.to(x.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """LlamaRMSNorm: fp32 variance, ``x * rsqrt(var + eps)``, cast back, times weight."""
+        """LlamaRMSNorm: fp32 variance, ``x * rsqrt(var + eps)``, cast back, times weight; Gemma: times ``1 + w``
+        (``weight`` here, fp32) before the cast back."""
         if self.fused_norm:
             return F.rms_norm(x, (self.hidden,), weight, eps)
         hs = x.float()
         hs = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + eps)
+        if self.gemma:
+            return (hs * weight).to(x.dtype)
         return weight * hs.to(x.dtype)
 
     # ------------------------------------------------------------------ cache edits

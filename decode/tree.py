@@ -199,14 +199,13 @@ def _tree_forward(state, tokens: list[int], positions: list[int], region_start: 
     qpos = torch.tensor(positions, dtype=torch.long, device=dev)
     prefix_valid = state.mask[0, :region_start].bool()  # (R0,)
     allowed = torch.cat([prefix_valid[None, :].expand(t, -1), allowed_region], 1)  # (T, L+T)
-    window = state.window if state.fast else state.policy.window
+    kpos = torch.cat([prefix_valid.long().cumsum(0) - 1, torch.tensor(region_pos, dtype=torch.long, device=dev)])
+    if state.fast:  # the lean forward applies each layer's window itself
+        return state.forward(tok, None, logits_to_keep=0, tree=(qpos[None], allowed, kpos))[0]
+    window = state.policy.window
     full = allowed
     if window is not None:
-        kpos = torch.cat([prefix_valid.long().cumsum(0) - 1, torch.tensor(region_pos, dtype=torch.long, device=dev)])
         allowed = allowed & ((qpos[:, None] - kpos[None, :]) < window)
-    if state.fast:
-        add = torch.where(allowed, 0.0, state._neg_inf)[None, None]  # (1, 1, T, L+T)
-        return state.forward(tok, None, logits_to_keep=0, tree=(qpos[None], add))[0]
     dtype = next(state.model.parameters()).dtype
     neg = torch.finfo(dtype).min
 

@@ -22,7 +22,7 @@ from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used be
 from decode.tree import DraftTree
 from decode import autoregressive_generate, speculative_generate
 from decode._common import sync
-from decode.timing import cost_ratio
+from decode.timing import block_forward_times_s, cost_ratio
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,17 @@ def load_record(before, after) -> dict:
     before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
     return {"loadavg_before": before, "loadavg_after": after, "cores": cores,
             "overloaded": max(before[0], after[0]) > cores}
+
+
+def measure_verify_cost_ratio(target, input_ids: torch.Tensor, gammas, trials: int = 20) -> dict[str, dict]:
+    """Verify cost ratio v per gamma: ``{str(gamma): {"verify_cost_ratio", "verify_forward_s", "target_forward_s"}}``
+    = (gamma + 1)-position target forward / one-position forward (medians of ``trials``, the decoder's own
+    forward path, widths alternating: :func:`decode.block_forward_times_s`)."""
+    device = next(target.parameters()).device
+    widths = sorted({1, *(int(g) + 1 for g in gammas)})
+    t = block_forward_times_s(target, input_ids.to(device), widths, steps=trials)
+    return {str(g): {"verify_cost_ratio": t[g + 1] / t[1], "verify_forward_s": t[g + 1], "target_forward_s": t[1]}
+            for g in gammas}
 
 
 def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:
@@ -102,7 +113,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             ``speculative_time_s`` their mean.
 
     Returns:
-        ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "num_draft_tokens": [gammas], "max_new_tokens",
+        ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
+        (:func:`measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
         "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
         "target_only"}`` (``machine_load``: :func:`load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
@@ -118,6 +130,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
     _warm_up(target, drafts, probe, gammas[0], eos, pad)
     cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
+    verify = measure_verify_cost_ratio(target, probe, gammas, cost_ratio_trials)
     if events:
         events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
     rows: list[dict] = []
@@ -195,7 +208,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                         "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
                         "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
                         "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
-                        "verify_time_s": s.verify_time_s, "speculative_time_s": sum(ts) / len(ts),
+                        "verify_time_s": s.verify_time_s, "prefill_time_s": s.prefill_time_s,
+                        "speculative_time_s": sum(ts) / len(ts),
                         "target_new_tokens": n_ref, "target_time_s": sum(t_ref) / len(t_ref),
                         "speculative_trial_times_s": list(ts), "target_trial_times_s": list(t_ref),
                         "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
@@ -213,6 +227,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
-    return {"rows": rows, "cost_ratio": cost, "num_draft_tokens": gammas, "max_new_tokens": max_new_tokens,
+    return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
+            "max_new_tokens": max_new_tokens,
             "sampling": decode_kwargs, "truncated_prompts": truncated_total, "draft_length_policies": list(policies),
             "timing_trials": trials, "machine_load": load, "target_only": target_only}

@@ -26,14 +26,15 @@ PER_PROMPT_COLUMNS = (
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
     "accepted_length_histogram", "draft_length_policy", "draft_lengths", "speculative_trial_times_s",
-    "target_trial_times_s",
+    "target_trial_times_s", "prefill_time_s",
 )
 LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
 # columns added after the first files were written: their value in an older per_prompt.csv / row
 COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": [], "speculative_trial_times_s": [],
-                   "target_trial_times_s": []}
+                   "target_trial_times_s": [], "prefill_time_s": None}
 # per-trial wall times (seconds, one per timing trial; space-separated in the CSV)
 FLOAT_LIST_COLUMNS = ("speculative_trial_times_s", "target_trial_times_s")
+OPTIONAL_FLOAT_COLUMNS = ("prefill_time_s",)  # None when unknown (an older file)
 FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
                "emitted_tokens", "target_new_tokens")
@@ -374,6 +375,8 @@ def row_from_csv(rec: dict[str, str]) -> dict:
         out[k] = int(rec[k])
     for k in FLOAT_COLUMNS:
         out[k] = float(rec[k])
+    for k in OPTIONAL_FLOAT_COLUMNS:
+        out[k] = None if rec.get(k) in (None, "") else float(rec[k])
     for k in BOOL_COLUMNS:
         out[k] = None if rec[k] == "" else rec[k] == "True"
     for k in LIST_COLUMNS:

@@ -260,6 +260,10 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
+    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+
+    set_compile(rc.decode.compile)  # decode.compile for the lean forwards built below
+    compile_s0 = compile_seconds()
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
     policies = {p: (lambda p=p: rc.decode.make_policy(p)) for p in policy_names}  # a fresh policy per decode
     trees = {f"tree:{t.spec()}": t for t in rc.eval.trees()}  # eval.draft_tree, measured like the policies
@@ -294,7 +298,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "target_only": {d: x for p in parts for d, x in p["target_only"].items()},
                "draft_length_policy_settings": policy_settings}
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime,
+               "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
+                                  "compile_time_s": compile_seconds() - compile_s0}}
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
                                     "target_only": {d: results["target_only"][d] for d, n in routed.items()

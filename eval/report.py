@@ -14,6 +14,7 @@ from typing import Any
 from data.devices import describe_runtime
 from data.io import write_json_atomic, write_text_atomic
 
+from .breakdown import time_breakdown, time_breakdown_section
 from .metrics import PER_PROMPT_COLUMNS, aggregate, domains_of, json_clean, row_to_csv
 
 SCHEMA_VERSION = 2
@@ -82,6 +83,10 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "best_measured": agg["recommendation"],
         "vs_baseline": agg["vs_baseline"],
         "timing": {"timing_trials": results.get("timing_trials", 1), "machine_load": results.get("machine_load", {})},
+        "verify_cost_ratio": results.get("verify_cost_ratio"),
+        # where decoding time goes per draft and domain (eval/breakdown.py)
+        "time_breakdown": time_breakdown(results["rows"], results["cost_ratio"], results.get("verify_cost_ratio"),
+                                         agg["drafts"], primary),
     }
     from .verdicts import add_decisions, add_projection
 
@@ -213,6 +218,7 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                          f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
                          f"{_fmt(e['lossless'])} |")
     lines += policies_section(doc)
+    lines += time_breakdown_section(doc)
     if plots:
         lines += ["", "## Plots", ""]
         titles = {"acceptance_by_domain": "Acceptance by domain",

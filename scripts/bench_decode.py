@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -111,8 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
-                    help="ours: lean forward where supported (Llama, Mistral, Qwen2, Qwen3; auto) or always the "
+                    help="ours: lean forward where supported (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3; auto) or the "
                          "Hugging Face forward (off)")
+    ap.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="decode.compile for ours: torch.compile of the lean forward (auto: on for CUDA, off on CPU); "
+                         "when on, ours also runs uncompiled in the same alternation (compiled / uncompiled)")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",
                     help="ours: draft-length policy (decode.draft_length_policy; adaptive starts at "
@@ -275,8 +277,9 @@ def run(args) -> dict:
 def _run(args) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from decode.fast_llama import fast_path_supported
+    from decode.fast_llama import compile_enabled, compile_seconds, fast_path_supported, set_compile
 
+    set_compile(args.compile)
     torch.manual_seed(args.seed)
     fast_path = None if args.fast_path == "auto" else False
     device, dtype = resolve_device_dtype(args.device, args.dtype)
@@ -346,9 +349,22 @@ def _run(args) -> dict:
     extra.update({f"tree {t.spec()}": tree_fn(t) for t in args.trees})
     methods.update(extra)
     extra_stats: dict[str, list[AcceptanceStats]] = {m: [] for m in extra}
-    # warm-up (allocations, kernels), untimed
+    compiled = compile_enabled(device) and fast_path is None
+    if compiled:  # the same decoder uncompiled, in the same alternation
+
+        def ours_spec_uncompiled(p):
+            set_compile("off")
+            try:
+                return ours_spec(p)
+            finally:
+                set_compile(args.compile)
+
+        methods["ours_speculative_uncompiled"] = ours_spec_uncompiled
+    # warm-up (allocations, kernels; compiling when decode.compile is on), untimed
+    compile_s0 = compile_seconds()
     for fn in methods.values():
         fn(prompts[0])
+    compile_warmup_s = compile_seconds() - compile_s0
 
     seconds = {m: 0.0 for m in methods}
     tokens = {m: 0 for m in methods}
@@ -462,6 +478,11 @@ def _run(args) -> dict:
         "time_breakdown": {"ours_speculative": spec_bd, "target_only": breakdown(ar)},
         "in_loop": in_loop,
         "greedy_output_mismatches": mismatches,
+        "compile": {"setting": args.compile, "compiled": compiled,
+                    "compile_time_s": compile_warmup_s,  # first calls (warm-up), untimed
+                    "compile_time_in_timed_s": compile_seconds() - compile_s0 - compile_warmup_s,
+                    "compiled_over_uncompiled": (tps["ours_speculative"] / tps["ours_speculative_uncompiled"]
+                                                 if compiled else None)},
         "stats": stats.to_dict(),
         "chain_vs_tree": compare,
     }
@@ -505,6 +526,12 @@ def format_table(r: dict) -> str:
         ("expected speedup (measured c and v)", f"{r['expected_speedup_components']:.2f}x"),
         ("measured / expected (Leviathan)", f"{r['measured_over_expected']:.2f}"),
         ("ours: greedy outputs differing from target-only", f"{r['greedy_output_mismatches']['ours_speculative']}"),
+        ("decode.compile (compiled; compile s warm-up / timed)",
+         f"{r['compile']['setting']} ({'yes' if r['compile']['compiled'] else 'no'}; "
+         f"{r['compile']['compile_time_s']:.1f} / {r['compile']['compile_time_in_timed_s']:.1f})"),
+        *([("ours compiled / uncompiled (tokens/s)", f"{r['compile']['compiled_over_uncompiled']:.2f}x"),
+           ("ours uncompiled: outputs differing from target-only",
+            f"{r['greedy_output_mismatches']['ours_speculative_uncompiled']}")] if r["compile"]["compiled"] else []),
         ("transformers: outputs differing from target-only", f"{r['greedy_output_mismatches']['hf_assisted']}"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -5,14 +5,16 @@
 #   3. a small draft/target pair built here: the smoke experiment's distill stage (trains on the GPU) against the
 #      committed reference target (needs the data root: SPECDRAFT_DATA_ROOT or ../shared/data)
 #   4. the `gpu` marked tests (tests/decode/test_decode_gpu.py: partial acceptance, bf16 greedy equality,
-#      lean-vs-HF logits, sampling exactness, a distillation step); FAILS when they were skipped
-#   5. the decoder benchmark on that pair in float32 and bfloat16
+#      lean-vs-HF logits, sampling exactness, a distillation step, the compiled lean forward) and the model-family
+#      tests (every family on the lean forward past its sliding window); FAILS when the gpu tests were skipped
+#   5. the decoder benchmark on that pair in float32 (uncompiled) and bfloat16 compiled (decode.compile=on, with
+#      the uncompiled decoder in the same alternation)
 #   6. `python -m eval` on that pair on the device in bfloat16; checks metrics.json records the device and dtype
 #
 #   bash scripts/device_check.sh          # on a GPU machine
 #   bash scripts/device_check.sh --cpu    # dry run of every step on the CPU (the gpu tests run on the CPU)
 # Logs and results go to ${OUT:-device_check_out}/; exit status 0 only when every step passed.
-# Time limits per step (seconds): install 80, env 20, distill 110, tests 150, bench 2 x 30, eval 50 = 470 < 480.
+# Time limits per step (seconds): install 80, env 20, distill 110, tests 150, bench 2 x 45, eval 25 = 475 < 480.
 # --cpu runs the same steps with less decoding (bf16 matmuls are slow on CPUs), and its limits are multiplied by
 # DEVICE_CHECK_TIME_SCALE (default 3 with --cpu, 1 on a GPU): a shared 2-core machine imports torch alone in 20 s.
 set -uo pipefail
@@ -77,7 +79,8 @@ draft="$pair/drafts/distilled"
 [ -f "$draft/config.json" ] || { echo "no draft at $draft"; rc[distill]=1; }
 
 step "4/6 gpu tests on $device"
-timeout $(t 150) python -m pytest -q tests/decode/test_decode_gpu.py -m gpu -rs --junitxml="$out/pytest_gpu.xml" \
+timeout $(t 150) python -m pytest -q tests/decode/test_decode_gpu.py -m "gpu or not slow" -rs \
+  --junitxml="$out/pytest_gpu.xml" tests/decode/test_decode_sliding_window.py \
   2>&1 | tee "$out/pytest_gpu.txt" | tail -n 15
 rc[tests]=${PIPESTATUS[0]}
 python - "$out/pytest_gpu.xml" <<'PY' || rc[tests]=1
@@ -97,18 +100,19 @@ step "5/6 benchmark on $device"
 rc[bench]=0
 for dtype in float32 bfloat16; do
   if [ "${rc[distill]}" -ne 0 ]; then rc[bench]=1; break; fi
-  timeout $(t 30) python scripts/bench_decode.py --target "$target" --draft "$draft" --device "$device" --dtype "$dtype" \
-    --num-draft-tokens 4 "${bench_size[@]}" --json-out "$out/bench_$dtype.json" \
+  compile=$([ "$dtype" = bfloat16 ] && [ "$mode" = gpu ] && echo on || echo off)  # CPU: compiling takes minutes
+  timeout $(t 45) python scripts/bench_decode.py --target "$target" --draft "$draft" --device "$device" --dtype "$dtype" \
+    --compile "$compile" --num-draft-tokens 4 "${bench_size[@]}" --json-out "$out/bench_$dtype.json" \
     > "$out/bench_$dtype.txt" 2>&1 || rc[bench]=1
-  tail -n 21 "$out/bench_$dtype.txt"
+  tail -n 25 "$out/bench_$dtype.txt"
 done
 
 step "6/6 python -m eval on $device in bfloat16"
 rc[eval]=1
 if [ "${rc[distill]}" -eq 0 ]; then
-  timeout $(t 50) python -m eval "target.name_or_path=$target" "eval.drafts={distilled: $draft}" 'eval.domains=[medical]' \
+  timeout $(t 25) python -m eval "target.name_or_path=$target" "eval.drafts={distilled: $draft}" 'eval.domains=[medical]' \
     "${eval_size[@]}" eval.bootstrap_samples=50 eval.plots=false \
-    "eval.device=$device" eval.dtype=bfloat16 "hydra.run.dir=$out/eval" > "$out/eval.txt" 2>&1 \
+    "eval.device=$device" eval.dtype=bfloat16 decode.compile=off "hydra.run.dir=$out/eval" > "$out/eval.txt" 2>&1 \
   && python - "$out/eval/metrics.json" "$device" <<'PY' && rc[eval]=0
 import json, sys
 rt = json.load(open(sys.argv[1]))["context"]["runtime"]

@@ -38,7 +38,8 @@ def test_time_limits_add_up_to_under_8_minutes_and_match_the_readme():
 def test_fails_when_the_gpu_tests_were_skipped():
     text = SCRIPT.read_text()
     assert 'if n == 0 or skipped:' in text and "rc[tests]=1" in text
-    assert "-m gpu" in text and "tests/decode/test_decode_gpu.py" in text
+    assert '-m "gpu or not slow"' in text and "tests/decode/test_decode_gpu.py" in text
+    assert "tests/decode/test_decode_sliding_window.py" in text  # the model-family tests run there too
 
 
 def test_unknown_argument_is_refused_before_anything_runs(tmp_path):

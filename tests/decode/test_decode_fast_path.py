@@ -288,10 +288,14 @@ def test_packed_copies_are_reused_only_for_bitwise_equal_weights():
 
 
 @pytest.mark.parametrize("packed", [True, False])
-@pytest.mark.parametrize("family,window", [("mistral", 3), ("mistral", None), ("qwen2", 3), ("qwen2", None),
-                                           ("qwen3", 3), ("qwen3", None)])
-def test_family_on_the_lean_forward_matches_hf(family, window, packed):
-    """Mistral (Llama + a sliding window), Qwen2 (+ q/k/v biases) and Qwen3 (+ q/k head RMSNorm) run on the lean
+@pytest.mark.parametrize("family,window,window_layers", [
+    ("mistral", 3, 0), ("mistral", None, 0), ("qwen2", 3, 0), ("qwen2", None, 0), ("qwen2", 3, 1), ("qwen3", 3, 0),
+    ("qwen3", None, 0), ("gemma2", 3, 0), ("gemma3", 3, 0), ("phi3", 3, 0)])  # Gemma: windowed and full layers
+def test_family_on_the_lean_forward_matches_hf(family, window, window_layers, packed):
+    """Mistral (Llama + a sliding window), Qwen2 (+ q/k/v biases; the first layer full, the rest windowed too),
+    Qwen3 (+ q/k head RMSNorm), Gemma-2 (soft-capped attention and logits, windowed / full layers alternating,
+    query_pre_attn_scalar, (1 + w) RMSNorms before and after attention and MLP, scaled embedding, GELU-tanh),
+    Gemma-3 (+ q/k head norms, a RoPE base per layer type) and Phi-3 (fused qkv / gate_up) run on the lean
     forward: the same logits as transformers' uncached forward with left padding (a padded vocabulary: the head
     has more rows than the prompts use), and the same as the Hugging Face KV state through holes, truncation and
     row retirement, with the window counted in positions."""
@@ -299,12 +303,12 @@ def test_family_on_the_lean_forward_matches_hf(family, window, packed):
 
     def build(w):
         return tiny_family(family, vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4,
-                           sliding_window=w, max_window_layers=0)
+                           sliding_window=w, max_window_layers=window_layers)
 
     model = build(window)
-    with torch.no_grad():  # non-zero biases / norm weights (their init is 0 / 1)
+    with torch.no_grad():  # non-zero biases, norm weights away from their init (0 or 1)
         for name, p in model.named_parameters():
-            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+            if name.endswith((".bias", "norm.weight")):
                 p.add_(0.3 * torch.randn_like(p))
     assert fast_path_supported(model)
     ids, mask = left_pad(random_prompts([9, 4, 7], 64, seed=1))  # ids < 64 of 80 rows
@@ -344,9 +348,57 @@ def test_family_on_the_lean_forward_matches_hf(family, window, packed):
     assert torch.equal(one.sequences, hf_greedy(model, ids[:1], mask[:1], 12))
 
 
-def test_mixed_window_layers_fall_back_to_hf():
+def test_mixed_window_layers_on_the_lean_forward():
+    """Full and windowed layers in one model (Qwen2's max_window_layers, Gemma's alternation) get one mask each."""
     from tinymodels import tiny_family
 
     mixed = tiny_family("qwen2", sliding_window=3, max_window_layers=1)  # layer 0 full, layer 1 windowed
-    assert not fast_path_supported(mixed)
-    assert isinstance(new_kv_state(mixed, 1, torch.device("cpu")), KVState)
+    state = new_kv_state(mixed, 1, torch.device("cpu"))
+    assert isinstance(state, FastKVState) and state.layer_window == [None, 3]
+    gemma3 = new_kv_state(tiny_family("gemma3", sliding_window=3), 1, torch.device("cpu"))
+    assert gemma3.layer_window == [3, None] and len(gemma3.inv_freqs) == 2  # RoPE base per layer type
+
+
+def test_decode_compile_setting_resolves_per_device_and_refuses_unknown_values():
+    from decode.config import DecodeConfig
+    from decode.fast_llama import compile_enabled, set_compile
+
+    try:
+        set_compile("auto")
+        assert not compile_enabled("cpu") and compile_enabled("cuda")  # auto: measured not to pay on CPU
+        set_compile("on")
+        assert compile_enabled("cpu")
+        assert FastKVState(_llama(), 1, torch.device("cpu")).compiled
+        set_compile("off")
+        assert not compile_enabled("cuda")
+        with pytest.raises(ValueError, match="decode.compile must be one of auto, on, off"):
+            set_compile("yes")
+    finally:
+        set_compile("auto")
+    with pytest.raises(ValueError, match="decode.compile"):
+        DecodeConfig(compile="true")
+
+
+@pytest.mark.slow  # compiling takes minutes on a small CPU (each graph: inductor + gcc)
+def test_compiled_lean_forward_is_lossless():
+    """decode.compile=on: the same greedy tokens as the uncompiled lean forward (same dtype), batch 1 and a left
+    padded batch with holes, on a windowed family; the compile time is counted."""
+    from decode.fast_llama import compile_seconds, set_compile
+    from tinymodels import tiny_family
+
+    target = tiny_family("gemma2", vocab_size=64, hidden_size=32, seed=3, sliding_window=3)
+    draft = tiny_family("gemma2", vocab_size=64, hidden_size=32, num_layers=1, seed=4, sliding_window=3)
+    ids, mask = left_pad(random_prompts([6, 3], 64, seed=2))
+    runs = {}
+    before = compile_seconds()
+    try:
+        for mode in ("off", "on"):
+            set_compile(mode)
+            runs[mode] = [speculative_generate(target, draft, ids[:1], max_new_tokens=12, num_draft_tokens=3),
+                          speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=3)]
+    finally:
+        set_compile("auto")
+    assert compile_seconds() > before  # the compiled calls compiled (and their time was counted)
+    for off, on in zip(runs["off"], runs["on"]):
+        assert torch.equal(off.sequences, on.sequences)
+    assert torch.equal(runs["on"][1].sequences, hf_greedy(target, ids, mask, 12))

@@ -188,3 +188,28 @@ def test_event_timer_agrees_with_a_synchronised_wall_clock():
     wall = time.perf_counter() - t0
     assert y.shape == x.shape and 0.0 < timer.seconds <= wall * 1.05 + 1e-4
     assert timer.seconds >= 0.5 * wall  # the queued matmuls count in the interval that launched them
+
+
+def test_compiled_lean_forward_is_lossless_in_bf16():
+    """decode.compile (auto: on for CUDA): the compiled lean forward gives the same bf16 greedy tokens as the
+    uncompiled one, batch 1 and a padded batch. On the CPU dry run auto stays off (compiling there does not pay and
+    takes minutes; tests/decode/test_decode_fast_path.py has a slow CPU test of the compiled path)."""
+    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+
+    target, draft = _pair(torch.bfloat16)
+    ids, mask = _prompts()
+    assert compile_enabled(DEV) is (DEV.type == "cuda")
+    runs = {}
+    before = compile_seconds()
+    try:
+        for mode in ("off", "auto"):
+            set_compile(mode)
+            runs[mode] = [speculative_generate(target, draft, ids[:1], mask[:1], max_new_tokens=24,
+                                               num_draft_tokens=3).sequences,
+                          speculative_generate(target, draft, ids, mask, max_new_tokens=24,
+                                               num_draft_tokens=3).sequences]
+    finally:
+        set_compile("auto")
+    assert (compile_seconds() > before) is (DEV.type == "cuda")
+    for off, on in zip(runs["off"], runs["auto"]):
+        assert torch.equal(off, on)

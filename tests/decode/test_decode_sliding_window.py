@@ -14,6 +14,7 @@ from decode_testutils import hf_greedy, left_pad, random_prompts
 from test_decode_sampling_exact import chi_square_pvalue
 
 from decode import cache_policy, process_logits, speculative_generate
+from decode.fast_llama import fast_path_supported
 from tinymodels import SLIDING_FAMILIES, tiny_family
 
 WINDOW = 3
@@ -40,6 +41,7 @@ def test_greedy_equals_generate_past_the_window(family):
     assert not torch.equal(hf_greedy(full, ids, mask, NEW), ref)
     ref1 = hf_greedy(target, ids[:1], mask[:1], NEW)
     assert cache_policy(target).window == WINDOW
+    assert fast_path_supported(target) and fast_path_supported(draft)  # every family here is on the lean forward
     for gamma in (1, 4, 8):
         one = speculative_generate(target, draft, ids[:1], mask[:1], max_new_tokens=NEW, num_draft_tokens=gamma)
         assert torch.equal(one.sequences, ref1), gamma
@@ -78,6 +80,7 @@ def exact_joint(model, prompt: torch.Tensor, cfg) -> torch.Tensor:
 def test_sampled_two_token_joint_matches_target_batched(family):
     target = tiny_family(family, vocab_size=V, hidden_size=16, num_layers=2, seed=11, sliding_window=2)
     draft = tiny_family(family, vocab_size=V, hidden_size=16, num_layers=1, seed=12, sliding_window=2)
+    assert fast_path_supported(target) and fast_path_supported(draft)
     full = tiny_family(family, vocab_size=V, hidden_size=16, num_layers=2, seed=11, sliding_window=None)
     cfg = dict(temperature=1.0, top_k=8)
     ids, mask = left_pad(PROMPTS)

@@ -41,12 +41,16 @@ def test_rows_lossless_and_identical_draft(setup, decode_kwargs):
     rows = res["rows"]
     assert len(rows) == 2 * 3 * 2  # drafts x prompts x gammas
     assert res["num_draft_tokens"] == [1, 3] and set(res["cost_ratio"]) == {"twin", "other"}
+    assert sorted(res["verify_cost_ratio"]) == ["1", "3"]  # (gamma + 1)-position / 1-position target forward
+    assert all(v["verify_cost_ratio"] > 0 and v["verify_forward_s"] > 0 for v in res["verify_cost_ratio"].values())
     assert events.count("eval_domain_done") == 2
     sampling = bool(decode_kwargs)
     for r in rows:
         assert r["greedy_equal"] is (None if sampling else True)
         assert r["emitted_tokens"] == r["new_tokens"] <= 6
         assert sum(r["accepted_length_histogram"]) == r["verify_steps"]
+        assert 0 < r["prefill_time_s"] and r["prefill_time_s"] + r["draft_time_s"] + r["verify_time_s"] <= r[
+            "speculative_time_s"]
     out = aggregate(rows, {n: c["cost_ratio"] for n, c in res["cost_ratio"].items()}, primary_num_draft_tokens=3,
                     bootstrap_samples=20, check_lossless=True)
     for dom in prompts:

@@ -21,9 +21,9 @@ def row(draft="d", domain="x", g=2, steps=4, accepted=4, emitted=8, new=8, spec_
     return {"draft_length_policy": policy, "draft_lengths": lengths, "draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
             "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": sum(lengths),
             "accepted_tokens": accepted, "emitted_tokens": emitted, "draft_time_s": 0.25 * spec_t,
-            "verify_time_s": 0.5 * spec_t, "speculative_time_s": spec_t, "target_new_tokens": tnew,
-            "target_time_s": tgt_t, "greedy_equal": equal, "speculative_trial_times_s": [spec_t],
-            "target_trial_times_s": [tgt_t],
+            "verify_time_s": 0.5 * spec_t, "prefill_time_s": 0.1 * spec_t, "speculative_time_s": spec_t,
+            "target_new_tokens": tnew, "target_time_s": tgt_t, "greedy_equal": equal,
+            "speculative_trial_times_s": [spec_t], "target_trial_times_s": [tgt_t],
             "per_position_drafted": ppd if ppd is not None else [steps, 2],
             "per_position_accepted": ppa if ppa is not None else [2, 1],
             "accepted_length_histogram": hist if hist is not None else [2, 1, 1]}
@@ -240,3 +240,49 @@ def test_expected_speedup_mixture_pools_over_steps_not_a_mean_of_speedups():
     assert expected_speedup_mixture(a, [], c) != expected_speedup_mixture(a, [], c)  # NaN: no steps
     with pytest.raises(ValueError, match="acceptance_rate"):
         expected_speedup_mixture(1.5, [1], c)
+
+
+@given(st.lists(st.tuples(st.floats(0.01, 5.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.0, 1.0)),
+                min_size=1, max_size=6), st.floats(0.5, 3.0))
+@settings(max_examples=30, deadline=None)
+def test_time_breakdown_splits_the_wall_time_and_prices_the_measured_components(cells, v):
+    """Per (draft, domain): prefill + draft + verify + other = the speculative wall time (pooled over prompts),
+    loop efficiency = time in forwards / wall, the in-loop ratios divide per-step / per-token times by the target's
+    one-position forward, and the expected speedup from measured components is Leviathan's with v in the
+    denominator (equal to it at v = 1)."""
+    from eval.breakdown import time_breakdown, time_breakdown_section
+
+    rows = []
+    for i, (wall, fp, fd, fv) in enumerate(cells):
+        r = row(draft="a", g=2, spec_t=wall, pid=str(i))
+        total = fp + fd + fv or 1.0
+        r.update(prefill_time_s=wall * fp / total * 0.9, draft_time_s=wall * fd / total * 0.9,
+                 verify_time_s=wall * fv / total * 0.9)
+        rows.append(r)
+    rows.append(row(draft="a", g=4, spec_t=100.0, pid="other gamma"))  # another gamma: not in the gamma-2 cell
+    results = {**_results(rows, (2, 4)), "verify_cost_ratio": {"2": {"verify_cost_ratio": v}}}
+    doc = metrics_document(results, {"experiment_name": "t", "seed": 0}, primary_num_draft_tokens=2,
+                           bootstrap_samples=0)
+    e = doc["time_breakdown"]["a"]["x"]
+    cell = rows[:-1]
+    wall = sum(r["speculative_time_s"] for r in cell)
+    parts = [sum(r[k] for r in cell) for k in ("prefill_time_s", "draft_time_s", "verify_time_s")]
+    assert e["wall_s"] == pytest.approx(wall)
+    assert e["prefill_s"] + e["draft_s"] + e["verify_s"] + e["other_s"] == pytest.approx(wall)
+    assert [e["prefill_s"], e["draft_s"], e["verify_s"]] == pytest.approx(parts)
+    assert e["loop_efficiency"] == pytest.approx(sum(parts) / wall) and e["loop_efficiency"] <= 0.9 + 1e-9
+    steps, drafted = sum(r["verify_steps"] for r in cell), sum(r["drafted_tokens"] for r in cell)
+    assert e["verify_cost_ratio_in_loop"] == pytest.approx(parts[2] / steps / 1e-3)
+    assert e["cost_ratio_in_loop"] == pytest.approx(parts[1] / drafted / 1e-3)
+    a = doc["drafts"]["a"]["x"]["token_acceptance_rate"]
+    assert e["expected_speedup_leviathan"] == pytest.approx(doc["drafts"]["a"]["x"]["expected_speedup"])
+    assert e["expected_speedup_components"] == pytest.approx(expected_speedup(a, 2, 0.2, v))
+    assert (e["expected_speedup_components"] < e["expected_speedup_leviathan"]) == (v > 1.0)
+    assert e["measured_speedup"] == doc["drafts"]["a"]["x"]["measured_speedup"]
+    md = "\n".join(time_breakdown_section(doc))
+    assert "## Where decoding time goes (gamma = 2)" in md and f"| {e['verify_cost_ratio']:.2f} (" in md
+    # rows of an older per_prompt.csv (no prefill_time_s): the split is unknown, never invented
+    old = time_breakdown([{k: x for k, x in r.items() if k != "prefill_time_s"} for r in cell],
+                         results["cost_ratio"], None, doc["drafts"], 2)["a"]["x"]
+    assert old["prefill_s"] is old["other_s"] is old["loop_efficiency"] is old["expected_speedup_components"] is None
+    assert "n/a" in "\n".join(time_breakdown_section({**doc, "time_breakdown": {"a": {"x": old}}}))

@@ -87,7 +87,7 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
     if family == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
         return "sliding window attention"
     try:
-        from ._common import cache_policy
+        from .kv_policy import cache_policy
 
         cache_policy(model)
     except ValueError as e:
@@ -326,7 +326,7 @@ class FastKVState:
 
     def __init__(self, model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
                  packed: bool | None = None, fused_norm: bool | None = None, compile: bool | None = None):
-        from ._common import cache_policy
+        from .kv_policy import cache_policy
 
         self.model = model
         base = model.model

@@ -7,7 +7,7 @@ composes the same config with Hydra's compose API from the command line, runs th
 config, paths, tokenizers, the run-directory policy) and a write probe, and exits with the message before
 ``@hydra.main`` starts. The task function checks everything again (library users call ``run`` directly).
 
-Exit codes (README, "Bad input and faults"):
+Exit codes (docs/faults.md):
 
 * 2 (:data:`EXIT_BAD_INPUT`): bad config, data, checkpoint, tokenizer or run directory.
 * 3 (:data:`EXIT_WRITE_FAULT`): an artifact could not be written (full disk, read-only folder); earlier ones intact.
@@ -256,7 +256,7 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
         composed = compose([a for a in rest if a.startswith("+experiment=")], config_dir)
     close = closest_keys(composed[0], key) if composed else []
     hint = f"; did you mean {' or '.join(f'{k}={value}' for k in close)}?" if close else \
-        "; see README 'Config keys you change' for the keys"
+        "; see docs/configuration.md for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
             f"add the key, and the typed config would then reject it)")
 

@@ -284,6 +284,6 @@ def unknown_domain_error(name: str) -> UnknownDomainError:
     return UnknownDomainError(
         f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}"
         + (f"; declared: {', '.join(declared_names())}" if declared_names() else "")
-        + f". Fix eval.domains / data.domain, or declare it in {name}.yaml under {dirs} (see README, \"Train a "
+        + f". Fix eval.domains / data.domain, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, \"Train a "
           f"draft for your own traffic\")."
     )

@@ -250,7 +250,7 @@ def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], t
 # Inductor on CPU, mode="reduce-overhead" (CUDA graphs where inductor can use them) on CUDA. "auto" = on for CUDA,
 # off on CPU: on the 2-core AVX2 machine the first compile of the reference target's forward took 324 s (load
 # average 9) and the compiled 1- and 5-position forwards were no faster than the uncompiled ones (12.2 / 20.0 ms
-# against 12.6-17.9 / 22.9-31.1 ms in the same run; see the README), so compiling cannot pay back within an
+# against 12.6-17.9 / 22.9-31.1 ms in the same run; see docs/decoder.md), so compiling cannot pay back within an
 # evaluation there.
 COMPILE_MODES = ("auto", "on", "off")
 _compile_mode = "auto"

@@ -165,7 +165,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
 
     dc, dist, target, tokenizer = rc.distill, pair.dist, pair.target, pair.tokenizer
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (README, "Devices and precision")
+    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (docs/devices.md, "Devices and precision")
     if (dc.data_source == "teacher" or dc.teacher_signal == "cached") and torch.cuda.is_available() \
             and dist.is_main_process:
         target.to(dist.device)  # the passes run where training will, on the main process only

@@ -148,7 +148,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
                  confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
                  draft_length_policy: str = FIXED) -> dict:
     """All metrics of one (draft, domain, num_draft_tokens) cell, or of one (draft, domain, policy) cell, from its
-    per-prompt rows (see README, "Report fields").
+    per-prompt rows (see docs/reports.md, "Report fields").
 
     The draft lengths the decoder used are ``draft_length_histogram`` (pooled from the rows' ``draft_lengths``) and
     ``mean_draft_length`` = drafted tokens / verify steps. A fixed gamma's expected speedup is Leviathan et al.'s

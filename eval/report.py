@@ -43,7 +43,7 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
                      bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
                      check_lossless: bool = True, alert_mean_accepted_length: float = 2.0,
                      noisy_relative_width: float = 0.5, deployment: dict | None = None) -> dict:
-    """The ``metrics.json`` document (schema in README, "Report fields").
+    """The ``metrics.json`` document (schema in docs/reports.md, "Report fields").
 
     ``recommendation.<domain>`` is the decision of :mod:`eval.verdicts` (a draft and setting, or the target alone),
     ``best_measured.<domain>`` the setting with the highest measured speedup; ``deployment``: the result of
@@ -272,8 +272,8 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
         lines.append("")
     for s in extra_sections or []:
         lines += [s, ""]
-    lines += ["Field meanings: see README.md, section \"Report fields\". Every number here is recomputable from "
-              "per_prompt.csv (eval.metrics.aggregate).", ""]
+    lines += ["Field meanings: see docs/reports.md in the specdraft repository, \"Report fields\". Every number here "
+              "is recomputable from per_prompt.csv (eval.metrics.aggregate).", ""]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""Make a folder laid out like a user's own chat logs, for ``+experiment=byo_chat`` (README, "Train a draft for your
+"""Make a folder laid out like a user's own chat logs, for ``+experiment=byo_chat`` (docs/own-traffic.md, "Train a draft for your
 own traffic").
 
 From the data root's ``chat/`` files it writes, OUTSIDE the repository:

@@ -97,3 +97,16 @@ def test_docs_point_only_inside_the_repository():
     outside = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in texts if p.resolve() != Path(__file__).resolve()
                for m in re.finditer(r"DESIGN\.md|\.\./shared/DESIGN", p.read_text(errors="ignore"))]
     assert not outside, "references to a design file the repository does not contain:\n" + "\n".join(outside)
+
+
+def test_readme_is_short_and_its_doc_links_resolve():
+    """The README is the entry point (under about 250 lines); the reference lives in docs/, and every link between
+    them points at a file that exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = [(ROOT, m) for m in re.findall(r"\]\((docs/[\w.-]+\.md)(?:#[\w-]*)?\)", readme)]
+    for page in (ROOT / "docs").glob("*.md"):
+        links += [(page.parent, m) for m in re.findall(r"\]\(([\w.-]+\.md)(?:#[\w-]*)?\)", page.read_text())]
+    assert len(links) >= 10
+    missing = sorted({str(base / target) for base, target in links if not (base / target).is_file()})
+    assert not missing, f"links to files that do not exist: {missing}"

@@ -3,7 +3,7 @@ code, the last stderr line is our one-line ``error: ...`` message (never a trace
 already holds a finished run is left byte-identical (Hydra's ``.hydra/`` and log file included: commands are
 checked before Hydra touches the run directory).
 
-The README table "Bad input and faults: what you see" names these tests; tests/test_readme.py checks that every
+The table of docs/faults.md names these tests; tests/test_readme.py checks that every
 row points at a test that exists.
 """
 from __future__ import annotations

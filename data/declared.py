@@ -137,6 +137,15 @@ def _err(origin: str, msg: str) -> DataFormatError:
     return DataFormatError(f"{origin}: {msg}")
 
 
+def _check_mapping(spec: Any, where: str, what: str, needs: str, keys: tuple) -> None:
+    """``spec`` is a mapping whose keys are all in ``keys``, else a DataFormatError naming ``where`` and the fix."""
+    if not isinstance(spec, dict):
+        raise _err(where, f"{what} must be a mapping with {needs}, got {spec!r}")
+    bad = [k for k in spec if k not in keys]
+    if bad:
+        raise _err(where, f"unknown key(s) {bad}; {what} has {', '.join(keys)}")
+
+
 def build_domain(name: str, spec: dict, origin: str) -> Domain:
     """A :class:`Domain` from a declaration (a dict as in this module's docstring).
 
@@ -144,11 +153,7 @@ def build_domain(name: str, spec: dict, origin: str) -> Domain:
         DataFormatError: an unknown key, format, shape or split, no files, a hub file without ``hub.path``, each
             naming ``origin`` (the YAML file or the config key) and the fix.
     """
-    if not isinstance(spec, dict):
-        raise _err(origin, f"a domain declaration must be a mapping with 'files', got {type(spec).__name__}")
-    bad = [k for k in spec if k not in _DOMAIN_KEYS]
-    if bad:
-        raise _err(origin, f"unknown key(s) {bad}; a domain has {', '.join(_DOMAIN_KEYS)}")
+    _check_mapping(spec, origin, "a domain declaration", "'files'", _DOMAIN_KEYS)
     files = spec.get("files")
     if not files or not isinstance(files, list):
         raise _err(origin, "'files' must be a non-empty list of {path, format, shape, ...}")
@@ -156,11 +161,7 @@ def build_domain(name: str, spec: dict, origin: str) -> Domain:
     sources, names = [], set()
     for i, f in enumerate(files):
         where = f"{origin} files[{i}]"
-        if not isinstance(f, dict):
-            raise _err(where, f"expected a mapping with path/format/shape, got {f!r}")
-        bad = [k for k in f if k not in _FILE_KEYS]
-        if bad:
-            raise _err(where, f"unknown key(s) {bad}; a file has {', '.join(_FILE_KEYS)}")
+        _check_mapping(f, where, "a file entry", "path/format/shape", _FILE_KEYS)
         fmt = f.get("format")
         path = f.get("path")
         if fmt != "hub" and not path:

@@ -80,6 +80,11 @@ def bootstrap_ratio_ci(num: np.ndarray, den: np.ndarray, *, samples: int, confid
         stat = num[idx].sum(1) / den[idx].sum(1)  # (samples,)
         if num2 is not None:
             stat = stat / (num2[idx].sum(1) / den2[idx].sum(1))
+    return _percentile_interval(stat, confidence)
+
+
+def _percentile_interval(stat: np.ndarray, confidence: float) -> list[float] | None:
+    """``[low, high]`` percentile interval of the finite bootstrap statistics ``stat`` (samples,); None if none."""
     stat = stat[np.isfinite(stat)]
     if not stat.size:
         return None
@@ -114,12 +119,7 @@ def bootstrap_speedup_ci(new: np.ndarray, spec_t: np.ndarray, tnew: np.ndarray, 
     tr = rng.integers(0, spec_t.shape[1], size=(samples, n))  # (samples, n) trial of each drawn prompt
     with np.errstate(divide="ignore", invalid="ignore"):
         stat = (new[idx].sum(1) / spec_t[idx, tr].sum(1)) / (tnew[idx].sum(1) / tgt_t[idx, tr].sum(1))
-    stat = stat[np.isfinite(stat)]
-    if not stat.size:
-        return None
-    a = (1 - confidence) / 2
-    lo, hi = np.quantile(stat, [a, 1 - a])
-    return [float(lo), float(hi)]
+    return _percentile_interval(stat, confidence)
 
 
 def _cell_seed(seed: int, *key: Any) -> int:

@@ -230,11 +230,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         ArtifactWriteError: the report could not be written (full disk, read-only folder); the previous report
             set is intact.
     """
-    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
-    from decode import cache_policy
-    from decode.fast_llama import fast_path_supported
-    from data.devices import runtime_record
-    from decode.quantize import check_quantize_device, load_draft
+    from decode.quantize import check_quantize_device
 
     run_dir = Path(run_dir)
     ev = events or (lambda *a, **k: None)
@@ -245,25 +241,74 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
                            tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
+    target, tokenizer, drafts, meta = _load_models(rc, paths, device, dtype)
+    routed = None  # domain -> draft name, with decode.draft_routing
+    if rc.decode.draft_routing:
+        routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
+    results, runtime = _measure(rc, target, tokenizer, drafts, prompts, routed, device, dtype, ev)
+    context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
+    if routed is not None:
+        context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
+                                    "target_only": {d: results["target_only"][d] for d, n in routed.items()
+                                                    if n is None and d in results["target_only"]}}
+    sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts})
+    doc, routing_path = _write_report_set(rc, run_dir, results, context, sections, serving, domains, routed,
+                                          {n: paths[n] for n in drafts}, _deployment(rc, target, drafts),
+                                          command_record, ev)
+    for domain, r in doc["recommendation"].items():
+        ev("eval_recommendation", domain=domain, recommendation=r)
+    out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
+           "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
+           "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
+           "recommended_setting": {d: setting_label(r) if r["draft"] else "the target alone"
+                                   for d, r in doc["recommendation"].items()},
+           "summary": verdicts_section(doc),
+           "routing": str(routing_path) if routing_path else None, "routed": routed,
+           "serving": str(run_dir / "serving.json")}
+    if rc.logger.name == "wandb":
+        from .tracking import log_to_wandb
+
+        cfg = asdict(rc) if is_dataclass(rc) else {}
+        out["wandb_dir"] = log_to_wandb(rc.logger, run_dir, doc, config=cfg, name=rc.experiment_name,
+                                        per_prompt_rows=results["rows"], events_path=run_dir / "events.jsonl")
+        ev("eval_wandb", dir=out["wandb_dir"], mode=rc.logger.mode)
+    ev("eval_done", lossless_all=doc["lossless_all"], noisy=doc.get("noisy"))
+    return out
+
+
+def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
+    """The target and every draft in ``eval.dtype`` on ``eval.device``, each checked against the tokenizer, the
+    context the evaluation needs and the decoder's cache policy. Returns ``(target, tokenizer, drafts, meta)``."""
+    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
+    from decode import cache_policy
+    from decode.fast_llama import fast_path_supported
+    from decode.quantize import load_draft
+
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
     need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
     what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
+    slots = need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2
     check_context_fits(target, need, "target", what)
-    cache_policy(target, 1, need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2, role="target")
+    cache_policy(target, 1, slots, role="target")
     drafts, meta = {}, {}
     for n in paths:
         model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
-        cache_policy(model, 1, need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2, role=f"draft {n!r}")
+        cache_policy(model, 1, slots, role=f"draft {n!r}")
         drafts[n] = model
         meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
-    gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
-    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+    return target, tokenizer, drafts, meta
 
-    set_compile(rc.decode.compile)  # decode.compile for the lean forwards built below
-    compile_s0 = compile_seconds()
+
+def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | None, device, dtype, ev) -> tuple:
+    """Decode every prompt target-only and with every draft at every gamma, draft-length policy and token tree
+    (with routing: each domain with its routed draft only, or the target alone). Returns ``(results, runtime)``."""
+    from data.devices import runtime_record
+
+    gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
     policies = {p: (lambda p=p: rc.decode.make_policy(p)) for p in policy_names}  # a fresh policy per decode
     trees = {f"tree:{t.spec()}": t for t in rc.eval.trees()}  # eval.draft_tree, measured like the policies
@@ -271,12 +316,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     policy_settings = {**{p: rc.decode.policy_settings(p) for p in policy_names},
                        **{name: {"draft_tree": t.spec(), "depth": t.depth, "max_nodes": t.max_nodes}
                           for name, t in trees.items()}}
-    routed = None  # domain -> draft name, with decode.draft_routing
-    if rc.decode.draft_routing:
-        routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     ev("eval_start", domains=list(prompts), drafts=list(drafts), num_draft_tokens=gammas,
-       draft_length_policies=policy_settings,
-       prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
+       draft_length_policies=policy_settings, prompts={d: len(p) for d, p in prompts.items()}, routed=routed)
     # Without routing every draft decodes every domain; with routing each domain only its routed draft.
     groups = [(drafts, prompts)] if routed is None else [
         ({n: drafts[n]}, {d: p for d, p in prompts.items() if routed[d] == n}) for n in drafts] + [
@@ -297,23 +338,21 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "machine_load": {d: x for p in parts for d, x in p["machine_load"].items()},
                "target_only": {d: x for p in parts for d, x in p["target_only"].items()},
                "draft_length_policy_settings": policy_settings}
-    context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
-               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime,
-               "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
-                                  "compile_time_s": compile_seconds() - compile_s0}}
-    if routed is not None:
-        context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
-                                    "target_only": {d: results["target_only"][d] for d, n in routed.items()
-                                                    if n is None and d in results["target_only"]}}
+    return results, runtime
+
+
+def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict) -> tuple:
+    """The report's extra sections (training, draft sources, prompt format, serving settings); the serving
+    section is returned too (its document is written as ``serving.json``)."""
+    from data.chat import Renderer
+
+    from .serving import ServingSection
+
     sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []
     if any(m.get("init") or m.get("quantize", "none") != "none" for m in meta.values()):
         from .draft_sources import draft_sources_section
 
         sections.append(draft_sources_section(meta))
-    from data.chat import Renderer
-
-    from .serving import ServingSection
-
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
     sections.append("## Prompt format\n\nChat records (conversations) were rendered with "
@@ -321,16 +360,27 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                        if prompt_format == "chat_template" else
                        "the plain `User: ...\\nAssistant:` format: the target tokenizer has no chat template.")
                     + " Completion-style records (code, QA, text) are sent as they are.")
-    serving = ServingSection({n: paths[n] for n in drafts}, str(rc.target.name_or_path))
+    serving = ServingSection(draft_paths, str(rc.target.name_or_path))
     sections.append(serving)
-    sources = domain_sources(domains)
-    deployment = None
-    if rc.eval.deployment.enabled():
-        from .verdicts import deployment_cost_ratios
+    return sections, serving
 
-        count = lambda m: sum(int(x.numel()) for x in m.parameters())  # noqa: E731
-        deployment = deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},
-                                            count(target))
+
+def _deployment(rc, target, drafts: dict) -> dict | None:
+    """``eval.deployment``'s cost ratio per draft (None without deployment settings)."""
+    if not rc.eval.deployment.enabled():
+        return None
+    from .verdicts import deployment_cost_ratios
+
+    count = lambda m: sum(int(x.numel()) for x in m.parameters())  # noqa: E731
+    return deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},
+                                  count(target))
+
+
+def _write_report_set(rc, run_dir: Path, results: dict, context: dict, sections: list, serving, domains,
+                      routed, draft_paths: dict, deployment, command_record, ev) -> tuple:
+    """``report.md``, ``metrics.json``, ``per_prompt.csv``, plots, ``serving.json`` and (without routing)
+    ``routing.json`` written as one set. Returns ``(metrics document, routing path or None)``."""
+    sources = domain_sources(domains)
     routing_path = None
     with atomic_file_set(run_dir, "report") as staging:
         if command_record is not None:
@@ -345,27 +395,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
             write_text_atomic(staging / "serving.json", json.dumps(serving.document, indent=2) + "\n")
         if routed is None:  # a routed evaluation measures one draft per domain: nothing to choose, no new table
             routing_path = run_dir / "routing.json"
-            table = write_routing(staging / "routing.json", doc, {n: paths[n] for n in drafts})
+            table = write_routing(staging / "routing.json", doc, draft_paths)
             rendered = [f(doc) if callable(f) else f for f in sections]  # as write_report renders them
             write_text_atomic(staging / "report.md", render_markdown(
                 doc, rendered + [routing_section(table, str(routing_path))], doc["plots"], sources))
             ev("eval_routing", path=str(routing_path), routes={d: r["draft"] for d, r in table["routes"].items()})
-    for domain, r in doc["recommendation"].items():
-        ev("eval_recommendation", domain=domain, recommendation=r)
-    out = {"metrics": str(run_dir / "metrics.json"), "report": str(run_dir / "report.md"),
-           "per_prompt": str(run_dir / "per_prompt.csv"), "plots": doc["plots"], "lossless_all": doc["lossless_all"],
-           "recommendation": {d: (r["draft"], r["num_draft_tokens"]) for d, r in doc["recommendation"].items()},
-           "recommended_setting": {d: setting_label(r) if r["draft"] else "the target alone"
-                                   for d, r in doc["recommendation"].items()},
-           "summary": verdicts_section(doc),
-           "routing": str(routing_path) if routing_path else None, "routed": routed,
-           "serving": str(run_dir / "serving.json")}
-    if rc.logger.name == "wandb":
-        from .tracking import log_to_wandb
-
-        cfg = asdict(rc) if is_dataclass(rc) else {}
-        out["wandb_dir"] = log_to_wandb(rc.logger, run_dir, doc, config=cfg, name=rc.experiment_name,
-                                        per_prompt_rows=results["rows"], events_path=run_dir / "events.jsonl")
-        ev("eval_wandb", dir=out["wandb_dir"], mode=rc.logger.mode)
-    ev("eval_done", lossless_all=doc["lossless_all"], noisy=doc.get("noisy"))
-    return out
+    return doc, routing_path

@@ -71,6 +71,93 @@ def measure_verify_cost_ratio(target, input_ids: torch.Tensor, gammas, trials: i
             for g in gammas}
 
 
+@dataclass
+class _Runner:
+    """One timed decode of a prompt: target-only or speculative, seeded per prompt, synchronised (CUDA) so the
+    wall time holds its device work."""
+
+    target: Any
+    max_new_tokens: int
+    eos: Any
+    pad: Any
+    decode_kwargs: dict
+    device: Any
+    bar: Any
+
+    def target_only(self, ids: torch.Tensor, seed: int):
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        t0 = time.perf_counter()
+        out = autoregressive_generate(self.target, ids, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
+                                      pad_token_id=self.pad, generator=g, **self.decode_kwargs)
+        sync(self.device)  # CUDA: one wait per measured decode, so its queued work counts in it
+        self.bar.update(1)
+        return out, time.perf_counter() - t0
+
+    def speculative(self, ids: torch.Tensor, seed: int, gamma, make, draft):
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        policy = make() if make is not None else None
+        tree = policy if isinstance(policy, DraftTree) else None  # eval.draft_tree: a token tree
+        t0 = time.perf_counter()
+        out = speculative_generate(self.target, draft, ids, max_new_tokens=self.max_new_tokens,
+                                   num_draft_tokens=gamma or 1, draft_length_policy=None if tree is not None else policy,
+                                   eos_token_id=self.eos, pad_token_id=self.pad, generator=g, draft_tree=tree,
+                                   **self.decode_kwargs)
+        sync(self.device)
+        self.bar.update(1)
+        return out, policy, time.perf_counter() - t0
+
+
+def _paired_trials(run: _Runner, ids: torch.Tensor, seed: int, settings: list, drafts: dict, trials: int):
+    """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd rounds
+    run the speculative settings first) so each round is a side-by-side pair. Returns the target-only output of
+    the first round, its times, ``{(setting index, draft): (output, policy)}`` of the first round, and
+    ``{(setting index, draft): [seconds per round]}``."""
+    ref, t_ref = None, []
+    first: dict[tuple, tuple] = {}
+    t_spec: dict[tuple, list[float]] = {}
+    for trial in range(trials):
+        spec_first = trial % 2 == 1  # alternate the order: neither side always runs on a "fresh" machine
+        if not spec_first:
+            out, t = run.target_only(ids, seed)
+            ref = out if ref is None else ref
+            t_ref.append(t)
+        for k, (_, gamma, make) in enumerate(settings):
+            for name, draft in drafts.items():
+                out, policy, t = run.speculative(ids, seed, gamma, make, draft)
+                first.setdefault((k, name), (out, policy))
+                t_spec.setdefault((k, name), []).append(t)
+        if spec_first:
+            out, t = run.target_only(ids, seed)
+            ref = out if ref is None else ref
+            t_ref.append(t)
+    return ref, t_ref, first, t_spec
+
+
+def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool, policy_name: str, gamma, policy,
+         out, ts: list[float], ref, t_ref: list[float], compare: bool) -> dict:
+    """One ``per_prompt.csv`` row (:data:`eval.metrics.PER_PROMPT_COLUMNS`): the counts of the first round's
+    decode, the mean and per-round wall times of both sides."""
+    s = out.stats
+    return {
+        "draft": draft, "domain": domain, "prompt_id": prompt_id,
+        "num_draft_tokens": policy.depth if isinstance(policy, DraftTree) else gamma
+        if policy is None else int(policy.max_draft_tokens),
+        "draft_length_policy": policy_name, "draft_lengths": list(s.draft_lengths),
+        "prompt_tokens": ids.size(1), "truncated": truncated,
+        "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
+        "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
+        "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
+        "verify_time_s": s.verify_time_s, "prefill_time_s": s.prefill_time_s,
+        "speculative_time_s": sum(ts) / len(ts),
+        "target_new_tokens": int(ref.num_new_tokens[0]), "target_time_s": sum(t_ref) / len(t_ref),
+        "speculative_trial_times_s": list(ts), "target_trial_times_s": list(t_ref),
+        "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
+        "per_position_drafted": list(s.per_position_drafted),
+        "per_position_accepted": list(s.per_position_accepted),
+        "accepted_length_histogram": list(s.accepted_length_histogram),
+    }
+
+
 def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:
     """One short decode per model so the first timed prompt does not pay for lazy initialisation."""
     autoregressive_generate(target, ids, max_new_tokens=4, eos_token_id=eos, pad_token_id=pad)
@@ -147,76 +234,18 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         load_before = os.getloadavg()
         bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
                    dynamic_ncols=True)
+        run = _Runner(target, max_new_tokens, eos, pad, decode_kwargs, device, bar)
         for i, p in enumerate(prompts):
             ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
             truncated_total += truncated
-
-            def run_target():
-                g = torch.Generator(device=device).manual_seed(seed + i)
-                t0 = time.perf_counter()
-                out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                              pad_token_id=pad, generator=g, **decode_kwargs)
-                sync(device)  # CUDA: one wait per measured decode, so its queued work counts in it
-                bar.update(1)
-                return out, time.perf_counter() - t0
-
-            def run_spec(gamma, make, draft):
-                g = torch.Generator(device=device).manual_seed(seed + i)
-                policy = make() if make is not None else None
-                tree = policy if isinstance(policy, DraftTree) else None  # eval.draft_tree: a token tree
-                t0 = time.perf_counter()
-                out = speculative_generate(target, draft, ids, max_new_tokens=max_new_tokens,
-                                           num_draft_tokens=gamma or 1,
-                                           draft_length_policy=None if tree is not None else policy,
-                                           eos_token_id=eos, pad_token_id=pad, generator=g, draft_tree=tree,
-                                           **decode_kwargs)
-                sync(device)
-                bar.update(1)
-                return out, policy, time.perf_counter() - t0
-
-            ref, t_ref = None, []
-            first: dict[tuple, tuple] = {}  # (setting index, draft) -> (output, policy) of trial 0
-            t_spec: dict[tuple, list[float]] = {}
-            for trial in range(trials):
-                spec_first = trial % 2 == 1  # alternate the order: neither side always runs on a "fresh" machine
-                if not spec_first:
-                    out, t = run_target()
-                    ref = out if ref is None else ref
-                    t_ref.append(t)
-                for k, (policy_name, gamma, make) in enumerate(settings):
-                    for name, draft in drafts.items():
-                        out, policy, t = run_spec(gamma, make, draft)
-                        first.setdefault((k, name), (out, policy))
-                        t_spec.setdefault((k, name), []).append(t)
-                if spec_first:
-                    out, t = run_target()
-                    ref = out if ref is None else ref
-                    t_ref.append(t)
+            ref, t_ref, first, t_spec = _paired_trials(run, ids, seed + i, settings, drafts, trials)
             n_ref = int(ref.num_new_tokens[0])
             tgt_tokens, tgt_time = tgt_tokens + n_ref, tgt_time + sum(t_ref) / len(t_ref)
-            for k, (policy_name, gamma, make) in enumerate(settings):
+            for k, (policy_name, gamma, _) in enumerate(settings):
                 for name in drafts:
                     out, policy = first[(k, name)]
-                    ts = t_spec[(k, name)]
-                    s = out.stats
-                    rows.append({
-                        "draft": name, "domain": domain, "prompt_id": p.id,
-                        "num_draft_tokens": policy.depth if isinstance(policy, DraftTree) else gamma
-                        if policy is None else int(policy.max_draft_tokens),
-                        "draft_length_policy": policy_name, "draft_lengths": list(s.draft_lengths),
-                        "prompt_tokens": ids.size(1), "truncated": truncated,
-                        "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
-                        "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-                        "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
-                        "verify_time_s": s.verify_time_s, "prefill_time_s": s.prefill_time_s,
-                        "speculative_time_s": sum(ts) / len(ts),
-                        "target_new_tokens": n_ref, "target_time_s": sum(t_ref) / len(t_ref),
-                        "speculative_trial_times_s": list(ts), "target_trial_times_s": list(t_ref),
-                        "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
-                        "per_position_drafted": list(s.per_position_drafted),
-                        "per_position_accepted": list(s.per_position_accepted),
-                        "accepted_length_histogram": list(s.accepted_length_histogram),
-                    })
+                    rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
+                                     t_spec[(k, name)], ref, t_ref, compare))
         bar.close()
         load[domain] = load_record(load_before, os.getloadavg())
         target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,

@@ -168,10 +168,30 @@ def _num(x) -> float:
 
 def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: dict[str, str] | None = None,
                     sources: dict[str, list[tuple[str, str]]] | None = None) -> str:
-    ctx = doc["context"]
-    drafts = list(doc["drafts"])
-    domains = domains_of(doc)
-    swept = doc["num_draft_tokens_swept"]
+    """``report.md`` of a metrics document: the header, verdicts, deployment projection, the comparison with the
+    baseline, the summary table, policies, time breakdown, plots, per-domain tables, data sources and
+    ``extra_sections`` (Markdown strings), in that order."""
+    from .verdicts import deployment_section, verdicts_section
+
+    lines = _header_lines(doc) + ["", verdicts_section(doc)] + deployment_section(doc)
+    lines += _baseline_lines(doc) + _summary_lines(doc) + policies_section(doc) + time_breakdown_section(doc)
+    lines += _plot_lines(plots)
+    lines += ["## Per domain", ""]
+    for d in domains_of(doc):
+        lines += _domain_lines(doc, d)
+    if sources:
+        lines += ["## Data sources", "", "| domain | sources (license) |", "|---|---|"]
+        lines += [f"| {d} | " + ", ".join(f"{s} ({lic})" for s, lic in sources[d]) + " |"
+                  for d in domains_of(doc) if d in sources] + [""]
+    for s in extra_sections or []:
+        lines += [s, ""]
+    lines += ["Field meanings: see docs/reports.md in the specdraft repository, \"Report fields\". Every number here "
+              "is recomputable from per_prompt.csv (eval.metrics.aggregate).", ""]
+    return "\n".join(lines)
+
+
+def _header_lines(doc: dict) -> list[str]:
+    ctx, drafts, swept = doc["context"], list(doc["drafts"]), doc["num_draft_tokens_swept"]
     level = int(round(100 * doc["confidence"]))
     lines = [f"# specdraft acceptance report: {ctx.get('experiment_name', '')}", ""]
     lines += [f"- target: `{ctx.get('target')}`",
@@ -190,24 +210,31 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
     for name, c in doc["cost_ratio"].items():
         lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward "
                      f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
-    from .verdicts import deployment_section, verdicts_section
+    return lines
 
-    lines += ["", verdicts_section(doc)]
-    lines += deployment_section(doc)
-    if doc.get("vs_baseline"):
-        lines += ["", f"## Against the cross-entropy baseline (gamma = {doc['num_draft_tokens']})", "",
-                  f"Mean accepted length of each draft / that of `baseline` on the same prompts ([{level}% CI], "
-                  f"paired bootstrap over prompts).", "",
-                  "| draft | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
-        for n, by_domain in doc["vs_baseline"].items():
-            cells = [("-" if (v := by_domain.get(d)) is None else
-                      _ci(v["mean_accepted_length_ratio"], v["ci"], 2, "x")) for d in domains]
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
-    lines += ["", f"## Summary (gamma = {doc['num_draft_tokens']}; [{level}% CI])", "",
-              "| domain | draft | acceptance rate | mean accepted length | measured speedup | expected speedup | "
-              "target tok/s | speculative tok/s | best gamma | lossless |", "|" + "---|" * 10]
-    for d in domains:
-        for n in drafts:
+
+def _baseline_lines(doc: dict) -> list[str]:
+    if not doc.get("vs_baseline"):
+        return []
+    domains, level = domains_of(doc), int(round(100 * doc["confidence"]))
+    lines = ["", f"## Against the cross-entropy baseline (gamma = {doc['num_draft_tokens']})", "",
+             f"Mean accepted length of each draft / that of `baseline` on the same prompts ([{level}% CI], "
+             f"paired bootstrap over prompts).", "",
+             "| draft | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+    for n, by_domain in doc["vs_baseline"].items():
+        cells = [("-" if (v := by_domain.get(d)) is None else
+                  _ci(v["mean_accepted_length_ratio"], v["ci"], 2, "x")) for d in domains]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _summary_lines(doc: dict) -> list[str]:
+    level = int(round(100 * doc["confidence"]))
+    lines = ["", f"## Summary (gamma = {doc['num_draft_tokens']}; [{level}% CI])", "",
+             "| domain | draft | acceptance rate | mean accepted length | measured speedup | expected speedup | "
+             "target tok/s | speculative tok/s | best gamma | lossless |", "|" + "---|" * 10]
+    for d in domains_of(doc):
+        for n in doc["drafts"]:
             e = doc["drafts"][n].get(d)
             if e is None:
                 continue
@@ -217,64 +244,59 @@ def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: d
                          f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e['target_tokens_per_s'], 1)} | "
                          f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
                          f"{_fmt(e['lossless'])} |")
-    lines += policies_section(doc)
-    lines += time_breakdown_section(doc)
-    if plots:
-        lines += ["", "## Plots", ""]
-        titles = {"acceptance_by_domain": "Acceptance by domain",
-                  "accepted_length_histograms": "Accepted-length histograms",
-                  "speedup_vs_num_draft_tokens": "Speedup vs num_draft_tokens (measured and Leviathan)",
-                  "per_position_acceptance": "Per-position acceptance"}
-        for k, rel in plots.items():
-            lines += [f"### {titles.get(k, k)}", "", f"![{titles.get(k, k)}]({rel})", ""]
-    lines += ["## Per domain", ""]
-    for d in domains:
-        lines += [f"### {d}", "", "| draft | gamma | alpha | token alpha | tau (expected) | draft time s | "
-                  "verify time s | target latency P50/P95/P99 s | speculative latency P50/P95/P99 s | prompts |",
-                  "|" + "---|" * 10]
+    return lines
+
+
+def _plot_lines(plots: dict[str, str] | None) -> list[str]:
+    if not plots:
+        return []
+    titles = {"acceptance_by_domain": "Acceptance by domain", "accepted_length_histograms": "Accepted-length histograms",
+              "speedup_vs_num_draft_tokens": "Speedup vs num_draft_tokens (measured and Leviathan)",
+              "per_position_acceptance": "Per-position acceptance"}
+    lines = ["", "## Plots", ""]
+    for k, rel in plots.items():
+        lines += [f"### {titles.get(k, k)}", "", f"![{titles.get(k, k)}]({rel})", ""]
+    return lines
+
+
+def _domain_lines(doc: dict, d: str) -> list[str]:
+    drafts, swept = list(doc["drafts"]), doc["num_draft_tokens_swept"]
+    lines = [f"### {d}", "", "| draft | gamma | alpha | token alpha | tau (expected) | draft time s | "
+             "verify time s | target latency P50/P95/P99 s | speculative latency P50/P95/P99 s | prompts |",
+             "|" + "---|" * 10]
+    for n in drafts:
+        e = doc["drafts"][n].get(d)
+        if e is None:
+            continue
+        tl, sl = e["target_latency_s"], e["speculative_latency_s"]
+        lines.append(
+            f"| {n} | {e['num_draft_tokens']} | {_fmt(e['acceptance_rate'])} | "
+            f"{_fmt(e['token_acceptance_rate'])} | {_fmt(e['mean_accepted_length'], 2)} "
+            f"({_fmt(e['expected_mean_accepted_length'], 2)}) | {_fmt(e['draft_time_s'], 3)} | "
+            f"{_fmt(e['verify_time_s'], 3)} | {_fmt(tl['p50'])}/{_fmt(tl['p95'])}/{_fmt(tl['p99'])} | "
+            f"{_fmt(sl['p50'])}/{_fmt(sl['p95'])}/{_fmt(sl['p99'])} | {e['num_prompts']} |")
+    lines += ["", "Per-position acceptance (P(token i accepted | earlier accepted)): " + "; ".join(
+        f"`{n}` " + ", ".join(_fmt(x, 2) for x in doc["drafts"][n][d]["per_position_acceptance"])
+        for n in drafts if d in doc["drafts"][n]), ""]
+    if len(swept) <= 1:
+        return lines
+    lines += ["| gamma | " + " | ".join(f"{n}: tau / measured / expected speedup" for n in drafts) + " |",
+              "|" + "---|" * (1 + len(drafts))]
+    for g in swept:
+        cells = []
         for n in drafts:
-            e = doc["drafts"][n].get(d)
-            if e is None:
-                continue
-            tl, sl = e["target_latency_s"], e["speculative_latency_s"]
-            lines.append(
-                f"| {n} | {e['num_draft_tokens']} | {_fmt(e['acceptance_rate'])} | "
-                f"{_fmt(e['token_acceptance_rate'])} | {_fmt(e['mean_accepted_length'], 2)} "
-                f"({_fmt(e['expected_mean_accepted_length'], 2)}) | {_fmt(e['draft_time_s'], 3)} | "
-                f"{_fmt(e['verify_time_s'], 3)} | {_fmt(tl['p50'])}/{_fmt(tl['p95'])}/{_fmt(tl['p99'])} | "
-                f"{_fmt(sl['p50'])}/{_fmt(sl['p95'])}/{_fmt(sl['p99'])} | {e['num_prompts']} |")
-        lines += ["", "Per-position acceptance (P(token i accepted | earlier accepted)): " + "; ".join(
-            f"`{n}` " + ", ".join(_fmt(x, 2) for x in doc["drafts"][n][d]["per_position_acceptance"])
-            for n in drafts if d in doc["drafts"][n]), ""]
-        if len(swept) > 1:
-            lines += ["| gamma | " + " | ".join(f"{n}: tau / measured / expected speedup" for n in drafts) + " |",
-                      "|" + "---|" * (1 + len(drafts))]
-            for g in swept:
-                cells = []
-                for n in drafts:
-                    e = doc["drafts"][n].get(d, {}).get("sweep", {}).get(str(g))
-                    cells.append("n/a" if e is None else
-                                 f"{_fmt(e['mean_accepted_length'], 2)} / "
-                                 f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} / "
-                                 f"{_fmt(e['expected_speedup'], 2)}x")
-                lines.append(f"| {g} | " + " | ".join(cells) + " |")
-            r = doc["recommendation"].get(d)
-            if r and r.get("draft"):
-                lines += ["", f"Recommended for {d}: `{r['draft']}` with {setting_label(r)}."]
-            elif r:
-                lines += ["", f"Recommended for {d}: decode with the target alone."]
-            lines.append("")
-    if sources:
-        lines += ["## Data sources", "", "| domain | sources (license) |", "|---|---|"]
-        for d in domains:
-            if d in sources:
-                lines.append(f"| {d} | " + ", ".join(f"{s} ({lic})" for s, lic in sources[d]) + " |")
-        lines.append("")
-    for s in extra_sections or []:
-        lines += [s, ""]
-    lines += ["Field meanings: see docs/reports.md in the specdraft repository, \"Report fields\". Every number here "
-              "is recomputable from per_prompt.csv (eval.metrics.aggregate).", ""]
-    return "\n".join(lines)
+            e = doc["drafts"][n].get(d, {}).get("sweep", {}).get(str(g))
+            cells.append("n/a" if e is None else
+                         f"{_fmt(e['mean_accepted_length'], 2)} / "
+                         f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} / "
+                         f"{_fmt(e['expected_speedup'], 2)}x")
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    r = doc["recommendation"].get(d)
+    if r and r.get("draft"):
+        lines += ["", f"Recommended for {d}: `{r['draft']}` with {setting_label(r)}."]
+    elif r:
+        lines += ["", f"Recommended for {d}: decode with the target alone."]
+    return lines + [""]
 
 
 def write_per_prompt_csv(path: Path, rows: list[dict]) -> None:

@@ -379,7 +379,8 @@ def test_decode_compile_setting_resolves_per_device_and_refuses_unknown_values()
         DecodeConfig(compile="true")
 
 
-@pytest.mark.slow  # compiling takes minutes on a small CPU (each graph: inductor + gcc)
+@pytest.mark.slow
+@pytest.mark.extended  # compiling takes minutes on a small CPU (each graph: inductor + gcc)
 def test_compiled_lean_forward_is_lossless():
     """decode.compile=on: the same greedy tokens as the uncompiled lean forward (same dtype), batch 1 and a left
     padded batch with holes, on a windowed family; the compile time is counted."""

@@ -241,6 +241,7 @@ def _burn(seconds: float):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # two evaluations, one with every core loaded: minutes
 def test_recommendation_is_the_same_with_the_cores_loaded(tmp_path):
     import multiprocessing as mp
 

@@ -169,6 +169,7 @@ def test_tied_head_or_embedding_as_target_is_untied_so_merged_equals_adapted(tmp
         torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # a whole lora / adapt stage in-process
 def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
     """The lora stage on real data with a GPT-2 draft (Conv1D layers) sharing the reference target's tokenizer:
     the default targets are its c_attn / c_proj / c_fc, and the saved merged draft equals the saved adapter on the
@@ -203,6 +204,7 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
         assert (adapted - before).abs().max() > 1e-4  # it trained
 
 
+@pytest.mark.slow  # a whole lora / adapt stage in-process
 def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
     """The adapt stage on real data with tiny sizes: a domain below the threshold is adapted, a test-only one is
     reported as not adaptable, the routing table loads, and a resumed run reuses every finished part."""
@@ -255,6 +257,7 @@ def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
         run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)
 
 
+@pytest.mark.slow  # a whole lora / adapt stage in-process
 def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_path, monkeypatch):
     """The lora stage on real data (reference target, a small config-built draft sharing its tokenizer) writes both
     artifacts; killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's

@@ -328,25 +328,18 @@ def _run(args) -> dict:
                                    draft_length_policy=args.policy_config.make_policy())
         return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
-    def chain_fn(g):
+    def spec_fn(**setting):  # one more speculative setting: num_draft_tokens=G (a chain) or draft_tree=T
         def fn(p):
-            out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=g, eos_token_id=eos,
-                                       pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
-            return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
-        return fn
-
-    def tree_fn(tree):
-        def fn(p):
-            out = speculative_generate(target, draft, p, max_new_tokens=n_new, draft_tree=tree, eos_token_id=eos,
-                                       pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path)
+            out = speculative_generate(target, draft, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
+                                       vocab_size=shared_vocab, fast_path=fast_path, **setting)
             return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
         return fn
 
     methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
     if args.no_hf:
         del methods["hf_assisted"]
-    extra = {f"chain {g}": chain_fn(g) for g in sorted(set(args.chain_gamma) - {gamma})}
-    extra.update({f"tree {t.spec()}": tree_fn(t) for t in args.trees})
+    extra = {f"chain {g}": spec_fn(num_draft_tokens=g) for g in sorted(set(args.chain_gamma) - {gamma})}
+    extra.update({f"tree {t.spec()}": spec_fn(draft_tree=t) for t in args.trees})
     methods.update(extra)
     extra_stats: dict[str, list[AcceptanceStats]] = {m: [] for m in extra}
     compiled = compile_enabled(device) and fast_path is None

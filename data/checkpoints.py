@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A model directory that does not exist, is partial, or cannot be read."""
+from .errors import CheckpointError
+from .specdraft_meta import SpecdraftMeta
 
 
 def _looks_local(name_or_path: str | os.PathLike) -> bool:
@@ -125,23 +124,14 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
     return model.eval(), tok
 
 
-def read_specdraft_meta(path: str | os.PathLike) -> dict:
-    """The ``specdraft.json`` beside a checkpoint (how it was produced), ``{}`` when there is none.
+def read_specdraft_meta(path: str | os.PathLike) -> SpecdraftMeta:
+    """The ``specdraft.json`` beside a checkpoint (how it was produced; :class:`data.specdraft_meta.SpecdraftMeta`),
+    empty when there is none.
 
     Raises:
-        CheckpointError: the file exists but is not a JSON object (names the file).
+        CheckpointError: the file exists but is not valid JSON or breaks the schema (names the file and field).
     """
-    f = Path(path) / "specdraft.json"
-    if not f.exists():
-        return {}
-    try:
-        meta = json.loads(f.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f} is not valid JSON ({e}); restore it or delete it (it only describes how the "
-                              f"checkpoint was made).") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{f} must hold a JSON object, got {type(meta).__name__}; restore it or delete it.")
-    return meta
+    return SpecdraftMeta.read(path)
 
 
 def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:
@@ -170,11 +160,3 @@ def check_context_fits(model, tokens: int, role: str, what: str) -> None:
             f"{what} needs {tokens} positions but the {role} has a context of {limit} "
             f"(config.max_position_embeddings); lower it to at most {limit}."
         )
-
-
-ONE_OFF_PASSES = ("teacher_cache", "teacher_data")  # specdraft.json blocks of a distilled draft's one-off passes
-
-
-def one_off_pass_seconds(meta: dict) -> float:
-    """Seconds a draft's one-off teacher passes took (top-k cache + teacher data), from its ``specdraft.json``."""
-    return sum(float(meta[k].get("time_s", 0.0)) for k in ONE_OFF_PASSES if k in meta)

@@ -16,3 +16,8 @@ class DataFormatError(SpecdraftDataError):
 
 class UnknownDomainError(SpecdraftDataError):
     """A domain name that is not in the registry."""
+
+
+class CheckpointError(ValueError):
+    """A model directory that does not exist, is partial, or cannot be read; a ``specdraft.json`` that breaks its
+    schema."""

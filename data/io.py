@@ -136,15 +136,23 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def save_hf_atomic(model, tokenizer, out_dir: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """``save_pretrained`` model (safetensors) and tokenizer into ``out_dir`` atomically; ``extra`` goes to
-    ``specdraft.json`` beside them (what produced the checkpoint)."""
+def save_hf_atomic(model, tokenizer, out_dir: str | os.PathLike, extra: Any = None) -> Path:
+    """``save_pretrained`` model (safetensors) and tokenizer into ``out_dir`` atomically; ``extra`` (a
+    :class:`data.specdraft_meta.SpecdraftMeta` or the dict of its fields, checked against the schema before anything
+    is written) goes to ``specdraft.json`` beside them (what produced the checkpoint).
+
+    Raises:
+        data.specdraft_meta.SpecdraftMetaError: a field of ``extra`` has the wrong type.
+    """
+    from .specdraft_meta import as_meta
+
+    meta = as_meta(extra) if extra is not None else None
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if extra is not None:
-            (tmp / "specdraft.json").write_text(json.dumps(extra, indent=2, default=str) + "\n")
+        if meta is not None:
+            meta.write(tmp)
     return Path(out_dir)
 
 

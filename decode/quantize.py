@@ -75,7 +75,7 @@ def check_quantize_meta(path: str | os.PathLike) -> str:
     """
     from data.checkpoints import CheckpointError, read_specdraft_meta
 
-    mode = read_specdraft_meta(path).get("quantize") or "none"
+    mode = read_specdraft_meta(path).quantize_mode
     if mode not in QUANTIZE_MODES:
         raise CheckpointError(f"{path}/specdraft.json has quantize={mode!r}; supported: {', '.join(QUANTIZE_MODES)}")
     return mode

@@ -145,11 +145,11 @@ def reuse_initial_draft(rc, run_dir: Path):
 
     d = init_dir(rc, run_dir)
     meta = read_specdraft_meta(d)
-    if not meta or meta.get("init_settings") != _init_settings(rc):
+    if meta.init_settings is None or meta.init_settings != _init_settings(rc):
         return None
     model, _ = load_causal_lm(d, role=f"draft ({rc.draft.init}, saved by draft_init)")
-    return model, {k: meta[k] for k in ("init", "layers", "layer_method", "target_layers", "layer_search",
-                                        "pretrained_from") if k in meta}
+    return model, {k: getattr(meta, k) for k in ("init", "layers", "layer_method", "target_layers", "layer_search",
+                                                 "pretrained_from") if k in meta.present}
 
 
 def initial_draft(rc, opts, run_dir: Path, target, tokenizer, events=None) -> tuple[torch.nn.Module, dict]:

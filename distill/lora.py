@@ -19,7 +19,6 @@ Two artifacts, each written atomically:
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import asdict, dataclass, replace
@@ -29,6 +28,7 @@ from typing import Any
 import torch
 
 from data.io import atomic_dir, save_hf_atomic
+from data.specdraft_meta import SpecdraftMeta
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,8 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
     if rc.trainer.resume and adapted_output_complete(run_dir, name):
         log.info("LoRA draft %s already complete in %s; reusing it (trainer.resume=true)", name, out)
-        return {**read_specdraft_meta(out), "path": str(out), "adapter_path": str(adapter_out), "reused": True}
+        return {**read_specdraft_meta(out).to_dict(), "path": str(out), "adapter_path": str(adapter_out),
+                "reused": True}
     base_path = resolve_base(base, run_dir)
     check_base_available(str(base_path), run_dir, set())
     if base_path.resolve() == out.resolve():
@@ -364,7 +365,7 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     base_meta = read_specdraft_meta(base_path)
     meta = {
         "kind": "lora", "target": str(rc.target.name_or_path), "base": str(base_path), "domain": domain,
-        "base_kind": base_meta.get("kind"), "base_domain": base_meta.get("domain"),
+        "base_kind": base_meta.kind, "base_domain": base_meta.domain,
         "loss": dc.loss, "temperature": dc.temperature, "data_source": "dataset", "teacher_signal": "online",
         "lora": {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules,
                  "adapted_modules": adapted_module_names(model)},
@@ -380,7 +381,7 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
     with atomic_dir(adapter_out) as tmp:  # the adapter first: merging modifies the model in place
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / "specdraft.json").write_text(json.dumps({**meta, "artifact": "adapter"}, indent=2, default=str) + "\n")
+        SpecdraftMeta.from_dict({**meta, "artifact": "adapter"}).write(tmp)
     merged = merge_lora(model)
     save_hf_atomic(merged, tokenizer, out, extra={**meta, "artifact": "merged", "adapter": str(adapter_out)})
     log.info("LoRA draft %s saved: merged %s, adapter %s (validation tau %s -> %s)", name, out, adapter_out,

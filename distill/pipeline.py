@@ -23,7 +23,7 @@ from data.blocks import training_blocks, training_fingerprint, training_prompts
 from data.loading import DataOptions
 from data.tokenization import encode_prompt
 
-from data.checkpoints import check_context_fits, load_causal_lm, one_off_pass_seconds, read_specdraft_meta
+from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
 
 from .losses import get_loss
 from .models import build_llama, count_parameters
@@ -61,8 +61,8 @@ def matched_wall_clock_budget(run_dir: Path) -> dict:
                          f"but {meta_path} does not exist: run the distill stage before the baseline "
                          f"(stages: [distill, baseline, ...]) or set distill.baseline_budget=steps")
     meta = read_specdraft_meta(run_dir / "drafts" / "distilled")
-    train_s = float(meta["train"]["train_time_s"])
-    one_off = one_off_pass_seconds(meta)
+    train_s = float(meta.train["train_time_s"])
+    one_off = meta.one_off_pass_seconds
     return {"kind": "wall_clock", "seconds": train_s + one_off, "distilled_train_s": train_s,
             "distilled_one_off_s": one_off}
 
@@ -290,7 +290,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, b
     out = run_dir / "drafts" / name
     if rc.trainer.resume and (out / "specdraft.json").exists():
         log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", name, out)
-        return {**read_specdraft_meta(out), "path": str(out), "reused": True}
+        return {**read_specdraft_meta(out).to_dict(), "path": str(out), "reused": True}
     check_draft_config(rc)
     with torch_threads(rc.trainer.num_threads):
         pair = load_pair(rc, opts, run_dir, build_draft, events)

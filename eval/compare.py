@@ -26,6 +26,7 @@ import json
 import sys
 from pathlib import Path
 
+from data.checkpoints import read_specdraft_meta
 from data.io import write_json_atomic, write_text_atomic
 
 DRAFT, BASELINE = "distilled", "baseline"
@@ -45,17 +46,16 @@ def collect_runs(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
             continue
         cfg_path = job / "resolved_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        meta_path = job / "drafts" / DRAFT / "specdraft.json"
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        meta = read_specdraft_meta(job / "drafts" / DRAFT)
         if DRAFT not in metrics.get("drafts", {}):
             skipped.append({"job": str(job.relative_to(sweep_dir)), "reason": f"no {DRAFT!r} draft in metrics.json"})
             continue
         distill = cfg.get("distill", {})
         runs.append({"job": str(job.relative_to(sweep_dir)) or ".", "metrics": metrics,
-                     "loss": distill.get("loss", meta.get("loss", "?")),
-                     "data_source": distill.get("data_source", meta.get("data_source")),
-                     "teacher_signal": distill.get("teacher_signal", meta.get("teacher_signal")),
-                     "selected_step": meta.get("selected_step")})
+                     "loss": distill.get("loss", meta.loss or "?"),
+                     "data_source": distill.get("data_source", meta.data_source),
+                     "teacher_signal": distill.get("teacher_signal", meta.teacher_signal),
+                     "selected_step": meta.selected_step})
     return runs, skipped
 
 

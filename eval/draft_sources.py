@@ -7,6 +7,8 @@ draft tokens/s and its speedup against the fp32 draft, all measured in this eval
 """
 from __future__ import annotations
 
+from data.specdraft_meta import SpecdraftMeta
+
 from .metrics import json_clean
 
 __all__ = ["draft_sources_section", "draft_tokens_per_s"]
@@ -21,22 +23,20 @@ def draft_tokens_per_s(entry: dict) -> float | None:
     return n / t if t and n else None
 
 
-def _describe(m: dict) -> dict:
-    return {"init": m.get("init", "config" if m.get("kind") in ("distilled", "baseline") else None),
-            "layers": m.get("layers"), "pretrained_from": m.get("pretrained_from"),
-            "distilled": m.get("distilled", m.get("kind") in ("distilled", "small_distilled") or None),
-            "training": m.get("loss"), "steps": (m.get("train") or {}).get("steps"),
-            "quantize": m.get("quantize", "none"), "fp32_draft": m.get("fp32_draft"),
-            "draft_parameters": m.get("draft_parameters"), "decoder_forward": m.get("decoder_forward")}
+def _describe(m: SpecdraftMeta, decoder_forward: str | None) -> dict:
+    return {"init": m.init_kind, "layers": m.layers, "pretrained_from": m.pretrained_from,
+            "distilled": m.is_distilled, "training": m.loss, "steps": m.steps_trained, "quantize": m.quantize_mode,
+            "fp32_draft": m.fp32_draft, "draft_parameters": m.draft_parameters, "decoder_forward": decoder_forward}
 
 
 def _f(x, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def draft_sources_section(meta: dict[str, dict]):
+def draft_sources_section(meta: dict[str, tuple[SpecdraftMeta, str | None]]):
     """A callable ``f(doc) -> str`` (see :func:`eval.report.write_report`) rendering, from each draft's
-    ``specdraft.json`` (``meta``: name -> dict) and the metrics document:
+    ``specdraft.json`` and the forward it decoded with (``meta``: name -> ``(SpecdraftMeta, "lean" /
+    "hugging_face")``) and the metrics document:
 
     * **Draft sources**: init, kept layers (self-drafts), distilled or not, quantization, parameters;
     * **Mean accepted length by draft**: tau per domain, one column per draft (before / after distillation and the
@@ -51,7 +51,7 @@ def draft_sources_section(meta: dict[str, dict]):
 
         names = list(doc["drafts"])
         domains = domains_of(doc)
-        src = {n: _describe(meta.get(n) or {}) for n in names}
+        src = {n: _describe(*meta.get(n, (SpecdraftMeta(), None))) for n in names}
         lines = ["## Draft sources", "", "| draft | init | layers kept | distilled | quantize | parameters |",
                  "|---|---|---|---|---|---|"]
         for n in names:

@@ -17,7 +17,6 @@ import shutil
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
-from data.checkpoints import one_off_pass_seconds
 from data.devices import torch_threads
 from data.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
@@ -69,20 +68,20 @@ def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def training_section(drafts_meta: dict[str, dict]) -> str:
-    """The report's "Drafts" section: how each draft of this pipeline was trained and with what budget."""
+def training_section(drafts_meta: dict) -> str:
+    """The report's "Drafts" section: how each draft of this pipeline was trained and with what budget
+    (``drafts_meta``: name -> :class:`data.specdraft_meta.SpecdraftMeta`; drafts not trained here are left out)."""
     rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | training time s (one-off teacher "
             "passes s) | budget | parameters (draft / target) | validation CE on training domain (draft / target, "
             "nats/token) |", "|---|---|---|---|---|---|---|"]
     notes = []
     for name, m in drafts_meta.items():
-        if not all(k in m for k in ("train", "draft_parameters", "target_parameters",
-                                    "validation_loss_nats_per_token", "target_validation_loss_nats_per_token")):
+        if not m.trained_here:
             continue  # not a draft trained by this pipeline (e.g. a reference target used as a draft)
-        tr = m["train"]
-        selected = m.get("selected_step", tr["steps"])
-        one_off = one_off_pass_seconds(m)
-        b = m.get("budget") or {}
+        tr = m.train
+        selected = tr["steps"] if m.selected_step is None else m.selected_step
+        one_off = m.one_off_pass_seconds
+        b = m.budget or {}
         if b.get("kind") == "wall_clock":
             budget = f"wall clock {b['seconds']:.0f} s"
             notes.append(f"`{name}` had the same wall-clock budget as the distilled draft: {b['seconds']:.1f} s = "
@@ -93,10 +92,10 @@ def training_section(drafts_meta: dict[str, dict]) -> str:
             budget = f"{b['max_steps']} steps or {b['max_time_s']:.0f} s"
         else:
             budget = f"{b.get('max_steps', tr.get('max_steps', '?'))} steps"
-        rows.append(f"| {name} | {m.get('loss')} (T={m.get('temperature')}) | {tr['steps']} ({selected}) | "
+        rows.append(f"| {name} | {m.loss} (T={m.temperature}) | {tr['steps']} ({selected}) | "
                     f"{tr.get('train_time_s', float('nan')):.1f} ({one_off:.1f}) | {budget} | "
-                    f"{m['draft_parameters']:,} / {m['target_parameters']:,} | "
-                    f"{m['validation_loss_nats_per_token']:.3f} / {m['target_validation_loss_nats_per_token']:.3f} |")
+                    f"{m.draft_parameters:,} / {m.target_parameters:,} | "
+                    f"{m.validation_loss_nats_per_token:.3f} / {m.target_validation_loss_nats_per_token:.3f} |")
     rows += ["", "Training time: the training loop's wall clock without the periodic acceptance evaluations that "
              "select the checkpoint; one-off teacher passes (top-k cache, teacher data) are timed separately."]
     rows += [""] + notes if notes else []
@@ -279,7 +278,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
 
 def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     """The target and every draft in ``eval.dtype`` on ``eval.device``, each checked against the tokenizer, the
-    context the evaluation needs and the decoder's cache policy. Returns ``(target, tokenizer, drafts, meta)``."""
+    context the evaluation needs and the decoder's cache policy. Returns ``(target, tokenizer, drafts, meta)``, ``meta``
+    name -> ``(specdraft.json as :class:`data.specdraft_meta.SpecdraftMeta`, decoder forward "lean" /
+    "hugging_face")``."""
     from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
     from decode import cache_policy
     from decode.fast_llama import fast_path_supported
@@ -294,12 +295,12 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     cache_policy(target, 1, slots, role="target")
     drafts, meta = {}, {}
     for n in paths:
-        model, _, meta[n] = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
+        model, _, saved = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
         cache_policy(model, 1, slots, role=f"draft {n!r}")
         drafts[n] = model
-        meta[n] = {**meta[n], "decoder_forward": "lean" if fast_path_supported(model) else "hugging_face"}
+        meta[n] = (saved, "lean" if fast_path_supported(model) else "hugging_face")
     return target, tokenizer, drafts, meta
 
 
@@ -348,8 +349,9 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
 
     from .serving import ServingSection
 
-    sections = [training_section(meta)] if meta and any(m.get("train") for m in meta.values()) else []
-    if any(m.get("init") or m.get("quantize", "none") != "none" for m in meta.values()):
+    saved = {n: m for n, (m, _) in meta.items()}
+    sections = [training_section(saved)] if any(m.train is not None for m in saved.values()) else []
+    if any(m.init or m.quantize_mode != "none" for m in saved.values()):
         from .draft_sources import draft_sources_section
 
         sections.append(draft_sources_section(meta))

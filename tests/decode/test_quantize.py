@@ -75,7 +75,7 @@ def test_int8_directory_is_an_fp32_checkpoint_that_load_draft_quantizes(tmp_path
     fp32 = AutoModelForCausalLM.from_pretrained(tmp_path)  # transformers sees the fp32 draft
     assert not is_quantized(fp32)
     model, _, meta = load_draft(tmp_path)
-    assert is_quantized(model) and meta["quantize"] == "int8"
+    assert is_quantized(model) and meta.quantize == "int8"
     ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():  # rebuilt at load time: the same int8 model as quantizing the in-memory draft
         torch.testing.assert_close(model(ids).logits, QDRAFT(ids).logits, rtol=0, atol=0)

@@ -15,6 +15,7 @@ from distill.models import LlamaArch, build_llama
 from train.run import run
 from train.schema import validate
 from tinymodels import save_code_target
+from data.specdraft_meta import SpecdraftMeta
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
@@ -88,6 +89,7 @@ def test_selfdraft_run_writes_every_draft_and_each_is_a_transformers_assistant(s
     assert sum(e["event"] == "layer_search_candidate" for e in events) == 3  # distill reused the saved init draft
     for n in names:
         _assists(run_dir / "drafts" / n, tiny["target"], tiny["texts"])
+        assert SpecdraftMeta.read(run_dir / "drafts" / n).extra == {}  # every field written is in the schema
 
 
 def test_selfdraft_report_compares_sources_and_measures_int8(selfdraft_run):

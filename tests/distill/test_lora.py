@@ -15,6 +15,7 @@ from distill.losses import get_loss
 from distill.lora import (LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
                           adapted_module_names, merge_lora, wrap_lora)
 from distill.trainer import TrainerConfig, make_distill_step, train
+from data.specdraft_meta import SpecdraftMeta
 
 
 def _adapt_tiny(tmp_path, rank=4, dropout=0.0, modules=None, steps=4, seed=0):
@@ -281,6 +282,8 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     assert out["path"] == str(tmp_path / "full" / "drafts" / "lora_medical")
     meta = json.loads((tmp_path / "full" / "drafts" / "lora_medical" / "specdraft.json").read_text())
     assert meta["kind"] == "lora" and meta["domain"] == "medical" and meta["lora"]["rank"] == 2
+    for artifact in ("drafts", "adapters"):  # every field both files hold is in the schema
+        assert SpecdraftMeta.read(tmp_path / "full" / artifact / "lora_medical").extra == {}
     assert meta["trainable_parameters"] > 0 and meta["train"]["steps"] == 4
     assert (tmp_path / "full" / "adapters" / "lora_medical" / "adapter_model.safetensors").is_file()
     assert not list(tmp_path.rglob(".*tmp-*"))

@@ -11,6 +11,7 @@ import pytest
 from distill.pipeline import baseline_stage, distill_stage
 from train.schema import validate
 from tinymodels import save_code_target
+from data.specdraft_meta import SpecdraftMeta
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
@@ -49,6 +50,7 @@ def _check_saved(run_dir: Path, kind: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     meta = json.loads((run_dir / "drafts" / kind / "specdraft.json").read_text())
+    assert SpecdraftMeta.read(run_dir / "drafts" / kind).extra == {}  # every field it writes is in the schema
     assert meta["selected_step"] in (2, 4)
     assert 1.0 <= meta["selected_mean_accepted_length"] <= 4.0
     assert meta["selection"]["best"]["step"] == meta["selected_step"]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from data.specdraft_meta import SpecdraftMeta
 
 pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
 
@@ -22,6 +23,7 @@ def test_committed_reference_target_is_complete_and_small():
     assert weights, "distill/reference_target has no safetensors"
     assert sum(w.stat().st_size for w in weights) <= 25 * 2**20
     meta = json.loads((REF / "specdraft.json").read_text())
+    assert SpecdraftMeta.read(REF).extra == {}  # every field the committed target's file holds is in the schema
     assert len(meta["data_fingerprint_sha256"]) == 64
     assert set(meta["validation_loss_nats_per_token"]) >= {"corpus", "medical", "code", "chat", "math"}
     assert meta["config"]["arch"]["num_layers"] >= 4

@@ -330,3 +330,12 @@ def setup_decoding(models: Sequence[torch.nn.Module], input_ids, attention_mask,
     return DecodeSetup(device, input_ids, attention_mask,
                        torch.tensor(eos, dtype=torch.long, device=device) if eos else None, pad, vocab, buf,
                        torch.zeros(bsz, dtype=torch.long, device=device))
+
+
+def prefill(states, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """Feed every prompt token but the last ``(B, P - 1)`` to each KV state; the last one goes in with the first
+    drafted / verified block."""
+    if input_ids.shape[1] > 1:
+        pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
+        for state in states:
+            state.forward(input_ids[:, :-1], pm)

@@ -11,6 +11,7 @@ from ._common import (
     finalize,
     new_kv_state,
     output_vocab_size,
+    prefill,
     setup_decoding,
     sync,
 )
@@ -59,13 +60,12 @@ def autoregressive_generate(
     wall_t0 = time.perf_counter()
     timer, prefill_timer = Timer(device), Timer(device)
     state = new_kv_state(target, bsz, device, prompt_len + max_new_tokens + 1, fast_path)
-    if prompt_len > 1:
-        pm = None if bool(io.attention_mask.all()) else io.attention_mask[:, :-1]
-        with prefill_timer:
-            state.forward(input_ids[:, :-1], pm)
+    with prefill_timer:
+        prefill((state,), input_ids, io.attention_mask)
     rows = torch.arange(bsz, device=device)
     last = input_ids[:, -1]
     sliced = vocab < output_vocab_size(target)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     # tokens are collected on the device and written once at the end (or when rows retire): no per-step sync
     new_tokens: list[torch.Tensor] = []  # per step (b,) for the rows active since the last retirement
     written = 0  # steps already flushed into buf
@@ -79,12 +79,7 @@ def autoregressive_generate(
     for step in range(max_new_tokens):
         with timer:
             logits = state.forward(last[:, None])[:, -1]  # (b, V)
-        if sliced:
-            logits = logits[:, :vocab]
-        if do_sample:
-            tok = sample_tokens(process_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p), generator)
-        else:
-            tok = greedy_tokens(logits)
+        tok = _next_tokens(logits[:, :vocab] if sliced else logits, do_sample, sampling, generator)
         new_tokens.append(tok)
         stats.verify_steps += rows.numel()
         stats.emitted_tokens += rows.numel()
@@ -108,8 +103,15 @@ def autoregressive_generate(
     if rows.numel():
         flush()
         num_new_all[rows] = step + 1
-    stats.verify_time_s = timer.seconds
-    stats.prefill_time_s = prefill_timer.seconds
+    stats.verify_time_s, stats.prefill_time_s = timer.seconds, prefill_timer.seconds
     sync(device)
     stats.wall_time_s = time.perf_counter() - wall_t0
     return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), num_new_all, stats)
+
+
+def _next_tokens(logits: torch.Tensor, do_sample: bool, sampling: dict, generator) -> torch.Tensor:
+    """``(b,)`` next tokens from ``logits (b, V)``: argmax, or a sample from the processed distribution
+    (:func:`decode.sampling.process_logits`: temperature, top-k, top-p in transformers' order)."""
+    if do_sample:
+        return sample_tokens(process_logits(logits, **sampling), generator)
+    return greedy_tokens(logits)

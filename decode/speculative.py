@@ -29,6 +29,7 @@ from ._common import (
     first_stop,
     model_device,
     new_kv_state,
+    prefill,
     setup_decoding,
     sync,
     write_tokens,
@@ -321,26 +322,18 @@ def speculative_generate(
     policy = draft_length_policy if draft_length_policy is not None else FixedDraftLength(num_draft_tokens)
     if not isinstance(policy, DraftLengthPolicy):
         raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     if draft_tree is not None:  # token trees live in decode/tree.py
-        from .tree import parse_draft_tree, tree_generate
-
-        tree = parse_draft_tree(draft_tree)
         if draft_length_policy is not None:
             raise ValueError("draft_tree and draft_length_policy cannot be combined: the tree fixes the draft shape; "
                              "pass one of them.")
         io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                             vocab_size, spare=0)
-        if io.input_ids.shape[0] != 1:
-            raise ValueError(f"draft_tree supports batch size 1 only (got a batch of {io.input_ids.shape[0]}): decode "
-                             "one prompt per call, or use the chain (draft_tree=None) for batches.")
-        return tree_generate(target, draft, io, tree=tree, max_new_tokens=max_new_tokens, do_sample=do_sample,
-                             sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p), generator=generator,
-                             fast_path=fast_path)
+        return _tree_generate(target, draft, io, draft_tree, max_new_tokens, do_sample, sampling, generator, fast_path)
     max_gamma = int(policy.max_draft_tokens)
     io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
                         vocab_size, spare=max_gamma + 1)  # buf (B, P + max_new_tokens + G + 1): a block's overhang
     device, input_ids, buf, vocab = io.device, io.input_ids, io.buf, io.vocab
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
     bsz, prompt_len = input_ids.shape
     stats, width_out = AcceptanceStats(), prompt_len + max_new_tokens
     if max_new_tokens == 0:
@@ -350,12 +343,8 @@ def speculative_generate(
     draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
     tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
     dstate = new_kv_state(draft, bsz, device, width_out + max_gamma + 2, fast_path)
-    # Prefill everything but the last prompt token; that token is fed with the first drafted / verified block.
-    if prompt_len > 1:
-        pm = None if bool(io.attention_mask.all()) else io.attention_mask[:, :-1]
-        with prefill_timer:
-            tstate.forward(input_ids[:, :-1], pm)
-            dstate.forward(input_ids[:, :-1], pm)
+    with prefill_timer:
+        prefill((tstate, dstate), input_ids, io.attention_mask)
     last = input_ids[:, -1]  # (B,)
     rows = _Rows(list(range(bsz)), torch.arange(bsz, device=device), [0] * bsz, last, last[:, None])
     while rows.ids:
@@ -377,9 +366,25 @@ def speculative_generate(
         if any(verdict.done):
             _retire(tstate, dstate, rows, verdict.done, io.num_new)
 
-    stats.draft_time_s = draft_timer.seconds
-    stats.verify_time_s = verify_timer.seconds
+    stats.draft_time_s, stats.verify_time_s = draft_timer.seconds, verify_timer.seconds
     stats.prefill_time_s = prefill_timer.seconds
     sync(device)
     stats.wall_time_s = time.perf_counter() - wall_t0
     return GenerationOutput(finalize(buf, width_out), io.num_new, stats)
+
+
+def _tree_generate(target, draft, io, draft_tree, max_new_tokens: int, do_sample: bool, sampling: dict, generator,
+                   fast_path) -> GenerationOutput:
+    """``speculative_generate(..., draft_tree=...)``: token-tree drafting of :mod:`decode.tree`, batch size 1.
+
+    Raises:
+        ValueError: a batch of more than one row; a malformed tree spec.
+    """
+    from .tree import parse_draft_tree, tree_generate
+
+    tree = parse_draft_tree(draft_tree)
+    if io.input_ids.shape[0] != 1:
+        raise ValueError(f"draft_tree supports batch size 1 only (got a batch of {io.input_ids.shape[0]}): decode "
+                         "one prompt per call, or use the chain (draft_tree=None) for batches.")
+    return tree_generate(target, draft, io, tree=tree, max_new_tokens=max_new_tokens, do_sample=do_sample,
+                         sampling=sampling, generator=generator, fast_path=fast_path)

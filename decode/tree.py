@@ -48,7 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, sync
+from ._common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
+                      sync)
 from .sampling import process_logits, sample_tokens, uniform
 from .stats import AcceptanceStats
 
@@ -453,12 +454,8 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
     capacity = width_out + tree.max_nodes + 2
     tstate = new_kv_state(target, 1, device, capacity, fast_path)
     dstate = new_kv_state(draft, 1, device, capacity + tree.max_nodes, fast_path)
-    prompt_mask = None if bool(attention_mask.all()) else attention_mask
-    if prompt_len > 1:
-        pm = None if prompt_mask is None else prompt_mask[:, :-1]
-        with prefill_timer:
-            tstate.forward(input_ids[:, :-1], pm)
-            dstate.forward(input_ids[:, :-1], pm)
+    with prefill_timer:
+        prefill((tstate, dstate), input_ids, attention_mask)
     last = int(input_ids[0, -1])
     pending = [last]  # tokens not yet in the draft cache
     num_new = 0
@@ -481,16 +478,7 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
                                    generator, vocab)
         n_nodes = len(nodes.token)
         verify_start = tstate.length
-        # target: the last emitted token (sees the prefix) then every node (sees that token and its ancestors)
-        allowed = torch.zeros(n_nodes + 1, n_nodes + 1, dtype=torch.bool, device=device)
-        allowed[:, 0] = True
-        rows, cols = [], []
-        for i in range(n_nodes):
-            for a in nodes.path(i):
-                rows.append(1 + i)
-                cols.append(1 + a)
-        if rows:
-            allowed[rows, cols] = True
+        allowed = _tree_mask(nodes, device)
         base = int(tstate.num_valid[0])
         positions = [base] + [base + d for d in nodes.depth]
         with verify_timer:
@@ -502,11 +490,8 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
         else:
             path, next_tok = _accept_greedy(logits.max(-1).indices.tolist(), nodes)
         emitted = [nodes.token[i] for i in path] + [next_tok]
-        m, hit = len(emitted), False
-        for j, tok in enumerate(emitted):
-            if tok in eos_set:
-                m, hit = j + 1, True
-                break
+        m = next((j + 1 for j, tok in enumerate(emitted) if tok in eos_set), len(emitted))  # up to the first EOS
+        hit = emitted[m - 1] in eos_set
         buf[0, prompt_len + num_new:prompt_len + num_new + m] = torch.tensor(emitted[:m], dtype=torch.long)
         num_new += m
         stats.record_step(max(nodes.depth, default=0), len(path), m, nodes_verified=n_nodes)
@@ -521,9 +506,25 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
         else:
             pending = pending + [next_tok]
         last = next_tok
-    stats.draft_time_s = draft_timer.seconds
-    stats.verify_time_s = verify_timer.seconds
+    stats.draft_time_s, stats.verify_time_s = draft_timer.seconds, verify_timer.seconds
     stats.prefill_time_s = prefill_timer.seconds
     sync(device)
     stats.wall_time_s = time.perf_counter() - wall_t0
     return GenerationOutput(finalize(buf, width_out), torch.tensor([num_new], dtype=torch.long, device=device), stats)
+
+
+def _tree_mask(nodes, device) -> torch.Tensor:
+    """``allowed (N + 1, N + 1)`` bool over the verify block [last emitted token, node 0 .. node N - 1]: the last
+    emitted token sees itself (and the cached prefix), every node sees that token and its own ancestors and itself
+    (SpecInfer's tree attention, Miao et al. 2024, Sec. 4)."""
+    n_nodes = len(nodes.token)
+    allowed = torch.zeros(n_nodes + 1, n_nodes + 1, dtype=torch.bool, device=device)
+    allowed[:, 0] = True
+    rows, cols = [], []
+    for i in range(n_nodes):
+        for a in nodes.path(i):
+            rows.append(1 + i)
+            cols.append(1 + a)
+    if rows:
+        allowed[rows, cols] = True
+    return allowed

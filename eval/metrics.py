@@ -180,14 +180,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     pairs = pairs[np.isfinite(pairs)]
     paired = float(np.median(pairs)) if pairs.size else float("nan")
     c = float(cost_ratio)
-    if math.isfinite(token_alpha) and draft_length_policy != FIXED:
-        exp_speedup = expected_speedup_mixture(token_alpha, dl_hist, c) if dl_hist else float("nan")
-        exp_tau = expected_speedup_mixture(token_alpha, dl_hist, 0.0) if dl_hist else float("nan")
-    elif math.isfinite(token_alpha):
-        exp_speedup = expected_speedup(token_alpha, g, c)
-        exp_tau = expected_speedup(token_alpha, g, 0.0)  # (1 - a^(g+1)) / (1 - a): tokens per step, i.i.d. model
-    else:
-        exp_speedup = exp_tau = float("nan")
+    exp_speedup, exp_tau = _expected(token_alpha, g, c, dl_hist, draft_length_policy)
     equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
@@ -232,6 +225,16 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
         },
     }
     return entry
+
+
+def _expected(token_alpha: float, g: int, c: float, dl_hist: dict, draft_length_policy: str) -> tuple[float, float]:
+    """(expected speedup, expected tau) of Leviathan et al.'s i.i.d. model (Thm 3.8; tau = (1 - a^(g+1)) / (1 - a),
+    the speedup at c = 0): at the fixed gamma ``g``, or pooled over the draft lengths a policy used."""
+    if not math.isfinite(token_alpha) or (draft_length_policy != FIXED and not dl_hist):
+        return float("nan"), float("nan")
+    if draft_length_policy != FIXED:
+        return expected_speedup_mixture(token_alpha, dl_hist, c), expected_speedup_mixture(token_alpha, dl_hist, 0.0)
+    return expected_speedup(token_alpha, g, c), expected_speedup(token_alpha, g, 0.0)
 
 
 REFERENCE_DRAFT = "baseline"  # the draft other drafts are compared with in ``vs_baseline``

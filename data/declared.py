@@ -39,7 +39,7 @@ from typing import Any
 from .chat import ROLES, plain_render
 from .errors import DataFormatError, DataSourceError, UnknownDomainError
 from .paths import PROJECT_ROOT
-from .registry import Domain, HubSource, Source
+from .registry import Domain, HubSource, Source, check_report_name
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +153,7 @@ def build_domain(name: str, spec: dict, origin: str) -> Domain:
         DataFormatError: an unknown key, format, shape or split, no files, a hub file without ``hub.path``, each
             naming ``origin`` (the YAML file or the config key) and the fix.
     """
+    check_report_name(name, f"domain declared in {origin}")
     _check_mapping(spec, origin, "a domain declaration", "'files'", _DOMAIN_KEYS)
     files = spec.get("files")
     if not files or not isinstance(files, list):

@@ -4,7 +4,7 @@ mixtures, routing) resolves it here."""
 from __future__ import annotations
 
 from .declared import find_declared, unknown_domain_error
-from .registry import DOMAINS, Domain
+from .registry import DOMAINS, Domain, check_report_name  # noqa: F401  (re-exported: the name rule of domains)
 
 
 def get_domain(name: str) -> Domain:
@@ -21,3 +21,4 @@ def get_domain(name: str) -> Domain:
     if dom is None:
         raise unknown_domain_error(name) from None
     return dom
+

@@ -400,3 +400,20 @@ SPECBENCH = tuple(
 DOMAINS: dict[str, Domain] = {
     d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS, SUMMARIZATION, TRANSLATION, *SPECBENCH)
 }
+
+
+_REPORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def check_report_name(name, key: str) -> str:
+    """A domain or draft name that appears in report tables, file names (plots, per-prompt rows) and routing
+    tables: letters, digits and ``_ . + -``, starting with a letter or digit.
+
+    Raises:
+        ValueError: naming ``key``, the bad name and the rule (e.g. ``a|b`` would split a Markdown table column).
+    """
+    if not isinstance(name, str) or not _REPORT_NAME.fullmatch(name):
+        raise ValueError(f"{key}: {name!r} is not a usable name: it appears in report tables, plot file names and "
+                         f"routing.json, so use letters, digits and _ . + - (starting with a letter or digit), "
+                         f"e.g. {re.sub(r'[^A-Za-z0-9_.+-]+', '_', str(name)).strip('_.+-') or 'my_domain'!r}.")
+    return name

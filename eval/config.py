@@ -25,6 +25,9 @@ class ExtraDomainConfig:
     # caps only the built-in domains)
 
     def __post_init__(self):
+        from data.registry import check_report_name
+
+        check_report_name(self.name, "eval.extra_domains[].name")
         if self.text_field is None and self.shape not in ("messages", "conversations"):
             raise ValueError(f"eval.extra_domains: {self.name}.text_field is missing: name the field holding the "
                              f"prompt text (or set shape: messages / conversations)")
@@ -100,6 +103,11 @@ class EvalConfig:
             raise ValueError(f"eval.cost_ratio_trials must be >= 1, got {self.cost_ratio_trials}")
         if not self.domains and not self.extra_domains:
             raise ValueError("eval.domains must list at least one domain (or give eval.extra_domains)")
+        if self.drafts:
+            from data.registry import check_report_name
+
+            for name in self.drafts:
+                check_report_name(name, "eval.drafts")
         if self.num_draft_tokens is not None:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "

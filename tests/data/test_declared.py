@@ -439,3 +439,26 @@ def test_smoke_trains_and_evaluates_a_domain_declared_by_one_yaml_and_one_data_f
     serving = json.loads((run / "serving.json").read_text())
     assert set(serving["domains"]) == {"support"}
     shutil.rmtree(run / "train", ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", ["a|b", "two words", "new\nline", "`tick`", "", "-lead", "x/y"])
+def test_a_name_that_would_break_report_tables_or_file_names_is_refused(name):
+    """Domain and draft names go into Markdown tables, plot file names and routing.json: a name with ``|``, spaces,
+    slashes or backticks is a one-line error naming the key and a usable replacement, for every way to name one."""
+    from data.declared import build_domain
+    from eval.config import EvalConfig, ExtraDomainConfig
+
+    spec = {"files": [{"path": "x.jsonl", "format": "jsonl", "shape": "text", "text_field": "t"}]}
+    with pytest.raises(ValueError, match="not a usable name.*letters, digits"):
+        build_domain(name, spec, "conf/domain/x.yaml")
+    with pytest.raises(ValueError, match=r"eval.extra_domains\[\].name: .*not a usable name"):
+        ExtraDomainConfig(name=name, path="x.jsonl", text_field="t")
+    with pytest.raises(ValueError, match="eval.drafts: .*not a usable name"):
+        EvalConfig(drafts={name: "some/dir"})
+
+
+@pytest.mark.parametrize("name", ["support", "med-2", "v1.5", "Q_and_A", "7b+lora"])
+def test_usual_names_are_accepted(name):
+    from data.registry import check_report_name
+
+    assert check_report_name(name, "k") == name

@@ -1,7 +1,6 @@
 """Loading Hugging Face causal-LM checkpoints (target and drafts) with clear errors."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 

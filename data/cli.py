@@ -238,9 +238,10 @@ def _unknown_override_key(msg: str) -> str | None:
     return m.group(1) if m else None
 
 
-def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike) -> str:
+def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike, schema=None) -> str:
     """One line for an override of a key the config does not have: the closest valid key(s) (composed without the
-    bad override, so the experiment's own keys count), and why Hydra's ``+key`` suggestion does not help."""
+    bad override, so the experiment's own keys count) with the value shaped as each takes it (a list, a mapping;
+    from the typed root ``schema`` when given), and why Hydra's ``+key`` suggestion does not help."""
     from .config import closest_keys
 
     value = next((a.split("=", 1)[1] for a in argv if _override_key(a) == key and "=" in a), "...")
@@ -255,18 +256,61 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
     except Exception:  # noqa: BLE001  (another bad override: suggest from the defaults alone)
         composed = compose([a for a in rest if a.startswith("+experiment=")], config_dir)
     close = closest_keys(composed[0], key) if composed else []
-    hint = f"; did you mean {' or '.join(f'{k}={value}' for k in close)}?" if close else \
+    hint = f"; did you mean {' or '.join(f'{k}={_shaped(composed[0], schema, k, value)}' for k in close)}?" if close else \
         "; see docs/configuration.md for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
             f"add the key, and the typed config would then reject it)")
 
 
-def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None]) -> None:
+def _key_kind(cfg, schema, key: str) -> str | None:
+    """``"list"`` / ``"dict"`` when key ``key`` takes a list / mapping: from the typed ``schema`` (a dataclass: the
+    annotation, so a null default still tells), else from the composed ``cfg``'s value; ``None`` for a scalar."""
+    import dataclasses
+    import typing
+
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    node = schema
+    for part in key.split(".") if schema is not None else ():
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            node = None
+            break
+        node = hints[part]
+        args = [a for a in typing.get_args(node) if a is not type(None)]
+        node = args[0] if not dataclasses.is_dataclass(node) and len(args) == 1 else node
+    import types
+
+    union = typing.get_origin(node) in (typing.Union, types.UnionType)
+    origins = {typing.get_origin(a) or a for a in (typing.get_args(node) if union else (node,))} \
+        if node is not None else set()
+    if origins & {list, tuple}:
+        return "list"
+    if dict in origins:
+        return "dict"
+    value = OmegaConf.select(cfg, key, throw_on_missing=False)
+    return "list" if isinstance(value, ListConfig) else "dict" if isinstance(value, DictConfig) else None
+
+
+def _shaped(cfg, schema, key: str, value: str) -> str:
+    """``value`` written the way key ``key`` takes it: a list key gets ``'[value]'``, a mapping key
+    ``'{name: value}'`` (quoted for the shell), so that a suggestion of another type is not wrong as written."""
+    v = value.strip()
+    kind = _key_kind(cfg, schema, key)
+    if kind == "list" and not v.startswith("["):
+        return f"'[{v}]'"
+    if kind == "dict" and not v.startswith("{"):
+        return f"'{{name: {v}}}'"
+    return value
+
+
+def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None],
+              schema=None) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
     exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked.
 
     An unknown key names the closest valid key(s); a list or dict value the shell split into pieces gets the
-    quoting fix."""
+    quoting fix. ``schema``: the entry point's typed root config (a dataclass), for the shape of suggested values."""
     try:
         composed = compose(argv, config_dir)
         if composed is None:
@@ -281,7 +325,7 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
         code, msg = known
         key = _unknown_override_key(str(e))
         if key is not None and not _split_by_shell(argv):
-            msg = unknown_key_message(key, argv, config_dir)
+            msg = unknown_key_message(key, argv, config_dir, schema)
         elif code == EXIT_BAD_INPUT and ("Invalid type assigned" in msg or "no viable alternative" in msg
                                          or "mismatched input" in msg or "extraneous input" in msg
                                          or _split_by_shell(argv)):

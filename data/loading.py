@@ -7,7 +7,6 @@ Files come from the data root (see :mod:`data.paths`); with ``data.source=hub`` 
 """
 from __future__ import annotations
 
-import csv
 import hashlib
 import logging
 import os

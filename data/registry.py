@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .errors import DataFormatError, UnknownDomainError
+from .errors import DataFormatError
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,9 @@ def hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     argv = sys.argv[1:]
-    preflight(argv, PROJECT_ROOT / "conf", check_before_eval)
+    from .config import EvalRootConfig
+
+    preflight(argv, PROJECT_ROOT / "conf", check_before_eval, EvalRootConfig)
     if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
         # Hydra writes its record before the evaluation starts; writing it to .hydra-eval directly would let a
         # failed evaluation replace the record of the command behind the current report. evaluate_run publishes

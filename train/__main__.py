@@ -55,7 +55,9 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check)
+    from .schema import RootConfig
+
+    preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check, RootConfig)
     hydra_main()
 
 

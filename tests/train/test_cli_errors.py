@@ -297,3 +297,22 @@ def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_
     proc = cli("eval", *_eval_args(models, **{"eval.drafts": f"{{chunked: {tmp_path / 'chunked'}}}"}),
                f"hydra.run.dir={tmp_path / 'run'}")
     assert_clean_error(proc, 2, "draft 'chunked'", "cannot roll back the KV cache", "chunked_attention")
+
+
+@pytest.mark.parametrize("key,value,suggestion", [
+    ("eval.draft_length_policy", "adaptive", "eval.draft_length_policies='[adaptive]'"),  # null default: list type
+    ("eval.num_draft_token", "4", "eval.num_draft_tokens='[4]'"),
+    ("eval.domain", "medical", "eval.domains='[medical]'"),
+    ("eval.draft", "x", "eval.drafts='{name: x}'"),
+    ("eval.draft", "{a: x}", "eval.drafts={a: x}"),  # already a mapping: kept as written
+    ("trainer.max_step", "5", "trainer.max_steps=5"),  # scalar to scalar: unchanged
+])
+def test_a_suggested_key_gets_the_value_in_the_shape_it_takes(key, value, suggestion):
+    """"did you mean" names a key that may take a list or a mapping where the typo had a scalar: the suggestion is
+    written so that pasting it works (the typed schema decides, also for keys whose default is null)."""
+    from data.cli import unknown_key_message
+    from data.paths import PROJECT_ROOT
+    from train.schema import RootConfig
+
+    msg = unknown_key_message(key, [f"{key}={value}"], PROJECT_ROOT / "conf", RootConfig)
+    assert f"did you mean {suggestion}?" in msg

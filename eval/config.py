@@ -155,7 +155,15 @@ class EvalConfig:
         """``eval.device`` resolved on this machine (:func:`data.devices.resolve_device`; raises DeviceError)."""
         from data.devices import resolve_device
 
-        return resolve_device(self.device, "eval.device")
+        import os
+
+        try:
+            return resolve_device(self.device, "eval.device")
+        except ValueError as e:
+            if self.device is not None and os.environ.get("SPECDRAFT_EVAL_DEVICE") == self.device:
+                raise type(e)(f"{e} (eval.device={self.device} came from the environment variable "
+                              f"SPECDRAFT_EVAL_DEVICE: unset it or set it to cpu, cuda or cuda:N)") from None
+            raise
 
     def torch_dtype(self):
         """``eval.dtype`` resolved for :meth:`torch_device` (:func:`data.devices.resolve_dtype`)."""

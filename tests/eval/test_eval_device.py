@@ -131,3 +131,18 @@ def test_int8_draft_on_bfloat16_is_refused_before_loading(pair, tmp_path):
     assert check_quantize_device(d, "cpu", torch.float32) == "int8"
     with pytest.raises(CheckpointError, match="set eval.device=cpu eval.dtype=float32"):
         check_quantize_device(d, "cpu", torch.bfloat16)
+
+
+def test_a_bad_device_from_the_environment_says_where_it_came_from(monkeypatch):
+    """conf/eval/default.yaml takes eval.device from $SPECDRAFT_EVAL_DEVICE: a bad value there names the variable,
+    so the user does not look for an eval.device they never wrote; the same value given as eval.device does not."""
+    from eval.config import EvalConfig
+
+    monkeypatch.setenv("SPECDRAFT_EVAL_DEVICE", "gpu")
+    with pytest.raises(ValueError, match=r"'gpu' is not a device.*came from the environment variable "
+                                         r"SPECDRAFT_EVAL_DEVICE: unset it"):
+        EvalConfig(device="gpu")
+    monkeypatch.delenv("SPECDRAFT_EVAL_DEVICE")
+    with pytest.raises(ValueError, match="'gpu' is not a device") as e:
+        EvalConfig(device="gpu")
+    assert "SPECDRAFT_EVAL_DEVICE" not in str(e.value)

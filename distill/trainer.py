@@ -824,7 +824,7 @@ def train(
     write_log = TrainLog(out_dir / "train_log.jsonl", start_step, acc.is_main_process)
     select = CheckpointSelector(run, state, clock, evaluate, select_key, desc, write_log, on_eval, best_weights) \
         if evaluate is not None else None
-    window_loss, window_tokens, last_loss = 0.0, 0, None
+    window, last_loss = _LossWindow(), None
     # A budgeted run says so: its step total is only a cap, the budget usually ends it first.
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not acc.is_main_process, dynamic_ncols=True,
                desc=f"{desc} (stops at {cfg.max_time_s:.0f} s of training)" if cfg.max_time_s else desc)
@@ -837,20 +837,14 @@ def train(
         micro = _micro_batches(run, cfg, blocks, step, seed, batch_hook)
         loss_sum, n_tokens = _optimizer_step(run, cfg, clock, micro, step_loss, step, desc, ckpt)
         last_loss = loss_sum / max(1, n_tokens)
-        window_loss, window_tokens = window_loss + loss_sum, window_tokens + n_tokens
+        window.add(loss_sum, n_tokens)
         state.tokens_seen += n_tokens
         step = state.step = step + 1
         state.elapsed_s = clock.elapsed()
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
-            state.final_loss = window_loss / max(1, window_tokens)
-            record = {"kind": "train", "step": step, "loss": state.final_loss, "lr": run.scheduler.get_last_lr()[0],
-                      "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s}
-            window_loss, window_tokens = 0.0, 0
-            if on_step is not None:
-                on_step(step, record)
-            bar.set_postfix(loss=f"{record['loss']:.3f}")
-            write_log(record)
+            state.final_loss = window.take()
+            _log_step(run, state, step, on_step, bar, write_log)
         if select is not None and eval_every and step % eval_every == 0:
             select(step, last_loss)
         if cfg.save_every and step % cfg.save_every == 0 and step < cfg.max_steps:
@@ -865,9 +859,43 @@ def train(
     _check_finite_params(run.raw_student, desc, step, ckpt)
     save_checkpoint(acc, ckpt, asdict(state), best_weights)
     run.finish(state.best is not None, best_weights, cfg.gradient_checkpointing)
-    return {"final_loss": state.final_loss, "steps": step, "max_steps": cfg.max_steps,
+    return _summary(run, cfg, state, start_step)
+
+
+@dataclass
+class _LossWindow:
+    """Summed loss and tokens of the optimizer steps since the last log record."""
+
+    loss: float = 0.0
+    tokens: int = 0
+
+    def add(self, loss_sum: float, n_tokens: int) -> None:
+        self.loss, self.tokens = self.loss + loss_sum, self.tokens + n_tokens
+
+    def take(self) -> float:
+        """Mean loss per token of the window (nats), and a fresh window."""
+        mean = self.loss / max(1, self.tokens)
+        self.loss, self.tokens = 0.0, 0
+        return mean
+
+
+def _log_step(run: "_Run", state: TrainState, step: int, on_step, bar, write_log: "TrainLog") -> None:
+    """One ``train`` log record (window loss, learning rate, tokens, elapsed seconds): to ``on_step`` (which may add
+    keys), the progress bar and ``train_log.jsonl``."""
+    record = {"kind": "train", "step": step, "loss": state.final_loss, "lr": run.scheduler.get_last_lr()[0],
+              "tokens_seen": state.tokens_seen, "elapsed_s": state.elapsed_s}
+    if on_step is not None:
+        on_step(step, record)
+    bar.set_postfix(loss=f"{record['loss']:.3f}")
+    write_log(record)
+
+
+def _summary(run: "_Run", cfg: TrainerConfig, state: TrainState, start_step: int) -> dict:
+    """What :func:`train` returns (see its docstring)."""
+    acc = run.accelerator
+    return {"final_loss": state.final_loss, "steps": state.step, "max_steps": cfg.max_steps,
             "train_time_s": state.elapsed_s, "selection_eval_s": state.selection_eval_s,
-            "tokens_seen": state.tokens_seen, "global_batch_sequences": global_batch,
+            "tokens_seen": state.tokens_seen, "global_batch_sequences": state.global_batch_sequences,
             "num_processes": acc.num_processes, "grad_accum_steps": run.accum,
             "optimizer_parameters": sum(getattr(p, "ds_numel", p.numel()) for p in optimizer_parameters(run.optimizer)),
             "resumed_from_step": start_step, "stopped_early": state.stopped_early, "best": state.best,

@@ -78,6 +78,10 @@ def models(tmp_path_factory):
 @pytest.fixture
 def finished_run(tmp_path) -> Path:
     """A run directory as a finished run leaves it (the files that matter here)."""
+    return make_finished_run(tmp_path)
+
+
+def make_finished_run(tmp_path: Path) -> Path:
     run = tmp_path / "finished"
     (run / "drafts" / "distilled").mkdir(parents=True)
     (run / "drafts" / "distilled" / "config.json").write_text("{}")
@@ -126,13 +130,31 @@ TRAIN_CASES = {
 }
 
 
+def run_concurrently(jobs: dict[str, tuple[str, list[str]]], tmp_path_factory) -> dict[str, tuple]:
+    """Each job ``case -> (module, args)`` as its own subprocess against its own finished run directory
+    (``hydra.run.dir`` appended), a few at a time: the commands are independent and mostly import time, so running
+    them side by side keeps the suite short. Returns ``case -> (completed process, snapshot before, run dir)``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    runs = {case: make_finished_run(tmp_path_factory.mktemp(case)) for case in jobs}
+    before = {case: snapshot(run) for case, run in runs.items()}
+    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
+        futures = {case: pool.submit(cli, module, *args, f"hydra.run.dir={runs[case]}")
+                   for case, (module, args) in jobs.items()}
+        return {case: (f.result(), before[case], runs[case]) for case, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def train_case_results(tmp_path_factory):
+    return run_concurrently({case: ("train", args) for case, (args, *_) in TRAIN_CASES.items()}, tmp_path_factory)
+
+
 @pytest.mark.parametrize("case", list(TRAIN_CASES))
-def test_train_cli_rejects_bad_input_and_leaves_the_run_dir_untouched(case, finished_run):
-    args, *needles = TRAIN_CASES[case]
-    before = snapshot(finished_run)
-    proc = cli("train", *args, f"hydra.run.dir={finished_run}")
+def test_train_cli_rejects_bad_input_and_leaves_the_run_dir_untouched(case, train_case_results):
+    _, *needles = TRAIN_CASES[case]
+    proc, before, run = train_case_results[case]
     assert_clean_error(proc, 2, *needles)
-    assert snapshot(finished_run) == before
+    assert snapshot(run) == before
 
 
 def _eval_args(models, **over) -> list[str]:
@@ -159,18 +181,25 @@ EVAL_CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def eval_case_results(models, tmp_path_factory):
+    def args(over: dict) -> list[str]:
+        over = {k: v.replace("OTHER", str(models["other"])).replace("PARTIAL", str(models["partial"]))
+                for k, v in over.items()}
+        return _eval_args(models, **over)
+
+    return run_concurrently({case: ("eval", args(over)) for case, (over, *_) in EVAL_CASES.items()}, tmp_path_factory)
+
+
 @pytest.mark.parametrize("case", list(EVAL_CASES))
-def test_eval_cli_rejects_bad_input_before_any_model_and_leaves_the_run_dir_untouched(case, models, finished_run):
-    over, *needles = EVAL_CASES[case]
-    over = {k: v.replace("OTHER", str(models["other"])).replace("PARTIAL", str(models["partial"]))
-            for k, v in over.items()}
-    before = snapshot(finished_run)
-    proc = cli("eval", *_eval_args(models, **over), f"hydra.run.dir={finished_run}")
+def test_eval_cli_rejects_bad_input_before_any_model_and_leaves_the_run_dir_untouched(case, eval_case_results):
+    _, *needles = EVAL_CASES[case]
+    proc, before, run = eval_case_results[case]
     message = assert_clean_error(proc, 2, *needles)
     if case == "tokenizer_mismatch":  # every difference is listed, and the fix
         assert "special token" in message or "merges" in message or "in 'draft 'bad'' but missing" in message
         assert message.splitlines()[-1].startswith("Fix: ")
-    assert snapshot(finished_run) == before
+    assert snapshot(run) == before
 
 
 def test_unwritable_output_dir_is_a_clear_error(models, tmp_path):

@@ -24,6 +24,19 @@ def _ci(ci) -> str:
     return f" [{_f(ci[0])}, {_f(ci[1])}]" if ci else ""
 
 
+def _how(m: dict) -> str:
+    """How a draft was made, in words, from its ``specdraft.json``."""
+    kind = m.get("kind")
+    if kind == "lora":
+        lo = m.get("lora") or {}
+        return f"LoRA r={lo.get('rank')} on the base ({m.get('data_source')} data, {m.get('teacher_signal')} teacher)"
+    if kind == "finetune":
+        return f"every weight of the base fine-tuned ({m.get('data_source')} data, {m.get('teacher_signal')} teacher)"
+    if m.get("distilled"):
+        return f"distilled from scratch ({m.get('data_source')} data, {m.get('teacher_signal')} teacher)"
+    return kind or "?"
+
+
 def adaptation_rows(doc: dict, meta: dict[str, dict], draft_paths: dict[str, str | Path]) -> list[dict]:
     """One dict per evaluated draft for the domain of the first adapted draft in ``meta`` (empty when none):
     ``draft, kind, trainable_parameters, train_time_s, one_off_s, total_time_s, tau, tau_ci, tau_vs_base, speedup,
@@ -48,7 +61,7 @@ def adaptation_rows(doc: dict, meta: dict[str, dict], draft_paths: dict[str, str
         tau = e.get("mean_accepted_length")
         rows.append({
             "draft": name, "domain": domain, "base": name == base,
-            "kind": "base (as committed)" if name == base else m.get("kind") or "?",
+            "kind": "base: the draft adapted" if name == base else _how(m),
             "trainable_parameters": m.get("trainable_parameters", m.get("draft_parameters")),
             "steps": tr.get("steps"),
             "train_time_s": train_s, "one_off_s": one_off,

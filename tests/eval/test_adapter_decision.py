@@ -93,3 +93,27 @@ def test_the_report_says_which_domains_were_left_alone_and_why():
     assert "adapter kept (its tau interval lies wholly above" in md and ": medical" in md
     assert "left alone: code, chat" in md
     assert "intervals overlap" in md and "tau 3.40 >= 3" in md and "the target alone" in md
+
+
+def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation(tmp_path):
+    from eval.adaptation import AdaptationSection
+
+    doc = {"drafts": {n: {"medical": {"mean_accepted_length": t, "mean_accepted_length_ci": [t - .1, t + .1],
+                                      "measured_speedup": sp, "measured_speedup_ci": [sp - .1, sp + .1]}}
+                      for n, t, sp in (("general", 2.0, 0.9), ("lora_medical", 3.0, 1.2), ("distilled", 3.2, 1.3))}}
+    meta = {"lora_medical": {"kind": "lora", "domain": "medical", "base": str(tmp_path / "g"), "lora": {"rank": 8},
+                             "data_source": "teacher", "teacher_signal": "cached", "trainable_parameters": 100,
+                             "train": {"steps": 50, "train_time_s": 20.0}, "teacher_data": {"time_s": 5.0},
+                             "teacher_cache": {"time_s": 1.0}, "adapter_bytes": 4096, "merge_time_s": 0.01},
+            "distilled": {"distilled": True, "data_source": "teacher", "teacher_signal": "cached",
+                          "draft_parameters": 1000, "train": {"steps": 50, "train_time_s": 30.0},
+                          "teacher_data": {"time_s": 0.1}}}
+    sec = AdaptationSection(meta, {"general": tmp_path / "g", "lora_medical": tmp_path / "l",
+                                   "distilled": tmp_path / "d"})
+    md = sec(doc)
+    rows = {r["draft"]: r for r in sec.rows}
+    assert rows["general"]["base"] and rows["general"]["tau_vs_base"] == 1.0
+    assert rows["lora_medical"]["total_time_s"] == 26.0 and rows["lora_medical"]["tau_vs_base"] == 1.5
+    assert rows["distilled"]["total_time_s"] == 30.1 and rows["distilled"]["trainable_parameters"] == 1000
+    assert "## Adaptation (medical)" in md and "| 4096 | 0.010 |" in md and "26 (20 + 6)" in md
+    assert AdaptationSection({}, {})(doc) == ""  # no adapted draft: no section

@@ -4,9 +4,13 @@ An existing draft (a Hugging Face directory, or ``drafts/<name>`` produced earli
 adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so the
 adapted draft starts equal to the base) on ``lora.target_modules`` (:func:`wrap_lora`: ``all-linear``, peft's
 per-architecture default, or module names; any layer type peft's LoRA adapts); only the adapter parameters train, by
-distillation from the target with the ``distill`` section's divergence and temperature (the same step loss and
-training loop as the ``distill`` stage, :func:`distill.trainer.make_distill_step` / :func:`distill.trainer.train`),
-on the training split of one domain. Checkpoint selection is by the pooled mean accepted length on the domain's
+distillation from the target with the ``distill`` section's divergence and temperature, like the distilled draft:
+by default on the target's continuations of ``lora.generation_prompts`` training prompts of the domain against its
+cached top-k logits (``lora.data_source=teacher``, ``lora.teacher_signal=cached``; the distill stage's
+:func:`distill.pipeline.teacher_signal_data`, whose passes are stored content-keyed under ``distill.cache_dir`` and
+reused across stages and runs), or on the domain's text / with the online teacher; the training loop is
+:func:`distill.trainer.train`. ``adapt_draft(..., full=True)`` (stage ``finetune``) trains every weight of the base
+on the same signal instead: the comparison that shows what the low-rank restriction costs. Checkpoint selection is by the pooled mean accepted length on the domain's
 validation prompts (as for the distilled draft; ``lora.eval_every``).
 
 Two artifacts, each written atomically:

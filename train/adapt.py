@@ -7,10 +7,14 @@
    in the ``lora`` section) -> ``drafts/lora_<domain>/`` (merged) + ``adapters/lora_<domain>/``. Domains without
    training text (test-only benchmarks, user files) are reported as not adaptable;
 3. **after**: evaluate the draft and every adapted draft on every domain -> ``adapt/after/`` (report + routing
-   table);
-4. write ``routing.json`` (domain -> draft with the best measured speedup, :mod:`eval.routing`), ``adapt.json`` and
-   ``adapt_report.md`` (per domain: tau before, whether it was adapted, tau of the adapted draft, the routed draft and
-   its measured speedup) in the run directory, each atomically.
+   table over every draft);
+4. **keep or refuse** each adapter (:func:`eval.verdicts.adapter_decision`): kept only where the adapted draft's tau
+   interval (95% bootstrap over the domain's prompts) lies wholly above the base draft's, both from the
+   after-evaluation; otherwise the report says why (overlap, worse, no interval);
+5. write ``routing.json`` (:func:`adapted_routing`: each domain's verdict re-taken among the base draft and its own
+   kept adapter, so a refused adapter is never routed; the target alone when neither is faster), ``adapt.json`` and
+   ``adapt_report.md`` (per domain: tau before, the action, base and adapted tau with intervals, why, the routed
+   draft and its measured speedup) in the run directory, each atomically.
 
 Resume (``trainer.resume=true`` in the same run directory): a finished before-evaluation and every completed adapter
 are reused; an interrupted adaptation continues from its last training checkpoint.

@@ -138,8 +138,9 @@ class PromptTooLongError(ValueError):
 
 def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     """name -> draft directory: ``eval.drafts``, else ``<run_dir>/drafts/*``. A relative ``eval.drafts`` path
-    ``drafts/<name>`` is the run directory's (a draft an earlier stage of the run writes), so an experiment can
-    evaluate its own drafts beside one from elsewhere (``lora_med``: the committed general draft).
+    ``drafts/<name>`` is the run directory's (a draft an earlier stage of the run writes) unless only the working
+    directory has it, so an experiment can evaluate its own drafts beside one from elsewhere (``lora_med``: the
+    committed general draft).
 
     Raises:
         ValueError: no drafts at all (says how to give some).
@@ -148,9 +149,12 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
         paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
     elif rc.eval.drafts:
-        def where(p) -> Path:
+        def where(p) -> Path:  # drafts/<name>: the run's, unless only the working directory has it
             p = Path(p).expanduser()
-            return Path(run_dir) / p if not p.is_absolute() and p.parts[:1] == ("drafts",) else p
+            if p.is_absolute() or p.parts[:1] != ("drafts",):
+                return p
+            in_run = Path(run_dir) / p
+            return in_run if in_run.exists() or not p.exists() else p
 
         paths = {n: where(p) for n, p in rc.eval.drafts.items()}
     else:

@@ -117,3 +117,24 @@ def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation
     assert rows["distilled"]["total_time_s"] == 30.1 and rows["distilled"]["trainable_parameters"] == 1000
     assert "## Adaptation (medical)" in md and "| 4096 | 0.010 |" in md and "26 (20 + 6)" in md
     assert AdaptationSection({}, {})(doc) == ""  # no adapted draft: no section
+
+
+def test_eval_drafts_named_drafts_slash_name_are_the_run_directorys(tmp_path, monkeypatch):
+    """lora_med evaluates the committed general draft beside drafts its stages write: ``drafts/<name>`` in
+    eval.drafts is looked up in the run directory (unless only the working directory has it), also before the
+    stage that writes it has run."""
+    from types import SimpleNamespace
+
+    from eval.pipeline import draft_paths
+
+    run = tmp_path / "run"
+    (run / "drafts" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "drafts" / "cwd_only").mkdir(parents=True)
+    rc = SimpleNamespace(decode=SimpleNamespace(draft_routing=None), eval=SimpleNamespace(
+        drafts={"mine": "drafts/mine", "cwd_only": "drafts/cwd_only", "later": "drafts/later",
+                "abs": str(tmp_path / "g")}))
+    got = draft_paths(rc, run)
+    assert got["mine"] == run / "drafts" / "mine" and got["later"] == run / "drafts" / "later"
+    assert got["cwd_only"] == tmp_path.joinpath("drafts", "cwd_only").relative_to(tmp_path)
+    assert got["abs"] == tmp_path / "g"

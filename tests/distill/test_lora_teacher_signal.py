@@ -82,3 +82,20 @@ def test_a_draft_trained_on_the_cached_teacher_merges_to_the_adapted_outputs(tmp
         adapted = model(input_ids=ids).logits
         merged = merge_lora(model)(input_ids=ids).logits
     torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_lora_signal_settings_are_checked_before_any_model_loads():
+    from train.schema import validate
+
+    for bad, msg in (({"data_source": "on_policy"}, "lora.data_source must be teacher"),
+                     ({"teacher_signal": "disk"}, "lora.teacher_signal must be cached"),
+                     ({"generation_prompts": 0}, "lora.generation_prompts must be >= 1"),
+                     ({"finetune_lr": 0.0}, "lora.finetune_lr must be > 0")):
+        with pytest.raises(ValueError, match=msg):
+            LoraSectionConfig(enabled=True, **bad)
+    with pytest.raises(ValueError, match="reverse KL is infinite against a cached top-k teacher"):
+        validate({"stages": ["lora"], "distill": {"loss": "reverse_kl"},
+                  "lora": {"enabled": True, "base": "drafts/distilled"}})
+    ok = validate({"stages": ["lora", "finetune"], "distill": {"loss": "reverse_kl"},
+                   "lora": {"enabled": True, "base": "drafts/distilled", "teacher_signal": "online"}})
+    assert ok.lora.data_source == "teacher" and ok.lora.teacher_signal == "online"

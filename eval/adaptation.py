@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from data.checkpoints import one_off_pass_seconds
+from data.checkpoints import ONE_OFF_PASSES, one_off_pass_seconds
 
 ADAPTED_KINDS = ("lora", "finetune")
 
@@ -39,8 +39,8 @@ def _how(m: dict) -> str:
 
 def adaptation_rows(doc: dict, meta: dict[str, dict], draft_paths: dict[str, str | Path]) -> list[dict]:
     """One dict per evaluated draft for the domain of the first adapted draft in ``meta`` (empty when none):
-    ``draft, kind, trainable_parameters, train_time_s, one_off_s, total_time_s, tau, tau_ci, tau_vs_base, speedup,
-    speedup_ci, adapter_bytes, merge_time_s, base``. ``doc``: the evaluation's metrics document (its ``drafts``
+    ``draft, kind, trainable_parameters, train_time_s, one_off_s, total_time_s, passes_reused, tau, tau_ci,
+    tau_vs_base, speedup, speedup_ci, adapter_bytes, merge_time_s, base``. ``doc``: the evaluation's metrics document (its ``drafts``
     section at the primary gamma); ``draft_paths``: name -> directory, to find which evaluated draft is the base."""
     adapted = [n for n, m in meta.items() if m.get("kind") in ADAPTED_KINDS and n in doc.get("drafts", {})]
     if not adapted:
@@ -66,6 +66,9 @@ def adaptation_rows(doc: dict, meta: dict[str, dict], draft_paths: dict[str, str
             "steps": tr.get("steps"),
             "train_time_s": train_s, "one_off_s": one_off,
             "total_time_s": (train_s + one_off) if train_s is not None else None,
+            # every one-off pass came from the cache (stored by another stage or an earlier run): not paid here
+            "passes_reused": bool(m) and any(k in m for k in ONE_OFF_PASSES)
+            and all((m[k] or {}).get("computed", 1) == 0 for k in ONE_OFF_PASSES if k in m),
             "tau": tau, "tau_ci": e.get("mean_accepted_length_ci"),
             "tau_vs_base": tau / base_tau if tau is not None and base_tau else None,
             "speedup": e.get("measured_speedup"), "speedup_ci": e.get("measured_speedup_ci"),
@@ -91,7 +94,8 @@ class AdaptationSection:
                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             time_s = "-" if r["train_time_s"] is None or r["base"] else \
-                f"{r['total_time_s']:.0f} ({r['train_time_s']:.0f} + {r['one_off_s']:.0f})"
+                f"{r['total_time_s']:.0f} ({r['train_time_s']:.0f} + {r['one_off_s']:.0f}" \
+                f"{', passes reused' if r['passes_reused'] else ''})"
             params = f"{r['trainable_parameters']:,}" if r["trainable_parameters"] else "-"
             lines.append(
                 f"| {r['draft']} | {r['kind']} | {params} | {r['steps'] if r['steps'] and not r['base'] else '-'} | "

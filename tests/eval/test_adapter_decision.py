@@ -107,7 +107,7 @@ def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation
                              "teacher_cache": {"time_s": 1.0}, "adapter_bytes": 4096, "merge_time_s": 0.01},
             "distilled": {"distilled": True, "data_source": "teacher", "teacher_signal": "cached",
                           "draft_parameters": 1000, "train": {"steps": 50, "train_time_s": 30.0},
-                          "teacher_data": {"time_s": 0.1}}}
+                          "teacher_data": {"time_s": 0.1, "computed": 0}}}
     sec = AdaptationSection(meta, {"general": tmp_path / "g", "lora_medical": tmp_path / "l",
                                    "distilled": tmp_path / "d"})
     md = sec(doc)
@@ -115,7 +115,8 @@ def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation
     assert rows["general"]["base"] and rows["general"]["tau_vs_base"] == 1.0
     assert rows["lora_medical"]["total_time_s"] == 26.0 and rows["lora_medical"]["tau_vs_base"] == 1.5
     assert rows["distilled"]["total_time_s"] == 30.1 and rows["distilled"]["trainable_parameters"] == 1000
-    assert "## Adaptation (medical)" in md and "| 4096 | 0.010 |" in md and "26 (20 + 6)" in md
+    assert "## Adaptation (medical)" in md and "| 4096 | 0.010 |" in md and "26 (20 + 6) |" in md
+    assert "30 (30 + 0, passes reused) |" in md and not rows["lora_medical"]["passes_reused"]
     assert AdaptationSection({}, {})(doc) == ""  # no adapted draft: no section
 
 

@@ -13,6 +13,7 @@ class PathsConfig:
     project_root: str = "."
     output_root: str = "outputs"
     reference_target: str = "distill/reference_target"
+    general_draft: str = "distill/general_draft"  # the committed general draft lora_med / adapt_domains adapt
 
 
 @dataclass

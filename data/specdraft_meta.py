@@ -12,7 +12,8 @@ older reader never drops them.
 The fields, by what they describe (absent = ``None``):
 
 * identity: ``kind`` (``reference_target``, ``config`` / ``layer_pruned`` / ``pretrained`` initial drafts,
-  ``distilled``, ``baseline``, ``small_distilled``, ``lora``), ``artifact`` (LoRA: ``adapter`` / ``merged``),
+  ``distilled``, ``baseline``, ``small_distilled``, ``lora``, ``finetune``), ``artifact`` (LoRA: ``adapter`` /
+  ``merged``; ``finetuned``),
   ``target`` (the target it was made for), ``domain`` (training domain, ``mixture`` for a mixture), ``mixture``;
 * how it was initialised: ``init``, ``pretrained_from``, ``layers`` / ``layer_method`` / ``target_layers`` /
   ``layer_search`` (layer-pruned self-drafts), ``init_settings`` (reuse key of a saved initial draft);
@@ -25,8 +26,12 @@ The fields, by what they describe (absent = ``None``):
 * size and quality: ``parameters``, ``draft_parameters``, ``target_parameters``, ``trainable_parameters``,
   ``validation_loss_nats_per_token`` (a float; per domain for the reference target),
   ``target_validation_loss_nats_per_token``;
-* LoRA: ``base``, ``base_kind``, ``base_domain``, ``lora``, ``adapter``, ``base_mean_accepted_length``,
-  ``base_validation_loss_nats_per_token``;
+* adaptation (kinds ``lora`` / ``finetune``): ``base``, ``base_kind``, ``base_domain``, ``lora``, ``adapter``,
+  ``base_mean_accepted_length``, ``base_validation_loss_nats_per_token``, ``generation_prompts`` (target generations
+  it trained on), ``adaptation_time_s`` (training loop + one-off passes, seconds), ``adapter_bytes``,
+  ``merge_time_s``;
+* measured acceptance: ``domain_mean_accepted_length`` (domain -> ``{mean_accepted_length,
+  mean_accepted_length_ci, num_draft_tokens, num_prompts}``, written by the ``domain_tau`` stage);
 * quantization: ``quantize`` (``none`` / ``int8``), ``fp32_draft``.
 """
 from __future__ import annotations
@@ -99,6 +104,11 @@ class SpecdraftMeta:
     adapter: Optional[str] = None
     base_mean_accepted_length: Optional[float] = None
     base_validation_loss_nats_per_token: Optional[float] = None
+    generation_prompts: Optional[int] = None
+    adaptation_time_s: Optional[float] = None
+    adapter_bytes: Optional[int] = None
+    merge_time_s: Optional[float] = None
+    domain_mean_accepted_length: Optional[dict] = None
     quantize: Optional[str] = None
     fp32_draft: Optional[str] = None
     extra: dict = field(default_factory=dict)  # fields this schema does not know (kept and written back)
@@ -194,6 +204,13 @@ class SpecdraftMeta:
     def quantize_mode(self) -> str:
         """``quantize``, ``"none"`` when absent."""
         return self.quantize or "none"
+
+    @property
+    def passes_reused(self) -> bool:
+        """Every one-off teacher pass it records came from the cache (``computed == 0``: stored by another stage or
+        an earlier run, not paid by this draft); False without passes."""
+        passes = [getattr(self, k) for k in ONE_OFF_PASSES if getattr(self, k) is not None]
+        return bool(passes) and all(p.get("computed", 1) == 0 for p in passes)
 
     @property
     def steps_trained(self) -> Optional[int]:

@@ -4,9 +4,13 @@ An existing draft (a Hugging Face directory, or ``drafts/<name>`` produced earli
 adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so the
 adapted draft starts equal to the base) on ``lora.target_modules`` (:func:`wrap_lora`: ``all-linear``, peft's
 per-architecture default, or module names; any layer type peft's LoRA adapts); only the adapter parameters train, by
-distillation from the target with the ``distill`` section's divergence and temperature (the same step loss and
-training loop as the ``distill`` stage, :func:`distill.trainer.make_distill_step` / :func:`distill.trainer.train`),
-on the training split of one domain. Checkpoint selection is by the pooled mean accepted length on the domain's
+distillation from the target with the ``distill`` section's divergence and temperature, like the distilled draft:
+by default on the target's continuations of ``lora.generation_prompts`` training prompts of the domain against its
+cached top-k logits (``lora.data_source=teacher``, ``lora.teacher_signal=cached``; the distill stage's
+:func:`distill.pipeline.teacher_signal_data`, whose passes are stored content-keyed under ``distill.cache_dir`` and
+reused across stages and runs), or on the domain's text / with the online teacher; the training loop is
+:func:`distill.trainer.train`. ``adapt_draft(..., full=True)`` (stage ``finetune``) trains every weight of the base
+on the same signal instead: the comparison that shows what the low-rank restriction costs. Checkpoint selection is by the pooled mean accepted length on the domain's
 validation prompts (as for the distilled draft; ``lora.eval_every``).
 
 Two artifacts, each written atomically:
@@ -59,6 +63,15 @@ class LoraSectionConfig:
     eval_every: int = 50  # steps between acceptance evaluations for checkpoint selection (0: keep the last)
     eval_prompts: int = 8  # validation prompts of the adapted domain used for selection
     eval_max_new_tokens: int = 32  # tokens generated per selection prompt
+    # The learning signal, with the distill stage's machinery (distill.pipeline.teacher_signal_data) and divergence
+    # (distill.loss, distill.temperature): teacher (the target's continuations of generation_prompts training prompts
+    # of the domain, distill.generation's sampling settings) or dataset (the domain's text); cached (the target's
+    # top-distill.cache_top_k logits stored once) or online (a target forward in every step). Both passes are stored
+    # under distill.cache_dir keyed by their content: a second run with the same target and settings reuses them.
+    data_source: str = "teacher"
+    teacher_signal: str = "cached"
+    generation_prompts: int = 512
+    finetune_lr: float | None = None  # stage finetune (every weight trains): its learning rate (null: trainer.lr)
 
     def __post_init__(self):
         if self.rank < 1:
@@ -84,6 +97,16 @@ class LoraSectionConfig:
             raise ValueError("lora.warmup_steps, lora.save_every and lora.eval_every must be >= 0")
         if self.eval_prompts < 1 or self.eval_max_new_tokens < 1:
             raise ValueError("lora.eval_prompts and lora.eval_max_new_tokens must be >= 1")
+        if self.data_source not in ("dataset", "teacher"):
+            raise ValueError(f"lora.data_source must be teacher (the target's continuations of the domain's "
+                             f"prompts) or dataset (the domain's text), got {self.data_source!r}")
+        if self.teacher_signal not in ("online", "cached"):
+            raise ValueError(f"lora.teacher_signal must be cached (top-k logits stored once) or online, "
+                             f"got {self.teacher_signal!r}")
+        if self.generation_prompts < 1:
+            raise ValueError(f"lora.generation_prompts must be >= 1, got {self.generation_prompts}")
+        if self.finetune_lr is not None and not self.finetune_lr > 0:
+            raise ValueError(f"lora.finetune_lr must be > 0 or null (trainer.lr), got {self.finetune_lr}")
         if not self.base:
             raise ValueError("lora.base must name the draft to adapt (an HF directory or drafts/<name> of this run)")
         if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
@@ -281,18 +304,28 @@ def adapted_output_complete(run_dir: Path, name: str) -> bool:
 
 
 def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
-                name: str | None = None, events=None) -> dict:
+                name: str | None = None, events=None, full: bool = False) -> dict:
     """LoRA-adapt the draft ``base`` (default ``lora.base``) to ``domain`` (default ``lora.domain`` or
     ``data.domain``) by distillation from the target; save ``adapters/<name>`` and the merged ``drafts/<name>``
     (``name`` default ``lora.name`` or ``lora_<domain>``) in ``run_dir``.
+
+    The learning signal is ``lora.data_source`` x ``lora.teacher_signal`` through the distill stage's
+    :func:`distill.pipeline.teacher_signal_data` (default: the target's continuations of ``lora.generation_prompts``
+    training prompts, against its cached top-k logits, with ``distill.loss`` at ``distill.temperature``).
+
+    ``full=True`` (stage ``finetune``): the same data, teacher, steps and batch, but every weight of the draft
+    trains (learning rate ``lora.finetune_lr``, else ``trainer.lr``), no adapter; saved as ``drafts/<name>`` only
+    (default name ``finetune_<domain>``): the comparison that shows what the low-rank restriction costs.
 
     With ``trainer.resume=true`` a completed adaptation (both folders present) is reused, and an interrupted one
     continues from ``train/<name>/checkpoint-last``.
 
     Returns:
-        the summary also stored in ``specdraft.json`` (kind ``lora``, base path, domain, LoRA settings, trainable /
-        total parameters, training stats, selected step, validation mean accepted length of the base and of the
-        adapted draft, validation cross-entropy before / after) plus ``path`` and ``adapter_path``.
+        the summary also stored in ``specdraft.json`` (kind ``lora`` / ``finetune``, base path, domain, LoRA
+        settings, trainable / total parameters, training stats, the one-off passes (``teacher_data``,
+        ``teacher_cache``: ``time_s``, reused or computed), ``adaptation_time_s`` (training loop + one-off
+        passes), adapter bytes and merge seconds, selected step, validation mean accepted length of the base and
+        of the adapted draft, validation cross-entropy before / after) plus ``path`` and ``adapter_path``.
 
     Raises:
         LoraError / CheckpointError / ValueError: missing base draft, tokenizer mismatch, bad target modules,
@@ -301,18 +334,25 @@ def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None
     from data.devices import torch_threads
 
     with torch_threads(rc.trainer.num_threads):
-        return _adapt_draft(rc, opts, Path(run_dir), base, domain, name, events)
+        return _adapt_draft(rc, opts, Path(run_dir), base, domain, name, events, full)
 
 
-def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
-    from data.checkpoints import (check_context_fits, check_vocab_covers_tokenizer, load_causal_lm,
-                                  read_specdraft_meta)
+def adapter_bytes(adapter_dir: Path) -> int:
+    """Bytes of a saved peft adapter's weights (``adapter_model.safetensors``)."""
+    f = Path(adapter_dir) / "adapter_model.safetensors"
+    return f.stat().st_size if f.is_file() else 0
+
+
+def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events, full: bool = False) -> dict:
+    import time
+
+    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
     from data.tokenizer_check import check_tokenizers_compatible
 
     from .generation import selection_eval_from_texts, selection_meta
-    from .losses import get_loss
+    from .pipeline import teacher_signal_data
     from data.blocks import domain_blocks, domain_prompts
-    from .trainer import evaluate_loss, make_distill_step, train
+    from .trainer import distributed_state, evaluate_loss, train
     from .vocab import shared_vocab_size
 
     lc, dc = rc.lora, rc.distill
@@ -321,11 +361,14 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
                         "the command, or set lora.enabled=true.")
     base = base or lc.base
     domain = domain or lc.domain or rc.data.domain
-    name = name or lc.name or f"lora_{domain}"
+    name = name or (f"finetune_{domain}" if full else lc.name or f"lora_{domain}")
     out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
-    if rc.trainer.resume and adapted_output_complete(run_dir, name):
-        log.info("LoRA draft %s already complete in %s; reusing it (trainer.resume=true)", name, out)
-        return {**read_specdraft_meta(out).to_dict(), "path": str(out), "adapter_path": str(adapter_out),
+    done = (out / "specdraft.json").is_file() if full else adapted_output_complete(run_dir, name)
+    if rc.trainer.resume and done:
+        log.info("%s draft %s already complete in %s; reusing it (trainer.resume=true)",
+                 "fine-tuned" if full else "LoRA", name, out)
+        return {**read_specdraft_meta(out).to_dict(), "path": str(out),
+                "adapter_path": None if full else str(adapter_out),
                 "reused": True}
     base_path = resolve_base(base, run_dir)
     check_base_available(str(base_path), run_dir, set())
@@ -340,8 +383,16 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
         check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
-    train_blocks = domain_blocks(domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks)
+    train_blocks = domain_blocks(domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks) \
+        if lc.data_source == "dataset" else None
     val_blocks = domain_blocks(domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
+    tcfg = lc.trainer_config(rc.trainer)
+    if full:
+        tcfg = replace(tcfg, lr=lc.finetune_lr or rc.trainer.lr)
+    step, teacher, train_blocks, passes = teacher_signal_data(
+        rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=shared,
+        cut=cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
+        tcfg=tcfg, run_dir=run_dir, dist=distributed_state())
     evaluate = None
     base_score = None
     if lc.eval_every:
@@ -351,41 +402,52 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events) -> dict:
         with torch.no_grad():
             base_score = evaluate(draft.eval())["mean_accepted_length"]
     base_val_loss = evaluate_loss(draft, val_blocks)
-    model = wrap_lora(draft, lc, seed=rc.seed)
+    model = draft.train() if full else wrap_lora(draft, lc, seed=rc.seed)
     n_train, n_total = trainable_parameters(model)
-    log.info("LoRA %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks", name, base_path,
-             domain, n_train, n_total, train_blocks.size(0))
-    step = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs())
-    tcfg = lc.trainer_config(rc.trainer)
-    stats = train(model, train_blocks, run_dir / "train" / name, tcfg, step, teacher=target, seed=rc.seed,
-                  desc=f"LoRA {name}", evaluate=evaluate, eval_every=lc.eval_every,
+    log.info("%s %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks",
+             "fine-tune" if full else "LoRA", name, base_path, domain, n_train, n_total, train_blocks.size(0))
+    stats = train(model, train_blocks, run_dir / "train" / name, tcfg, step, teacher=teacher, seed=rc.seed,
+                  desc=f"{'fine-tune' if full else 'LoRA'} {name}", evaluate=evaluate, eval_every=lc.eval_every,
                   on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
     val_loss = evaluate_loss(model, val_blocks)
     base_meta = read_specdraft_meta(base_path)
     meta = {
-        "kind": "lora", "target": str(rc.target.name_or_path), "base": str(base_path), "domain": domain,
-        "base_kind": base_meta.kind, "base_domain": base_meta.domain,
-        "loss": dc.loss, "temperature": dc.temperature, "data_source": "dataset", "teacher_signal": "online",
-        "lora": {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout, "target_modules": lc.target_modules,
-                 "adapted_modules": adapted_module_names(model)},
-        "trainable_parameters": n_train, "draft_parameters": count_merged(n_total, n_train),
+        "kind": "finetune" if full else "lora", "target": str(rc.target.name_or_path), "base": str(base_path),
+        "domain": domain, "base_kind": base_meta.kind, "base_domain": base_meta.domain,
+        "loss": dc.loss, "temperature": dc.temperature, "data_source": lc.data_source,
+        "teacher_signal": lc.teacher_signal,
+        "generation_prompts": lc.generation_prompts if lc.data_source == "teacher" else None,
+        "lora": None if full else {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout,
+                                   "target_modules": lc.target_modules,
+                                   "adapted_modules": adapted_module_names(model)},
+        "trainable_parameters": n_train, "draft_parameters": n_total if full else count_merged(n_total, n_train),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         **selection_meta(rc, stats, eval_every=lc.eval_every, eval_prompts=lc.eval_prompts,
                          eval_max_new_tokens=lc.eval_max_new_tokens),
         "base_mean_accepted_length": base_score,
         "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": val_loss,
         "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
-        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
+        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg), **passes,
     }
+    # what the adaptation cost: its training loop plus the one-off passes (a pass reused from the cache: its load time)
+    meta["adaptation_time_s"] = float(stats["train_time_s"]) + SpecdraftMeta.from_dict(meta).one_off_pass_seconds
+    if full:
+        save_hf_atomic(model.eval(), tokenizer, out, extra={**meta, "artifact": "finetuned"})
+        log.info("fine-tuned draft %s saved to %s", name, out)
+        return {**meta, "path": str(out), "adapter_path": None}
     with atomic_dir(adapter_out) as tmp:  # the adapter first: merging modifies the model in place
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         SpecdraftMeta.from_dict({**meta, "artifact": "adapter"}).write(tmp)
+    meta["adapter_bytes"] = adapter_bytes(adapter_out)
+    t_merge = time.perf_counter()
     merged = merge_lora(model)
+    meta["merge_time_s"] = time.perf_counter() - t_merge
     save_hf_atomic(merged, tokenizer, out, extra={**meta, "artifact": "merged", "adapter": str(adapter_out)})
-    log.info("LoRA draft %s saved: merged %s, adapter %s (validation tau %s -> %s)", name, out, adapter_out,
-             base_score, meta["selected_mean_accepted_length"])
+    log.info("LoRA draft %s saved: merged %s, adapter %s (%d bytes, merged in %.3f s; validation tau %s -> %s)",
+             name, out, adapter_out, meta["adapter_bytes"], meta["merge_time_s"], base_score,
+             meta["selected_mean_accepted_length"])
     return {**meta, "path": str(out), "adapter_path": str(adapter_out)}
 
 

@@ -155,42 +155,70 @@ def _fresh_small_draft(rc, opts, run_dir, target, tokenizer, events):
     return build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
 
 
+def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: dict[str, float], blocks: torch.Tensor,
+                        shared: int, cut: int | None, data_source: str, teacher_signal: str, max_prompts: int,
+                        tcfg, run_dir: Path, dist) -> tuple[Any, Any, torch.Tensor, dict]:
+    """The training data and teacher of a distillation-trained draft, shared by the ``distill`` stage and the LoRA /
+    fine-tuning stages (:mod:`distill.lora`): with ``data_source="teacher"`` the target's continuations of
+    ``max_prompts`` training prompts of ``weights`` (one domain or a mixture; ``distill.generation``'s other
+    sampling settings), packed into ``(N, data.block_size)`` blocks; else ``blocks`` (dataset text). With
+    ``teacher_signal="cached"`` the target's top-``distill.cache_top_k`` logits over the blocks the run reads
+    (:func:`blocks_this_run_uses` with ``tcfg``), and a step loss that reads them; else the online teacher.
+    Both one-off passes are stored under ``distill.cache_dir`` (null: ``<run_dir>/teacher_cache``) keyed by their
+    content, so another run (or stage) with the same target, prompts and settings reuses them.
+
+    Returns:
+        (step, teacher, blocks (N, T), passes) where ``passes`` holds the ``teacher_data`` / ``teacher_cache``
+        records (path, reused / computed shard counts, ``time_s``) of the passes that ran.
+    """
+    from .generation import generate_teacher_sequences, pack_sequences
+    from .teacher import build_teacher_cache, make_cached_distill_step
+
+    dc = rc.distill
+    cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
+    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (docs/devices.md, "Devices and precision")
+    if (data_source == "teacher" or teacher_signal == "cached") and torch.cuda.is_available() \
+            and dist.is_main_process:
+        target.to(dist.device)  # the passes run where training will, on the main process only
+    passes: dict = {}
+    if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
+        dist.wait_for_everyone()
+    if data_source == "teacher":
+        texts = training_prompts(weights, "train", opts, max_prompts, tokenizer, rc.seed)
+        prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
+        gen = replace(dc.generation, max_prompts=max_prompts)
+        seqs, passes["teacher_data"] = generate_teacher_sequences(
+            target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
+        blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
+    if teacher_signal == "cached":
+        blocks = blocks_this_run_uses(blocks, tcfg, rc.seed, dist.num_processes)
+        teacher, passes["teacher_cache"] = build_teacher_cache(
+            target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
+            vocab_size=shared, precision=precision)
+        step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
+    else:
+        step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
+    if dist.is_main_process:
+        dist.wait_for_everyone()
+    return step, teacher, blocks, passes
+
+
 def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
     """The target's soft labels with ``distill.loss`` at ``distill.temperature``, online (the target's forward in
     every step) or as cached top-k logits, on dataset text, on target-generated continuations
     (``distill.data_source=teacher``) or with the draft's own samples mixed in (``on_policy``). The one-off
-    teacher passes run on the main process first; the other processes read its caches."""
-    from .generation import OnPolicyHook, generate_teacher_sequences, pack_sequences
-    from .teacher import build_teacher_cache, make_cached_distill_step
+    teacher passes (:func:`teacher_signal_data`) run on the main process first; the other processes read its
+    caches."""
+    from .generation import OnPolicyHook
 
-    dc, dist, target, tokenizer = rc.distill, pair.dist, pair.target, pair.tokenizer
-    cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-    precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (docs/devices.md, "Devices and precision")
-    if (dc.data_source == "teacher" or dc.teacher_signal == "cached") and torch.cuda.is_available() \
-            and dist.is_main_process:
-        target.to(dist.device)  # the passes run where training will, on the main process only
-    blocks, passes = pair.blocks, {}
-    if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
-        dist.wait_for_everyone()
-    if dc.data_source == "teacher":
-        texts = training_prompts(pair.weights, "train", opts, dc.generation.max_prompts, tokenizer, rc.seed)
-        prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
-        seqs, passes["teacher_data"] = generate_teacher_sequences(
-            target, prompts, dc.generation, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, vocab_size=pair.shared, precision=precision)
-        blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
-    if dc.teacher_signal == "cached":
-        blocks = blocks_this_run_uses(blocks, rc.trainer, rc.seed, dist.num_processes)
-        teacher, passes["teacher_cache"] = build_teacher_cache(
-            target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
-            vocab_size=pair.shared, precision=precision)
-        step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
-    else:
-        step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, pair.cut, **dc.loss_kwargs()), target
-    if dist.is_main_process:
-        dist.wait_for_everyone()
+    dc = rc.distill
+    step, teacher, blocks, passes = teacher_signal_data(
+        rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
+        shared=pair.shared, cut=pair.cut, data_source=dc.data_source, teacher_signal=dc.teacher_signal,
+        max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir, dist=pair.dist)
     if rc.trainer.teacher_placement == "zero3":
-        target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
+        pair.target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
     hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=pair.shared) \
         if dc.data_source == "on_policy" else None
     meta = {"loss": dc.loss, "temperature": dc.temperature, "data_source": dc.data_source,

@@ -136,7 +136,10 @@ class PromptTooLongError(ValueError):
 
 
 def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
-    """name -> draft directory: ``eval.drafts``, else ``<run_dir>/drafts/*``.
+    """name -> draft directory: ``eval.drafts``, else ``<run_dir>/drafts/*``. A relative ``eval.drafts`` path
+    ``drafts/<name>`` is the run directory's (a draft an earlier stage of the run writes) unless only the working
+    directory has it, so an experiment can evaluate its own drafts beside one from elsewhere (``lora_med``: the
+    committed general draft).
 
     Raises:
         ValueError: no drafts at all (says how to give some).
@@ -145,7 +148,14 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
         paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
     elif rc.eval.drafts:
-        paths = {n: Path(p).expanduser() for n, p in rc.eval.drafts.items()}
+        def where(p) -> Path:  # drafts/<name>: the run's, unless only the working directory has it
+            p = Path(p).expanduser()
+            if p.is_absolute() or p.parts[:1] != ("drafts",):
+                return p
+            in_run = Path(run_dir) / p
+            return in_run if in_run.exists() or not p.exists() else p
+
+        paths = {n: where(p) for n, p in rc.eval.drafts.items()}
     else:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
             if drafts_dir.is_dir() else {}
@@ -177,6 +187,9 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         if need_drafts:
             raise
         paths = {}
+    if not need_drafts:  # drafts of this run that earlier stages will write are checked when the eval stage runs
+        run_drafts = (Path(run_dir) / "drafts").resolve()
+        paths = {n: p for n, p in paths.items() if p.exists() or run_drafts not in p.resolve().parents}
     domains = _domain_objects(rc)  # user files are checked before any model loads
     check_checkpoint_dir(rc.target.name_or_path, role="target")
     for n, path in paths.items():
@@ -355,6 +368,10 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
         from .draft_sources import draft_sources_section
 
         sections.append(draft_sources_section(meta))
+    if any(m.kind in ("lora", "finetune") for m in saved.values()):
+        from .adaptation import AdaptationSection
+
+        sections.append(AdaptationSection(saved, draft_paths))
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
     sections.append("## Prompt format\n\nChat records (conversations) were rendered with "

@@ -180,6 +180,37 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         assert math.isnan(best_ex) or ex(c) == best_ex, "tie not broken by the cost model"
 
 
+def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:
+    """Keep a domain's adapter only where it measurably lifts acceptance: the adapted draft's tau interval lies
+    wholly above the base draft's (``adapted_ci[0] > base_ci[1]``: the two 95% bootstrap intervals over prompts,
+    :func:`eval.metrics.bootstrap_ratio_ci`, are separated). Overlapping intervals, an adapted interval below the
+    base's, or a missing interval (``eval.bootstrap_samples=0``, no prompts) refuse the adapter: the measurement
+    does not show that it helps.
+
+    Args:
+        base_tau, adapted_tau: pooled mean accepted lengths (tokens per verify step) on the domain's test prompts.
+        base_ci, adapted_ci: their ``[low, high]`` intervals, or None.
+
+    Returns:
+        ``{"keep": bool, "basis": "separated" | "overlap" | "worse" | "no_interval", "reason": str}``.
+    """
+    def ci(c):
+        return (_num(c[0]), _num(c[1])) if c and len(c) == 2 and not any(math.isnan(_num(v)) for v in c) else None
+
+    b, a = ci(base_ci), ci(adapted_ci)
+    nums = f"tau {_fmt(adapted_tau)} [{_fmt(a[0]) if a else 'n/a'}, {_fmt(a[1]) if a else 'n/a'}] adapted vs " \
+           f"{_fmt(base_tau)} [{_fmt(b[0]) if b else 'n/a'}, {_fmt(b[1]) if b else 'n/a'}] base"
+    if a is None or b is None:
+        return {"keep": False, "basis": "no_interval",
+                "reason": f"no interval to separate ({nums}; set eval.bootstrap_samples > 0): adapter not kept"}
+    if a[0] > b[1]:
+        return {"keep": True, "basis": "separated", "reason": f"intervals separated: {nums}"}
+    if a[1] < b[0]:
+        return {"keep": False, "basis": "worse", "reason": f"the adapted draft is worse, intervals separated: {nums}"}
+    return {"keep": False, "basis": "overlap",
+            "reason": f"intervals overlap ({nums}): the measurement does not show a lift"}
+
+
 # ------------------------------------------------------------------------------------------------ deployment
 def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] | None,
                            target_parameters: int | None) -> dict | None:

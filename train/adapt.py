@@ -7,10 +7,14 @@
    in the ``lora`` section) -> ``drafts/lora_<domain>/`` (merged) + ``adapters/lora_<domain>/``. Domains without
    training text (test-only benchmarks, user files) are reported as not adaptable;
 3. **after**: evaluate the draft and every adapted draft on every domain -> ``adapt/after/`` (report + routing
-   table);
-4. write ``routing.json`` (domain -> draft with the best measured speedup, :mod:`eval.routing`), ``adapt.json`` and
-   ``adapt_report.md`` (per domain: tau before, whether it was adapted, tau of the adapted draft, the routed draft and
-   its measured speedup) in the run directory, each atomically.
+   table over every draft);
+4. **keep or refuse** each adapter (:func:`eval.verdicts.adapter_decision`): kept only where the adapted draft's tau
+   interval (95% bootstrap over the domain's prompts) lies wholly above the base draft's, both from the
+   after-evaluation; otherwise the report says why (overlap, worse, no interval);
+5. write ``routing.json`` (:func:`adapted_routing`: each domain's verdict re-taken among the base draft and its own
+   kept adapter, so a refused adapter is never routed; the target alone when neither is faster), ``adapt.json`` and
+   ``adapt_report.md`` (per domain: tau before, the action, base and adapted tau with intervals, why, the routed
+   draft and its measured speedup) in the run directory, each atomically.
 
 Resume (``trainer.resume=true`` in the same run directory): a finished before-evaluation and every completed adapter
 are reused; an interrupted adaptation continues from its last training checkpoint.
@@ -78,6 +82,7 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
             :func:`distill.lora.adapt_draft`.
     """
     from distill.lora import LoraError, adapt_draft, resolve_base
+    from eval.verdicts import adapter_decision
 
     ev = events or (lambda *a, **k: None)
     if not rc.lora.enabled:
@@ -99,7 +104,7 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
         row = {"before_mean_accepted_length": tau,
                "before_measured_speedup": before["drafts"][base_name][d]["measured_speedup"]}
         if tau is not None and tau >= threshold:
-            row["action"] = "kept (tau >= threshold)"
+            row["action"] = "left alone (tau >= threshold)"
         elif not trainable_domain(d):
             row["action"] = "not adaptable (no training split: test-only benchmark or user file)"
         else:
@@ -119,20 +124,28 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
     retrained = any(r["action"] == "adapted" and not r["reused"] for r in rows.values())
     after = _evaluate(rc, opts, run_dir / "adapt" / "after", drafts, ev, resume and not retrained)
     t_after = time.perf_counter() - t2
-    routing_src = run_dir / "adapt" / "after" / "routing.json"
-    table = json.loads(routing_src.read_text())
     for d, row in rows.items():
         a = after["drafts"]
         row["after_base_mean_accepted_length"] = a[base_name][d]["mean_accepted_length"]
+        row["after_base_mean_accepted_length_ci"] = a[base_name][d].get("mean_accepted_length_ci")
         if row.get("adapted_draft"):
             e = a[row["adapted_draft"]][d]
             row["after_mean_accepted_length"] = e["mean_accepted_length"]
+            row["after_mean_accepted_length_ci"] = e.get("mean_accepted_length_ci")
             row["after_measured_speedup"] = e["measured_speedup"]
+            verdict = adapter_decision(row["after_base_mean_accepted_length"],
+                                       row["after_base_mean_accepted_length_ci"],
+                                       row["after_mean_accepted_length"], row["after_mean_accepted_length_ci"])
+            row.update(adapter_kept=verdict["keep"], adapter_decision=verdict["basis"],
+                       adapter_reason=verdict["reason"])
+            row["action"] = "adapted, adapter kept" if verdict["keep"] else "adapted, adapter refused"
+    table = adapted_routing(after, rows, base_name, drafts)
+    for d, row in rows.items():
         r = table["routes"].get(d)
         if r:
             row.update(routed_draft=r["draft"], routed_measured_speedup=r.get("measured_speedup"),
                        routed_mean_accepted_length=r.get("mean_accepted_length"))  # target alone: draft None
-    write_json_atomic(run_dir / "routing.json", table)  # the run's table: same content, paths absolute
+    write_json_atomic(run_dir / "routing.json", table)  # base + kept adapters only (adapt/after/: every draft)
     summary = {"draft": str(base_path), "draft_name": base_name, "min_mean_accepted_length": threshold,
                "num_draft_tokens": after["num_draft_tokens"], "domains": rows, "drafts": drafts,
                "routing": str(run_dir / "routing.json"), "reports": {"before": str(run_dir / "adapt/before/report.md"),
@@ -141,38 +154,76 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
                            "total": time.perf_counter() - t0}}
     write_json_atomic(run_dir / "adapt.json", summary)
     write_text_atomic(run_dir / "adapt_report.md", render_adapt_report(summary))
-    ev("adapt_done", adapted=[d for d, r in rows.items() if r["action"] == "adapted"], routing=summary["routing"])
+    ev("adapt_done", adapted=[d for d, r in rows.items() if r.get("adapted_draft")],
+       kept=[d for d, r in rows.items() if r.get("adapter_kept")], routing=summary["routing"])
     return summary
 
 
+def adapted_routing(after: dict, rows: dict, base_name: str, drafts: dict) -> dict:
+    """The run's routing table (:func:`eval.routing.routing_table`) over the base draft and the adapters that were
+    kept (:func:`eval.verdicts.adapter_decision`): each domain's decision (:func:`eval.verdicts.decide`) is
+    re-taken among the base draft and its own kept adapter, so a domain whose adapter was refused goes to the base
+    draft, or to the target alone when the base is not faster than it (its interval below 1)."""
+    from eval.routing import routing_table
+    from eval.verdicts import candidates, decide
+
+    kept = {r["adapted_draft"] for r in rows.values() if r.get("adapter_kept")}
+    doc = {**after, "drafts": {n: e for n, e in after["drafts"].items() if n == base_name or n in kept}}
+    rec = {}
+    for d in after["recommendation"]:
+        own = rows.get(d, {}).get("adapted_draft") if rows.get(d, {}).get("adapter_kept") else None
+        rec[d] = decide([c for c in candidates(doc, d) if c["draft"] in (base_name, own)])
+    doc["recommendation"] = rec
+    return routing_table(doc, {n: p for n, p in drafts.items() if n in doc["drafts"]})
+
+
 def render_adapt_report(s: dict) -> str:
-    """Markdown before/after report of the adapt stage."""
+    """Markdown before/after report of the adapt stage: per domain what was done and why (left alone, not
+    adaptable, adapter kept / refused with the two tau intervals), the routed draft and its measured speedup."""
     def f(x, d=2):
         return "n/a" if x is None else f"{x:.{d}f}"
 
-    adapted = [d for d, r in s["domains"].items() if r["action"] == "adapted"]
+    def ci(c):
+        return f" [{f(c[0])}, {f(c[1])}]" if c else ""
+
+    rows = s["domains"]
+    adapted = [d for d, r in rows.items() if r.get("adapted_draft")]
+    kept = [d for d, r in rows.items() if r.get("adapter_kept")]
     lines = ["# Automatic per-domain adaptation", "",
              f"- draft: `{s['draft_name']}` (`{s['draft']}`)",
              f"- threshold: adapt domains whose mean accepted length tau < {s['min_mean_accepted_length']:g} "
              f"(num_draft_tokens = {s['num_draft_tokens']}, greedy, test prompts)",
-             f"- adapted: {', '.join(adapted) or 'none'}",
-             f"- routing table: `{s['routing']}` (use it with `decode.draft_routing=PATH`)",
+             f"- adapted: {', '.join(adapted) or 'none'}; adapter kept (its tau interval lies wholly above the "
+             f"base draft's, both measured in the after-evaluation): {', '.join(kept) or 'none'}",
+             f"- left alone: {', '.join(d for d in rows if d not in kept) or 'none'} (why: the table below)",
+             f"- routing table: `{s['routing']}` (use it with `decode.draft_routing=PATH`): the base draft and the "
+             f"kept adapters only; a domain goes to its kept adapter, else the base draft, else the target alone "
+             f"(the verdict rule of the evaluation)",
              f"- full reports: before `{s['reports']['before']}`, after `{s['reports']['after']}`",
              f"- time: before-evaluation {f(s['times_s']['before_eval'], 0)} s, adaptation "
              f"{f(sum(s['times_s']['adapt'].values()), 0)} s, after-evaluation {f(s['times_s']['after_eval'], 0)} s, "
              f"total {f(s['times_s']['total'], 0)} s", "",
-             "| domain | tau before | action | tau after (adapted draft) | change | routed draft | routed tau | "
-             "routed measured speedup (before: draft) |", "|---|---|---|---|---|---|---|---|"]
-    for d, r in s["domains"].items():
+             "| domain | tau before | action | base tau after [95% CI] | adapted tau [95% CI] | change | why | "
+             "routed draft | routed tau | routed measured speedup (before: draft) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for d, r in rows.items():
         after = r.get("after_mean_accepted_length")
-        before = r["before_mean_accepted_length"]
-        change = f"{after - before:+.2f}" if after is not None and before is not None else "-"
+        base_after = r.get("after_base_mean_accepted_length")
+        change = f"{after - base_after:+.2f}" if after is not None and base_after is not None else "-"
         routed = f"`{r['routed_draft']}`" if r.get("routed_draft") else "the target alone"
-        lines.append(f"| {d} | {f(before)} | {r['action']} | {f(after)} | {change} | {routed} | "
+        if r.get("adapted_draft"):
+            why = r.get("adapter_reason", "")
+        elif r["action"].startswith("left alone"):
+            why = f"tau {f(r['before_mean_accepted_length'])} >= {s['min_mean_accepted_length']:g}"
+        else:
+            why = "no training split"
+        lines.append(f"| {d} | {f(r['before_mean_accepted_length'])} | {r['action']} | "
+                     f"{f(base_after)}{ci(r.get('after_base_mean_accepted_length_ci'))} | "
+                     f"{f(after)}{ci(r.get('after_mean_accepted_length_ci'))} | {change} | {why} | {routed} | "
                      f"{f(r.get('routed_mean_accepted_length'))} | {f(r.get('routed_measured_speedup'))}x "
                      f"({f(r.get('before_measured_speedup'))}x) |")
-    lines += ["", "tau: tokens emitted per verify step (bonus token included), pooled over the domain's prompts. "
-              "Every adapted draft is evaluated on every domain in the after report, so its effect on the other "
-              "domains is visible there; the routing table sends each domain to the draft with the best measured "
-              "speedup.", ""]
+    lines += ["", "tau: tokens emitted per verify step (bonus token included), pooled over the domain's prompts, "
+              "with its 95% percentile-bootstrap interval over prompts. An adapter is kept only where its tau "
+              "interval lies wholly above the base draft's on the same prompts (eval.verdicts.adapter_decision). "
+              "Every adapted draft, kept or not, is evaluated on every domain in the after report.", ""]
     return "\n".join(lines)

@@ -138,6 +138,8 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
                 raise ValueError(f"lora.name={name!r} would replace another draft of this run (drafts/{name}); "
                                  f"choose another lora.name (default lora_<domain>)")
             produced.add(name)
+        elif stage == "finetune":
+            check_base_available(rc.lora.base, run_dir, produced)
         elif stage == "adapt":
             check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
         elif stage == "baseline" and rc.distill.baseline_budget == "wall_clock" and "distilled" not in produced \
@@ -272,7 +274,7 @@ def _check_launch(rc: RootConfig):
     check_launch(rc.trainer, dist.num_processes, deepspeed, stage)
     if "reference_target" in rc.stages:
         check_launch(rc.reference.trainer, dist.num_processes, deepspeed, stage)
-    lora_stages = [s for s in rc.stages if s in ("lora", "adapt")]
+    lora_stages = [s for s in rc.stages if s in ("lora", "finetune", "adapt")]
     if lora_stages and dist.num_processes > 1:
         raise ValueError(f"stages {lora_stages} run in one process (LoRA drafts are small); launched with "
                          f"{dist.num_processes} processes. Run them with plain `python -m train`, e.g. "

@@ -48,17 +48,21 @@ class RootConfig(EvalRootConfig):
         if "draft_init" in self.stages and self.draft.init == "config":
             raise ValueError("stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
                              "draft=pretrained), or remove draft_init from stages")
-        uses_lora = [s for s in self.stages if s in ("lora", "adapt")]
+        uses_lora = [s for s in self.stages if s in ("lora", "finetune", "adapt")]
         if uses_lora and not self.lora.enabled:
             raise ValueError(f"stages {uses_lora} LoRA-adapt drafts but lora=none: add `lora=default` to the command "
                              f"(conf/lora/default.yaml holds rank, alpha, dropout, target modules and steps)")
-        if "lora" in self.stages:
+        if "lora" in self.stages or "finetune" in self.stages:
             dom = self.lora.domain or self.data.domain
             from .adapt import trainable_domain
 
             if not trainable_domain(dom):
                 raise ValueError(f"lora.domain {dom!r} has no training split (a test-only benchmark); adapt to a "
                                  f"domain with training text (medical, code, chat, math, ...)")
+        if uses_lora and self.lora.teacher_signal == "cached" and (
+                self.distill.loss == "reverse_kl" or (self.distill.loss == "generalized_jsd" and self.distill.beta == 1)):
+            raise ValueError("lora.teacher_signal=cached: reverse KL is infinite against a cached top-k teacher; set "
+                             "lora.teacher_signal=online, or a distill.loss that stays finite (forward_kl, ...)")
         if uses_lora:
             self.lora.trainer_config(self.trainer)  # the adapter's optimiser settings are valid before any model loads
 

@@ -39,10 +39,53 @@ def _lora(rc, opts, run_dir: Path, events) -> dict:
     return adapt_draft(rc, opts, run_dir, events=events)
 
 
+def _finetune(rc, opts, run_dir: Path, events) -> dict:
+    from distill.lora import adapt_draft
+
+    return adapt_draft(rc, opts, run_dir, events=events, full=True)
+
+
 def _adapt(rc, opts, run_dir: Path, events) -> dict:
     from .adapt import adapt_domains
 
     return adapt_domains(rc, opts, run_dir, events=events)
+
+
+def domain_tau_stage(rc, opts, run_dir: Path, events=None) -> dict:
+    """Stage ``domain_tau`` (after ``eval``): write each evaluated draft's per-domain tau (mean accepted length,
+    tokens per verify step, with its 95% bootstrap interval over prompts, at the evaluation's primary gamma) into
+    that draft's ``specdraft.json`` as ``domain_mean_accepted_length: {domain: {mean_accepted_length,
+    mean_accepted_length_ci, num_draft_tokens, num_prompts}}``, so a draft that is reused later (the committed
+    general draft) carries the acceptance it was measured with.
+
+    Raises:
+        ValueError: no ``metrics.json`` in the run directory (the eval stage must run first).
+    """
+    import json
+
+    from data.checkpoints import read_specdraft_meta
+    from data.io import write_text_atomic
+
+    metrics = Path(run_dir) / "metrics.json"
+    if not metrics.is_file():
+        raise ValueError(f"stage domain_tau reads {metrics}, which does not exist: put eval before domain_tau in "
+                         f"stages")
+    doc = json.loads(metrics.read_text())
+    written = {}
+    for name, per_domain in doc["drafts"].items():
+        draft_dir = Path(run_dir) / "drafts" / name
+        if not (draft_dir / "specdraft.json").is_file():
+            continue  # a draft evaluated from outside the run: not ours to annotate
+        meta = read_specdraft_meta(draft_dir)
+        meta.domain_mean_accepted_length = {
+            d: {"mean_accepted_length": e.get("mean_accepted_length"),
+                "mean_accepted_length_ci": e.get("mean_accepted_length_ci"),
+                "num_draft_tokens": e.get("num_draft_tokens", doc.get("num_draft_tokens")),
+                "num_prompts": e.get("num_prompts")}
+            for d, e in per_domain.items()}
+        write_text_atomic(draft_dir / "specdraft.json", json.dumps(meta.to_dict(), indent=2, default=str) + "\n")
+        written[name] = {d: v["mean_accepted_length"] for d, v in meta.domain_mean_accepted_length.items()}
+    return {"domain_mean_accepted_length": written}
 
 
 def _eval(rc, opts, run_dir: Path, events) -> dict:
@@ -56,6 +99,11 @@ def lora_draft_name(rc) -> str:
     return rc.lora.name or f"lora_{rc.lora.domain or rc.data.domain}"
 
 
+def finetune_draft_name(rc) -> str:
+    """The folder a ``finetune`` stage writes: ``finetune_<domain>`` (the domain of ``lora.domain``)."""
+    return f"finetune_{rc.lora.domain or rc.data.domain}"
+
+
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("reference_target", _reference_target),
     Stage("draft_init", _draft_init, draft=lambda rc: rc.draft.init),  # drafts/layer_pruned or drafts/pretrained
@@ -63,7 +111,10 @@ STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("baseline", baseline_stage, draft=lambda rc: "baseline"),
     Stage("distill_small", distill_small_stage, draft=lambda rc: "small_distilled"),
     Stage("lora", _lora, draft=lora_draft_name),
+    # the lora stage's data, teacher, steps and batch with every weight training (the full fine-tuning comparison)
+    Stage("finetune", _finetune, draft=finetune_draft_name),
     Stage("adapt", _adapt),
     Stage("eval", _eval),
+    Stage("domain_tau", domain_tau_stage),
 )}
 KNOWN_STAGES = tuple(STAGES)

@@ -191,7 +191,7 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
         cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 8}, "trainer": {"num_threads": 1},
                "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 2, "micro_batch_size": 2,
                         "warmup_steps": 0, "save_every": 0, "eval_every": 0, "lr": 0.05, "name": name,
-                        "target_modules": targets}}
+                        "target_modules": targets, "data_source": "dataset", "teacher_signal": "online"}}
         rc = validate(cfg)
         out = adapt_draft(rc, rc.data.options(), tmp_path)
         want = ["c_attn", "c_fc", "c_proj"] if targets == "all-linear" else ["c_attn", "lm_head"]
@@ -220,24 +220,30 @@ def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_p
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
     save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / "drafts" / "distilled")
     cfg = {"stages": ["adapt"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "distill": {"generation": {"max_new_tokens": 8, "temperature": 0}, "cache_dir": str(tmp_path / "cache")},
            "lora": {"enabled": True, "rank": 2, "max_steps": 2, "micro_batch_size": 2, "warmup_steps": 0,
-                    "save_every": 0, "eval_every": 0},
+                    "save_every": 0, "eval_every": 0, "generation_prompts": 4},
            "adapt": {"draft": "drafts/distilled", "min_mean_accepted_length": 5.0},  # tau <= gamma + 1 = 5
            "eval": {"domains": ["medical", "specbench_qa"], "max_prompts": 1, "max_new_tokens": 4,
                     "max_prompt_tokens": 32, "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": False}}
     rc = validate(cfg)
     s = adapt_domains(rc, rc.data.options(), tmp_path)
-    assert s["domains"]["medical"]["action"] == "adapted"
+    med = s["domains"]["medical"]
+    assert med["action"].startswith("adapted, adapter ") and med["adapter_decision"] in ("separated", "overlap",
+                                                                                       "worse", "no_interval")
+    assert med["adapter_kept"] is False  # eval.bootstrap_samples=0: no interval, so the adapter cannot be kept
+    assert json.loads((tmp_path / "drafts" / "lora_medical" / "specdraft.json").read_text())["teacher_signal"] == \
+        "cached"
     assert s["domains"]["specbench_qa"]["action"].startswith("not adaptable")
     assert set(s["drafts"]) == {"distilled", "lora_medical"}
     table = load_routing(tmp_path / "routing.json")
     assert set(table.routes) == {"medical", "specbench_qa"}
-    route = table.draft_for("medical")  # a draft, or the target alone when no draft's interval reaches 1x
-    assert route.draft in {"distilled", "lora_medical"} or (route.target_only and route.draft is None)
+    route = table.draft_for("medical")  # the refused adapter is never routed: the base, or the target alone
+    assert route.draft == "distilled" or (route.target_only and route.draft is None)
     after = json.loads((tmp_path / "adapt" / "after" / "metrics.json").read_text())
     assert set(after["drafts"]) == {"distilled", "lora_medical"}  # every draft on every domain
     report = (tmp_path / "adapt_report.md").read_text()
-    assert "| medical |" in report and "adapted" in report
+    assert "| medical |" in report and "adapter refused" in report and "no interval" in report
     rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
     again = adapt_domains(rc, rc.data.options(), tmp_path)
     assert again["domains"]["medical"]["reused"] is True
@@ -274,8 +280,9 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     for run in ("full", "killed"):
         save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / run / "drafts" / "distilled")
     cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
+           "distill": {"generation": {"max_new_tokens": 8, "temperature": 0}, "cache_dir": str(tmp_path / "cache")},
            "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 4, "micro_batch_size": 2,
-                    "warmup_steps": 0, "save_every": 2, "eval_every": 0}}
+                    "warmup_steps": 0, "save_every": 2, "eval_every": 0, "generation_prompts": 4}}
     rc = validate(cfg)
     out = adapt_draft(rc, rc.data.options(), tmp_path / "full")
     # the stage's artifacts: merged standalone draft + peft adapter, both complete, nothing temporary left
@@ -285,6 +292,11 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     for artifact in ("drafts", "adapters"):  # every field both files hold is in the schema
         assert SpecdraftMeta.read(tmp_path / "full" / artifact / "lora_medical").extra == {}
     assert meta["trainable_parameters"] > 0 and meta["train"]["steps"] == 4
+    # the teacher's signal: target continuations of 4 medical prompts, cached top-k, both passes computed here
+    assert meta["data_source"] == "teacher" and meta["teacher_signal"] == "cached"
+    assert meta["teacher_data"]["computed"] > 0 and meta["teacher_cache"]["computed"] > 0
+    assert meta["adapter_bytes"] > 0 and meta["merge_time_s"] >= 0
+    assert meta["adaptation_time_s"] >= meta["train"]["train_time_s"]
     assert (tmp_path / "full" / "adapters" / "lora_medical" / "adapter_model.safetensors").is_file()
     assert not list(tmp_path.rglob(".*tmp-*"))
     from transformers import AutoModelForCausalLM
@@ -313,6 +325,8 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     rc = validate({**cfg, "trainer": {"num_threads": 1, "resume": True}})
     out = adapt_draft(rc, rc.data.options(), tmp_path / "killed")
     assert out["train"]["resumed_from_step"] == 2
+    # another run (run directory) with the same target and settings paid no pass again: both came from the cache
+    assert out["teacher_data"]["computed"] == 0 and out["teacher_cache"]["computed"] == 0
     want = load_causal_lm(tmp_path / "full" / "drafts" / "lora_medical")[0].state_dict()
     got = load_causal_lm(tmp_path / "killed" / "drafts" / "lora_medical")[0].state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

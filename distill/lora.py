@@ -9,7 +9,7 @@ by default on the target's continuations of ``lora.generation_prompts`` training
 cached top-k logits (``lora.data_source=teacher``, ``lora.teacher_signal=cached``; the distill stage's
 :func:`distill.pipeline.teacher_signal_data`, whose passes are stored content-keyed under ``distill.cache_dir`` and
 reused across stages and runs), or on the domain's text / with the online teacher; the training loop is
-:func:`distill.trainer.train`. ``adapt_draft(..., full=True)`` (stage ``finetune``) trains every weight of the base
+:func:`distill.trainer.train`. ``finetune_draft`` (stage ``finetune``) trains every weight of the base
 on the same signal instead: the comparison that shows what the low-rank restriction costs. Checkpoint selection is by the pooled mean accepted length on the domain's
 validation prompts (as for the distilled draft; ``lora.eval_every``).
 
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from data.checkpoints import read_specdraft_meta
 from data.io import atomic_dir, save_hf_atomic
 from data.specdraft_meta import SpecdraftMeta
 
@@ -304,7 +305,7 @@ def adapted_output_complete(run_dir: Path, name: str) -> bool:
 
 
 def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
-                name: str | None = None, events=None, full: bool = False) -> dict:
+                name: str | None = None, events=None) -> dict:
     """LoRA-adapt the draft ``base`` (default ``lora.base``) to ``domain`` (default ``lora.domain`` or
     ``data.domain``) by distillation from the target; save ``adapters/<name>`` and the merged ``drafts/<name>``
     (``name`` default ``lora.name`` or ``lora_<domain>``) in ``run_dir``.
@@ -313,28 +314,32 @@ def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None
     :func:`distill.pipeline.teacher_signal_data` (default: the target's continuations of ``lora.generation_prompts``
     training prompts, against its cached top-k logits, with ``distill.loss`` at ``distill.temperature``).
 
-    ``full=True`` (stage ``finetune``): the same data, teacher, steps and batch, but every weight of the draft
-    trains (learning rate ``lora.finetune_lr``, else ``trainer.lr``), no adapter; saved as ``drafts/<name>`` only
-    (default name ``finetune_<domain>``): the comparison that shows what the low-rank restriction costs.
-
     With ``trainer.resume=true`` a completed adaptation (both folders present) is reused, and an interrupted one
     continues from ``train/<name>/checkpoint-last``.
 
     Returns:
-        the summary also stored in ``specdraft.json`` (kind ``lora`` / ``finetune``, base path, domain, LoRA
-        settings, trainable / total parameters, training stats, the one-off passes (``teacher_data``,
-        ``teacher_cache``: ``time_s``, reused or computed), ``adaptation_time_s`` (training loop + one-off
-        passes), adapter bytes and merge seconds, selected step, validation mean accepted length of the base and
-        of the adapted draft, validation cross-entropy before / after) plus ``path`` and ``adapter_path``.
+        the summary also stored in ``specdraft.json`` (kind ``lora``, base path, domain, LoRA settings, trainable /
+        total parameters, training stats, the one-off passes (``teacher_data``, ``teacher_cache``: ``time_s``,
+        reused or computed), ``adaptation_time_s`` (training loop + one-off passes), adapter bytes and merge
+        seconds, selected step, validation mean accepted length of the base and of the adapted draft, validation
+        cross-entropy before / after) plus ``path`` and ``adapter_path``.
 
     Raises:
         LoraError / CheckpointError / ValueError: missing base draft, tokenizer mismatch, bad target modules,
         a domain without text.
     """
-    from data.devices import torch_threads
+    return _adapt(rc, opts, Path(run_dir), base, domain, name, events, LORA)
 
-    with torch_threads(rc.trainer.num_threads):
-        return _adapt_draft(rc, opts, Path(run_dir), base, domain, name, events, full)
+
+def finetune_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
+                   name: str | None = None, events=None) -> dict:
+    """Stage ``finetune``: as :func:`adapt_draft` (same data, teacher, steps and batch), but every weight of the
+    draft trains (learning rate ``lora.finetune_lr``, else ``trainer.lr``), no adapter; saved as ``drafts/<name>``
+    only (default name ``finetune_<domain>``): the comparison that shows what the low-rank restriction costs.
+
+    Returns / Raises: as :func:`adapt_draft` (kind ``finetune``, ``adapter_path`` None).
+    """
+    return _adapt(rc, opts, Path(run_dir), base, domain, name, events, FULL)
 
 
 def adapter_bytes(adapter_dir: Path) -> int:
@@ -343,34 +348,60 @@ def adapter_bytes(adapter_dir: Path) -> int:
     return f.stat().st_size if f.is_file() else 0
 
 
-def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events, full: bool = False) -> dict:
-    import time
+@dataclass(frozen=True)
+class _Method:
+    """How a base draft is adapted: low-rank adapters (``lora``) or every weight (``finetune``)."""
 
-    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm, read_specdraft_meta
+    kind: str  # specdraft.json kind
+    label: str  # in logs and progress bars
+    prefix: str  # default output name: <prefix>_<domain>
+
+    def output_name(self, lc, domain: str, name: str | None) -> str:
+        return name or (lc.name if self is LORA else None) or f"{self.prefix}_{domain}"
+
+    def complete(self, run_dir: Path, name: str) -> bool:
+        """The outputs of a finished adaptation exist (reused on resume)."""
+        if self is LORA:
+            return adapted_output_complete(run_dir, name)
+        return (run_dir / "drafts" / name / "specdraft.json").is_file()
+
+    def trainer_config(self, rc):
+        tcfg = rc.lora.trainer_config(rc.trainer)
+        return tcfg if self is LORA else replace(tcfg, lr=rc.lora.finetune_lr or rc.trainer.lr)
+
+    def model(self, draft, rc):
+        """The module that trains: a peft wrapper whose adapters alone require grad, or the draft itself."""
+        return wrap_lora(draft, rc.lora, seed=rc.seed) if self is LORA else draft.train()
+
+
+LORA = _Method("lora", "LoRA", "lora")
+FULL = _Method("finetune", "fine-tune", "finetune")
+
+
+@dataclass
+class _Base:
+    """The loaded pair for an adaptation: target, base draft, tokenizer and the shared vocabulary."""
+
+    path: Path
+    target: Any
+    draft: Any
+    tokenizer: Any
+    shared: int
+    cut: int | None
+
+
+def _load_base(rc, base_path: Path, run_dir: Path, out: Path) -> _Base:
+    """Load the target and the base draft, and check that they can be trained and decoded together.
+
+    Raises:
+        LoraError: no checkpoint at ``base_path``, or it is the adaptation's own output folder.
+        CheckpointError / ValueError: tokenizer mismatch, too few embedding rows, a context shorter than a block.
+    """
+    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
     from data.tokenizer_check import check_tokenizers_compatible
 
-    from .generation import selection_eval_from_texts, selection_meta
-    from .pipeline import teacher_signal_data
-    from data.blocks import domain_blocks, domain_prompts
-    from .trainer import distributed_state, evaluate_loss, train
     from .vocab import shared_vocab_size
 
-    lc, dc = rc.lora, rc.distill
-    if not lc.enabled:
-        raise LoraError("LoRA adaptation needs the LoRA settings: add `lora=default` (conf/lora/default.yaml) to "
-                        "the command, or set lora.enabled=true.")
-    base = base or lc.base
-    domain = domain or lc.domain or rc.data.domain
-    name = name or (f"finetune_{domain}" if full else lc.name or f"lora_{domain}")
-    out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
-    done = (out / "specdraft.json").is_file() if full else adapted_output_complete(run_dir, name)
-    if rc.trainer.resume and done:
-        log.info("%s draft %s already complete in %s; reusing it (trainer.resume=true)",
-                 "fine-tuned" if full else "LoRA", name, out)
-        return {**read_specdraft_meta(out).to_dict(), "path": str(out),
-                "adapter_path": None if full else str(adapter_out),
-                "reused": True}
-    base_path = resolve_base(base, run_dir)
     check_base_available(str(base_path), run_dir, set())
     if base_path.resolve() == out.resolve():
         raise LoraError(f"lora.base {base_path} is the output folder of this adaptation ({out}); name the output "
@@ -383,59 +414,95 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events, full: bool
         check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
     shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
     cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
+    return _Base(base_path, target, draft, tokenizer, shared, cut)
+
+
+def _adapt(rc, opts, run_dir: Path, base, domain, name, events, how: _Method) -> dict:
+    from data.devices import torch_threads
+
+    lc = rc.lora
+    if not lc.enabled:
+        raise LoraError("LoRA adaptation needs the LoRA settings: add `lora=default` (conf/lora/default.yaml) to "
+                        "the command, or set lora.enabled=true.")
+    domain = domain or lc.domain or rc.data.domain
+    name = how.output_name(lc, domain, name)
+    out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
+    if rc.trainer.resume and how.complete(run_dir, name):
+        log.info("%s draft %s already complete in %s; reusing it (trainer.resume=true)", how.label, name, out)
+        return {**read_specdraft_meta(out).to_dict(), "path": str(out),
+                "adapter_path": str(adapter_out) if how is LORA else None, "reused": True}
+    with torch_threads(rc.trainer.num_threads):
+        pair = _load_base(rc, resolve_base(base or lc.base, run_dir), run_dir, out)
+        model, meta = _train_adapted(rc, opts, run_dir, pair, domain, name, events, how)
+        if how is FULL:
+            save_hf_atomic(model.eval(), pair.tokenizer, out, extra={**meta, "artifact": "finetuned"})
+            log.info("fine-tuned draft %s saved to %s", name, out)
+            return {**meta, "path": str(out), "adapter_path": None}
+        return _save_adapter(model, pair.tokenizer, meta, out, adapter_out)
+
+
+def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str, events, how: _Method):
+    """Train ``how``'s model of the base draft on the domain's teacher signal; returns ``(model, meta)``."""
+    from data.blocks import domain_blocks, domain_prompts
+
+    from .generation import selection_eval_from_texts, selection_meta
+    from .pipeline import teacher_signal_data
+    from .trainer import distributed_state, evaluate_loss, train
+
+    lc, dc, target, tokenizer = rc.lora, rc.distill, pair.target, pair.tokenizer
     train_blocks = domain_blocks(domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks) \
         if lc.data_source == "dataset" else None
     val_blocks = domain_blocks(domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
-    tcfg = lc.trainer_config(rc.trainer)
-    if full:
-        tcfg = replace(tcfg, lr=lc.finetune_lr or rc.trainer.lr)
+    tcfg = how.trainer_config(rc)
     step, teacher, train_blocks, passes = teacher_signal_data(
-        rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=shared,
-        cut=cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
+        rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=pair.shared,
+        cut=pair.cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
         tcfg=tcfg, run_dir=run_dir, dist=distributed_state())
-    evaluate = None
-    base_score = None
+    evaluate, base_score = None, None
     if lc.eval_every:
         texts = domain_prompts(domain, "validation", opts, lc.eval_prompts, tokenizer)
         evaluate = selection_eval_from_texts(rc, target, tokenizer, texts, max_new_tokens=lc.eval_max_new_tokens,
-                                             vocab_size=shared)
+                                             vocab_size=pair.shared)
         with torch.no_grad():
-            base_score = evaluate(draft.eval())["mean_accepted_length"]
-    base_val_loss = evaluate_loss(draft, val_blocks)
-    model = draft.train() if full else wrap_lora(draft, lc, seed=rc.seed)
+            base_score = evaluate(pair.draft.eval())["mean_accepted_length"]
+    base_val_loss = evaluate_loss(pair.draft, val_blocks)
+    model = how.model(pair.draft, rc)
     n_train, n_total = trainable_parameters(model)
-    log.info("%s %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks",
-             "fine-tune" if full else "LoRA", name, base_path, domain, n_train, n_total, train_blocks.size(0))
+    log.info("%s %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks", how.label, name,
+             pair.path, domain, n_train, n_total, train_blocks.size(0))
     stats = train(model, train_blocks, run_dir / "train" / name, tcfg, step, teacher=teacher, seed=rc.seed,
-                  desc=f"{'fine-tune' if full else 'LoRA'} {name}", evaluate=evaluate, eval_every=lc.eval_every,
+                  desc=f"{how.label} {name}", evaluate=evaluate, eval_every=lc.eval_every,
                   on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
-    val_loss = evaluate_loss(model, val_blocks)
-    base_meta = read_specdraft_meta(base_path)
+    base_meta = read_specdraft_meta(pair.path)
     meta = {
-        "kind": "finetune" if full else "lora", "target": str(rc.target.name_or_path), "base": str(base_path),
+        "kind": how.kind, "target": str(rc.target.name_or_path), "base": str(pair.path),
         "domain": domain, "base_kind": base_meta.kind, "base_domain": base_meta.domain,
         "loss": dc.loss, "temperature": dc.temperature, "data_source": lc.data_source,
         "teacher_signal": lc.teacher_signal,
         "generation_prompts": lc.generation_prompts if lc.data_source == "teacher" else None,
-        "lora": None if full else {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout,
-                                   "target_modules": lc.target_modules,
-                                   "adapted_modules": adapted_module_names(model)},
-        "trainable_parameters": n_train, "draft_parameters": n_total if full else count_merged(n_total, n_train),
+        "lora": None if how is FULL else {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout,
+                                          "target_modules": lc.target_modules,
+                                          "adapted_modules": adapted_module_names(model)},
+        "trainable_parameters": n_train, "draft_parameters": n_total if how is FULL else count_merged(n_total, n_train),
         "target_parameters": sum(p.numel() for p in target.parameters()),
         **selection_meta(rc, stats, eval_every=lc.eval_every, eval_prompts=lc.eval_prompts,
                          eval_max_new_tokens=lc.eval_max_new_tokens),
         "base_mean_accepted_length": base_score,
-        "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": val_loss,
-        "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
+        "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": evaluate_loss(
+            model, val_blocks), "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
         "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg), **passes,
     }
     # what the adaptation cost: its training loop plus the one-off passes (a pass reused from the cache: its load time)
     meta["adaptation_time_s"] = float(stats["train_time_s"]) + SpecdraftMeta.from_dict(meta).one_off_pass_seconds
-    if full:
-        save_hf_atomic(model.eval(), tokenizer, out, extra={**meta, "artifact": "finetuned"})
-        log.info("fine-tuned draft %s saved to %s", name, out)
-        return {**meta, "path": str(out), "adapter_path": None}
+    return model, meta
+
+
+def _save_adapter(model, tokenizer, meta: dict, out: Path, adapter_out: Path) -> dict:
+    """Save the peft adapter (``adapters/<name>``), then merge it and save the standalone draft (``drafts/<name>``),
+    each atomically; records the adapter's bytes and the merge time."""
+    import time
+
     with atomic_dir(adapter_out) as tmp:  # the adapter first: merging modifies the model in place
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -446,7 +513,7 @@ def _adapt_draft(rc, opts, run_dir: Path, base, domain, name, events, full: bool
     meta["merge_time_s"] = time.perf_counter() - t_merge
     save_hf_atomic(merged, tokenizer, out, extra={**meta, "artifact": "merged", "adapter": str(adapter_out)})
     log.info("LoRA draft %s saved: merged %s, adapter %s (%d bytes, merged in %.3f s; validation tau %s -> %s)",
-             name, out, adapter_out, meta["adapter_bytes"], meta["merge_time_s"], base_score,
+             out.name, out, adapter_out, meta["adapter_bytes"], meta["merge_time_s"], meta["base_mean_accepted_length"],
              meta["selected_mean_accepted_length"])
     return {**meta, "path": str(out), "adapter_path": str(adapter_out)}
 

@@ -40,9 +40,9 @@ def _lora(rc, opts, run_dir: Path, events) -> dict:
 
 
 def _finetune(rc, opts, run_dir: Path, events) -> dict:
-    from distill.lora import adapt_draft
+    from distill.lora import finetune_draft
 
-    return adapt_draft(rc, opts, run_dir, events=events, full=True)
+    return finetune_draft(rc, opts, run_dir, events=events)
 
 
 def _adapt(rc, opts, run_dir: Path, events) -> dict:

@@ -67,7 +67,35 @@ class GenerationConfig:
         return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
+@dataclass
+class OnPolicySchedule:
+    """When the draft's own samples mix in (``distill.on_policy_schedule``, ``data_source=on_policy`` only): a warm
+    start. The first ``warmup_steps`` optimizer steps are off-policy only (``distill.off_policy_data``: dataset text
+    or target generations), then the on-policy fraction rises linearly over ``ramp_steps`` steps to
+    ``distill.on_policy_fraction`` and stays there. GKD (Agarwal et al. 2024) and DistillSpec (Zhou et al. 2024)
+    sample from a student that already models the data; a draft trained from random weights on its own samples
+    first learns from noise."""
+
+    warmup_steps: int = 0  # steps with no on-policy rows
+    ramp_steps: int = 0  # steps over which the fraction rises linearly to on_policy_fraction (0: at once)
+
+    def __post_init__(self):
+        if self.warmup_steps < 0 or self.ramp_steps < 0:
+            raise ValueError(f"distill.on_policy_schedule.warmup_steps and ramp_steps must be >= 0, got "
+                             f"{self.warmup_steps} and {self.ramp_steps}")
+
+    def fraction(self, step: int, final: float) -> float:
+        """The on-policy fraction lambda_s of optimizer step ``step`` (0-based) for the target fraction ``final``:
+        0 for ``step < warmup_steps``, then ``final * min(1, (step - warmup_steps + 1) / ramp_steps)``."""
+        if step < self.warmup_steps:
+            return 0.0
+        if self.ramp_steps == 0:
+            return float(final)
+        return float(final) * min(1.0, (step - self.warmup_steps + 1) / self.ramp_steps)
+
+
 DATA_SOURCES = ("dataset", "teacher", "on_policy")
+OFF_POLICY_DATA = ("dataset", "teacher")
 TEACHER_SIGNALS = ("online", "cached")
 BASELINE_BUDGETS = ("steps", "wall_clock")
 
@@ -79,12 +107,21 @@ class DistillConfig:
     beta: float = 0.5  # generalized_jsd only: 0 = forward KL, 1 = reverse KL
     skew: float = 0.1  # skew_kl only: lambda in KL(p || lambda p + (1 - lambda) q)
     # Training data of the distilled draft: dataset (fixed text, off-policy), teacher (sequences the target
-    # generates from the domain's training prompts, stored once), on_policy (GKD: with probability
-    # on_policy_fraction a micro-batch is the draft's own continuations of dataset prefixes, scored by the target).
+    # generates from the domain's training prompts, stored once), on_policy (GKD: a share on_policy_fraction of each
+    # micro-batch's rows are the draft's own continuations of the off-policy rows' prefixes, scored by the target;
+    # with teacher_signal=cached the off-policy rows read the cache and only the draft's rows run the target).
     data_source: str = "dataset"
-    on_policy_fraction: float = 0.5  # GKD's lambda, on_policy only
+    on_policy_fraction: float = 0.5  # GKD's lambda, on_policy only: the share of each micro-batch's rows
+    on_policy_schedule: OnPolicySchedule = field(default_factory=OnPolicySchedule)  # warm start, on_policy only
+    # on_policy only: the rows that are not the draft's samples, and the prompts the draft continues: dataset text
+    # or the target's generations (as data_source=teacher, with distill.generation)
+    off_policy_data: str = "dataset"
     generation: GenerationConfig = field(default_factory=GenerationConfig)
-    # Teacher signal: online (teacher forward in the loop) or cached (top-k logits stored on disk once).
+    # Sampling of the draft's on-policy continuations; null: distill.generation (set it when the teacher data of
+    # off_policy_data=teacher needs other settings, e.g. greedy target data and sampled draft rows)
+    on_policy_generation: GenerationConfig | None = None
+    # Teacher signal: online (teacher forward in the loop) or cached (top-k logits stored on disk once; with
+    # data_source=on_policy the draft's rows are still scored by the target's forward in the loop).
     teacher_signal: str = "online"
     cache_top_k: int = 32  # logits kept per position with teacher_signal=cached
     cache_shard_blocks: int = 256  # training blocks per cache shard
@@ -126,14 +163,25 @@ class DistillConfig:
         if self.baseline_max_steps < 0:
             raise ValueError(f"distill.baseline_max_steps must be >= 0 (0: 20 x trainer.max_steps), "
                              f"got {self.baseline_max_steps}")
+        if self.off_policy_data not in OFF_POLICY_DATA:
+            raise ValueError(f"distill.off_policy_data must be one of {', '.join(OFF_POLICY_DATA)}, "
+                             f"got {self.off_policy_data!r}")
         if self.teacher_signal == "cached":
-            if self.data_source == "on_policy":
-                raise ValueError("distill.teacher_signal=cached needs fixed training sequences; on-policy "
-                                 "sequences are new every step. Use teacher_signal=online with data_source=on_policy.")
             if self.loss == "reverse_kl" or (self.loss == "generalized_jsd" and self.beta == 1):
                 raise ValueError("reverse KL is infinite against a cached top-k teacher (the draft puts mass outside "
                                  "the stored top-k); use teacher_signal=online, or a loss that stays finite "
                                  "(forward_kl, generalized_jsd with beta < 1, total_variation, skew_kl).")
+
+    @property
+    def on_policy_gen(self) -> GenerationConfig:
+        """Sampling settings of the draft's on-policy rows: ``on_policy_generation``, else ``generation``."""
+        return self.on_policy_generation or self.generation
+
+    @property
+    def uses_teacher_data(self) -> bool:
+        """Whether the training blocks are target generations (``data_source=teacher``, or ``on_policy`` with
+        ``off_policy_data=teacher``)."""
+        return self.data_source == "teacher" or (self.data_source == "on_policy" and self.off_policy_data == "teacher")
 
     def loss_kwargs(self) -> dict:
         return {"beta": self.beta} if self.loss == "generalized_jsd" else \

@@ -7,10 +7,12 @@
   tokens). :func:`pack_sequences` packs them (prompt + continuation + EOS) into training blocks; the teacher's
   soft labels then cover every position, as with the dataset.
 * ``distill.data_source=on_policy`` (GKD, Agarwal et al. ICLR 2024, Alg. 1): :class:`OnPolicyHook` replaces a
-  micro-batch, with probability ``lambda = distill.on_policy_fraction``, by the *draft's* own continuations: the
-  first ``T - max_new_tokens`` tokens of each dataset block are the prompt, the draft samples ``max_new_tokens``
-  tokens (no early stop, so the shape stays ``(B, T)``), and only positions from the last prompt token on count
-  in the loss (they predict the generated tokens). The target scores them online.
+  share ``lambda_s`` of each micro-batch's rows (``distill.on_policy_fraction``, reached after the warm start of
+  ``distill.on_policy_schedule``) by the *draft's* own continuations: the first ``T - max_new_tokens`` tokens of
+  each block are the prompt, the draft samples ``max_new_tokens`` tokens for all its rows in one KV-cached batch
+  (no early stop, so the shape stays ``(B, T)``), and only positions from the last prompt token on count in the
+  loss (they predict the generated tokens). The target scores them online (with a cached teacher, only those
+  rows run the target's forward).
 * Closing the loop: :func:`make_acceptance_eval` measures the pooled mean accepted length of greedy speculative
   decoding with the current draft on fixed prompts (``decode.speculative_generate``).
 
@@ -22,6 +24,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import asdict
@@ -29,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .config import GenerationConfig
+from .config import GenerationConfig, OnPolicySchedule
 from .shards import ShardStore
 from .trainer import EvalFn, MicroBatch
 
@@ -145,45 +148,113 @@ def generate_teacher_sequences(
 class OnPolicyHook:
     """A trainer ``batch_hook`` for GKD-style on-policy distillation (see the module docstring).
 
+    At optimizer step ``s`` the on-policy fraction is ``lambda_s = schedule.fraction(s, fraction)`` (a warm start:
+    0 during ``schedule.warmup_steps``, then a linear ramp to ``fraction``); each micro-batch of ``B`` rows gets
+    ``k = floor(lambda_s * B + u)`` draft rows (stochastic rounding, ``u`` uniform from the seeded coin, so
+    ``E[k] = lambda_s * B`` and ``k = lambda_s * B`` exactly when that is whole). The first ``k`` rows (the step's
+    blocks are already a seeded permutation) are replaced by the draft's continuation of their first
+    ``T - n`` tokens (``n = gen.max_new_tokens``), generated in one batch with the KV-cached decoder
+    (:func:`decode.autoregressive_generate`, no early stop, so the shape stays ``(B, T)``); only their positions
+    ``T - n - 1 .. T - 1`` count (the predictions of the generated tokens, and the one after the last).
+
     Args:
-        fraction: lambda, the probability that a micro-batch is replaced by the draft's generations.
+        fraction: the final on-policy fraction (GKD's lambda) in [0, 1].
         gen: sampling settings (``max_new_tokens`` < block length).
-        seed: run seed; the coin flip and the sampling generator of micro-batch ``j`` at step ``s`` are seeded from
+        seed: run seed; the coin and the sampling generator of micro-batch ``j`` at step ``s`` are seeded from
             ``(seed, s, j)``, so a resumed run replays them exactly.
         vocab_size: sample only ids ``< vocab_size`` (the ids shared with the target).
+        schedule: the warm start (:class:`distill.config.OnPolicySchedule`; default: ``fraction`` from step 0).
 
-    The returned micro-batch has ``block_index=None`` and a ``loss_mask`` that is ``True`` from position
-    ``T - max_new_tokens - 1`` on. Counts of replaced micro-batches are in ``self.generated_batches``.
+    The returned micro-batch keeps ``block_index`` (the cached teacher still covers the other rows) and sets
+    ``generated`` (B,). Cost counters (this process, since construction: a resumed run counts from the resume):
+    ``generated_batches`` (micro-batches with a draft row), ``generated_rows``, ``generated_tokens``,
+    ``generation_s`` (seconds in the draft's generation); :meth:`window` returns and resets the per-log-window
+    ones.
+
+    Raises:
+        ValueError: ``fraction`` outside [0, 1]; at call time ``max_new_tokens >= T``.
     """
 
-    def __init__(self, fraction: float, gen: GenerationConfig, seed: int, vocab_size: int | None = None):
+    def __init__(self, fraction: float, gen: GenerationConfig, seed: int, vocab_size: int | None = None,
+                 schedule: OnPolicySchedule | None = None):
         if not 0 <= fraction <= 1:
             raise ValueError(f"on-policy fraction must be in [0, 1], got {fraction}")
         self.fraction, self.gen, self.seed, self.vocab_size = fraction, gen, seed, vocab_size
-        self.generated_batches = 0
+        self.schedule = schedule if schedule is not None else OnPolicySchedule()
+        self.generated_batches = self.generated_rows = self.generated_tokens = 0
+        self.generation_s = 0.0
+        self._win = {"rows": 0, "tokens": 0, "s": 0.0, "micro": 0, "steps": set()}
+
+    def fraction_at(self, step: int) -> float:
+        """lambda_s of optimizer step ``step`` (0-based), from the schedule."""
+        return self.schedule.fraction(step, self.fraction)
+
+    def rows_at(self, step: int, micro: int, rows: int) -> int:
+        """Draft rows of micro-batch ``micro`` (of ``rows`` rows) at step ``step``: ``floor(lambda_s * rows + u)``,
+        ``u`` from the seeded coin of ``(seed, step, micro)`` (drawn only when ``lambda_s * rows`` is not whole)."""
+        x = round(self.fraction_at(step) * rows, 9)  # 0.5 * 16 stays 8, not 7.999...
+        k = math.floor(x)
+        if x > k:
+            coin = torch.Generator().manual_seed(derived_seed(self.seed, "on_policy_coin", step, micro))
+            k += int(torch.rand((), generator=coin).item() < x - k)
+        return min(k, rows)
+
+    def window(self) -> dict:
+        """Cost since the last call (for the train log): draft rows, generated tokens, generation seconds and
+        seconds per optimizer step; then resets them."""
+        w = self._win
+        steps = max(1, len(w["steps"]))
+        out = {"on_policy_rows": w["rows"], "on_policy_generated_tokens": w["tokens"],
+               "on_policy_generation_s": w["s"], "on_policy_generation_s_per_step": w["s"] / steps,
+               "on_policy_row_share": w["rows"] / w["micro"] if w["micro"] else 0.0}
+        self._win = {"rows": 0, "tokens": 0, "s": 0.0, "micro": 0, "steps": set()}
+        return out
 
     def __call__(self, batch: MicroBatch, step: int, micro: int, student: torch.nn.Module) -> MicroBatch:
         from decode import autoregressive_generate
 
-        coin = torch.Generator().manual_seed(derived_seed(self.seed, "on_policy_coin", step, micro))
-        if torch.rand((), generator=coin).item() >= self.fraction:
+        B, T = batch.input_ids.shape
+        n = self.gen.max_new_tokens
+        k = self.rows_at(step, micro, B)
+        self._win["micro"] += B
+        self._win["steps"].add(step)
+        if k == 0:
             return batch
-        T, n = batch.input_ids.size(1), self.gen.max_new_tokens
         if n >= T:
             raise ValueError(f"distill.generation.max_new_tokens ({n}) must be < the block length ({T}) for "
                              f"on-policy data: each block's first T - max_new_tokens tokens are the prompt")
         device = batch.input_ids.device
+        t0 = time.perf_counter()
         g = torch.Generator(device=device).manual_seed(derived_seed(self.seed, "on_policy_sample", step, micro))
         was_training = student.training
         student.eval()
-        out = autoregressive_generate(student, batch.input_ids[:, : T - n], max_new_tokens=n, eos_token_id=None,
+        out = autoregressive_generate(student, batch.input_ids[:k, : T - n], max_new_tokens=n, eos_token_id=None,
                                       generator=g, vocab_size=self.vocab_size, **self.gen.sampling_kwargs())
         student.train(was_training)
-        ids = out.sequences.clone()  # (B, T); a normal tensor (the output of inference mode cannot be saved for grad)
-        loss_mask = torch.zeros(ids.shape, dtype=torch.bool, device=device)
-        loss_mask[:, T - n - 1 :] = True  # positions whose next token was generated by the draft (and the last one)
+        ids = batch.input_ids.clone()  # (B, T); a normal tensor (inference-mode outputs cannot be saved for grad)
+        ids[:k] = out.sequences
+        attention_mask = batch.attention_mask.clone()
+        attention_mask[:k] = 1
+        loss_mask = batch.loss_mask.clone()
+        loss_mask[:k] = False
+        loss_mask[:k, T - n - 1 :] = True  # positions whose next token the draft generated (and the last one)
+        generated = torch.zeros(B, dtype=torch.bool, device=device)
+        generated[:k] = True
+        dt = time.perf_counter() - t0
         self.generated_batches += 1
-        return MicroBatch(ids, torch.ones_like(ids), loss_mask, None)
+        self.generated_rows += k
+        self.generated_tokens += k * n
+        self.generation_s += dt
+        self._win["rows"] += k
+        self._win["tokens"] += k * n
+        self._win["s"] += dt
+        return MicroBatch(ids, attention_mask, loss_mask, batch.block_index, generated)
+
+    def summary(self) -> dict:
+        """The totals for ``specdraft.json``."""
+        return {"fraction": self.fraction, "schedule": asdict(self.schedule), "generation": asdict(self.gen),
+                "generated_micro_batches": self.generated_batches, "generated_rows": self.generated_rows,
+                "generated_tokens": self.generated_tokens, "generation_s": self.generation_s}
 
 
 def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *, num_draft_tokens: int,

@@ -73,8 +73,9 @@ def check_draft_config(rc) -> None:
         raise ValueError("distill.data_source=on_policy cannot run under trainer=deepspeed_zero3: each process "
                          "generates from its own micro-batches, but ZeRO-3 forwards are collective. Use "
                          "trainer=deepspeed_zero2 or ddp for on-policy distillation.")
-    if rc.distill.data_source == "on_policy" and rc.distill.generation.max_new_tokens >= rc.data.block_size:
-        raise ValueError(f"distill.generation.max_new_tokens ({rc.distill.generation.max_new_tokens}) must be < "
+    if rc.distill.data_source == "on_policy" and rc.distill.on_policy_gen.max_new_tokens >= rc.data.block_size:
+        key = "on_policy_generation" if rc.distill.on_policy_generation is not None else "generation"
+        raise ValueError(f"distill.{key}.max_new_tokens ({rc.distill.on_policy_gen.max_new_tokens}) must be < "
                          f"data.block_size ({rc.data.block_size}) with distill.data_source=on_policy: each block's "
                          f"first block_size - max_new_tokens tokens are the prompt the draft continues")
 
@@ -157,7 +158,7 @@ def _fresh_small_draft(rc, opts, run_dir, target, tokenizer, events):
 
 def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: dict[str, float], blocks: torch.Tensor,
                         shared: int, cut: int | None, data_source: str, teacher_signal: str, max_prompts: int,
-                        tcfg, run_dir: Path, dist) -> tuple[Any, Any, torch.Tensor, dict]:
+                        tcfg, run_dir: Path, dist, score_draft_rows: bool = False) -> tuple[Any, Any, torch.Tensor, dict]:
     """The training data and teacher of a distillation-trained draft, shared by the ``distill`` stage and the LoRA /
     fine-tuning stages (:mod:`distill.lora`): with ``data_source="teacher"`` the target's continuations of
     ``max_prompts`` training prompts of ``weights`` (one domain or a mixture; ``distill.generation``'s other
@@ -166,6 +167,9 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
     (:func:`blocks_this_run_uses` with ``tcfg``), and a step loss that reads them; else the online teacher.
     Both one-off passes are stored under ``distill.cache_dir`` (null: ``<run_dir>/teacher_cache``) keyed by their
     content, so another run (or stage) with the same target, prompts and settings reuses them.
+    ``score_draft_rows`` (on-policy distillation): micro-batches will also hold the draft's own rows, which no
+    cache covers; with the cached signal the step loss scores those rows with the target online (the target then
+    stays where training runs, on every process).
 
     Returns:
         (step, teacher, blocks (N, T), passes) where ``passes`` holds the ``teacher_data`` / ``teacher_cache``
@@ -177,7 +181,10 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
     dc = rc.distill
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
     precision = rc.trainer.mixed_precision  # the teacher's precision in every pass (docs/devices.md, "Devices and precision")
-    if (data_source == "teacher" or teacher_signal == "cached") and torch.cuda.is_available() \
+    hybrid = score_draft_rows and teacher_signal == "cached"  # cache for the data rows, target for the draft's
+    if hybrid and torch.cuda.is_available():
+        target.to(dist.device)  # every process scores its own on-policy rows
+    elif (data_source == "teacher" or teacher_signal == "cached") and torch.cuda.is_available() \
             and dist.is_main_process:
         target.to(dist.device)  # the passes run where training will, on the main process only
     passes: dict = {}
@@ -196,7 +203,8 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         teacher, passes["teacher_cache"] = build_teacher_cache(
             target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
             vocab_size=shared, precision=precision)
-        step = make_cached_distill_step(dc.loss, dc.temperature, **dc.loss_kwargs())
+        step = make_cached_distill_step(dc.loss, dc.temperature, target.eval().requires_grad_(False) if hybrid else None,
+                                        **dc.loss_kwargs())
     else:
         step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
     if dist.is_main_process:
@@ -215,15 +223,17 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
     dc = rc.distill
     step, teacher, blocks, passes = teacher_signal_data(
         rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
-        shared=pair.shared, cut=pair.cut, data_source=dc.data_source, teacher_signal=dc.teacher_signal,
-        max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir, dist=pair.dist)
+        shared=pair.shared, cut=pair.cut, data_source="teacher" if dc.uses_teacher_data else "dataset",
+        teacher_signal=dc.teacher_signal, max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir,
+        dist=pair.dist, score_draft_rows=dc.data_source == "on_policy")
     if rc.trainer.teacher_placement == "zero3":
         pair.target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
-    hook = OnPolicyHook(dc.on_policy_fraction, dc.generation, rc.seed, vocab_size=pair.shared) \
-        if dc.data_source == "on_policy" else None
+    hook = OnPolicyHook(dc.on_policy_fraction, dc.on_policy_gen, rc.seed, vocab_size=pair.shared,
+                        schedule=dc.on_policy_schedule) if dc.data_source == "on_policy" else None
     meta = {"loss": dc.loss, "temperature": dc.temperature, "data_source": dc.data_source,
             "teacher_signal": dc.teacher_signal, "distilled": True,
-            "on_policy_fraction": dc.on_policy_fraction if hook is not None else None}
+            "on_policy_fraction": dc.on_policy_fraction if hook is not None else None,
+            "off_policy_data": dc.off_policy_data if hook is not None else None}
     return Signal(step, teacher, blocks, hook, passes, meta)
 
 
@@ -296,7 +306,35 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
     }
     if signal.hook is not None:
         meta["on_policy_generated_batches"] = signal.hook.generated_batches
+        meta["on_policy"] = {**signal.hook.summary(), **_online_scoring(signal.step)}
     return meta
+
+
+def _online_scoring(step) -> dict:
+    """The target's cost of scoring on-policy rows next to a cached teacher (rows, seconds), when the step
+    records it (:func:`distill.teacher.make_cached_distill_step`)."""
+    st = getattr(step, "stats", None)
+    return {"target_scored_rows": st["online_rows"], "target_scoring_s": st["online_s"]} if st else {}
+
+
+def _step_logger(sig: "Signal", name: str, events):
+    """The trainer's ``on_step``: adds the on-policy cost of the log window (draft rows, generated tokens,
+    generation and target-scoring seconds, the scheduled fraction) to each train-log record, then emits the
+    ``train_step`` event."""
+    scored = {"s": 0.0}
+
+    def on_step(s: int, r: dict) -> None:
+        if sig.hook is not None:
+            r["on_policy_fraction"] = sig.hook.fraction_at(s - 1)  # the fraction scheduled for the step just done
+            r.update(sig.hook.window())
+            now = _online_scoring(sig.step)
+            if now:
+                r["on_policy_target_scoring_s"] = now["target_scoring_s"] - scored["s"]
+                scored["s"] = now["target_scoring_s"]
+        if events:
+            events("train_step", stage=name, **r)
+
+    return on_step if (events or sig.hook is not None) else None
 
 
 def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, build_draft: Callable,
@@ -329,7 +367,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, b
         stats = train(pair.draft, sig.blocks, run_dir / "train" / name, tcfg, sig.step, teacher=sig.teacher,
                       seed=rc.seed, desc=f"{name} draft", batch_hook=sig.hook,
                       evaluate=selection_eval(rc, opts, pair, sig.teacher), eval_every=rc.distill.eval_every,
-                      on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
+                      on_step=_step_logger(sig, name, events),
                       on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
         meta = draft_meta(rc, opts, name, pair, sig, stats, tcfg, budget_info)
     written: dict = {}

@@ -136,32 +136,63 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     return cache, info
 
 
-def make_cached_distill_step(loss_name: str, temperature: float, **loss_kwargs) -> StepLoss:
+def make_cached_distill_step(loss_name: str, temperature: float, online_teacher: torch.nn.Module | None = None,
+                             **loss_kwargs) -> StepLoss:
     """A step loss that reads the teacher from a :class:`TeacherCache` (passed as the trainer's ``teacher``).
 
     ``forward_kl`` uses :func:`distill.topk.topk_forward_kl` (no (B, T, V) teacher tensor); the other finite
     divergences get the dense renormalised teacher from :func:`distill.topk.densify_topk`. Student logits are cut
     to ``cache.vocab_size`` (the shared vocabulary) first.
 
+    On-policy rows (``batch.generated``, :class:`distill.generation.OnPolicyHook`) have no cache entry: with
+    ``online_teacher`` (the target, eval mode, frozen) they are scored by one target forward over those rows only,
+    with the dense ``loss_name`` divergence over the full shared vocabulary; the student runs one forward over the
+    whole micro-batch. The micro-batch's loss is the sum of both parts. ``step.stats`` counts the target's rows
+    and seconds (``online_rows``, ``online_s``).
+
     Raises:
-        ValueError: at call time, a micro-batch without ``block_index`` (generated sequences have no cache entry).
+        ValueError: at call time, a micro-batch without ``block_index`` whose rows are not all generated, or
+            generated rows without ``online_teacher``.
     """
     from .losses import get_loss
 
     dense = None if loss_name == "forward_kl" else get_loss(loss_name, **loss_kwargs)
+    online = get_loss(loss_name, **loss_kwargs)
 
     def step(student, cache: TeacherCache, batch: MicroBatch):
-        if batch.block_index is None:
+        gen = batch.generated
+        gen = torch.zeros(batch.input_ids.size(0), dtype=torch.bool, device=batch.input_ids.device) \
+            if gen is None else gen.bool()  # (B,)
+        off = ~gen
+        if bool(off.any()) and batch.block_index is None:
             raise ValueError("a cached teacher only covers the training blocks; this micro-batch was generated")
-        keep = batch.counted()
+        if bool(gen.any()) and online_teacher is None:
+            raise ValueError("this micro-batch has on-policy rows the cached teacher does not cover; build the step "
+                             "with online_teacher=<the target> (distill.data_source=on_policy)")
+        keep = batch.counted()  # (B, T)
         s_logits = student(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         s_logits = s_logits[..., : cache.vocab_size]  # (B, T, V_shared)
-        values, indices = cache.lookup(batch.block_index, s_logits.device)  # (B, T, k) each
-        if dense is None:
-            loss = topk_forward_kl(s_logits, values, indices, keep, temperature=temperature, reduction="sum")
-        else:
-            t_logits = densify_topk(values, indices, s_logits.size(-1))  # (B, T, V_shared)
-            loss = dense(s_logits, t_logits, keep, temperature=temperature, reduction="sum")
+        loss = s_logits.new_zeros((), dtype=torch.float32)
+        if bool(off.any()):
+            s_off, keep_off = (s_logits, keep) if not bool(gen.any()) else (s_logits[off], keep[off])
+            values, indices = cache.lookup(batch.block_index[off.to(batch.block_index.device)], s_logits.device)
+            if dense is None:
+                loss = loss + topk_forward_kl(s_off, values, indices, keep_off, temperature=temperature,
+                                              reduction="sum")
+            else:
+                t_logits = densify_topk(values, indices, s_logits.size(-1))  # (b, T, V_shared)
+                loss = loss + dense(s_off, t_logits, keep_off, temperature=temperature, reduction="sum")
+        if bool(gen.any()):
+            t0 = time.perf_counter()
+            dev = next(online_teacher.parameters()).device
+            with torch.no_grad():
+                t_logits = online_teacher(input_ids=batch.input_ids[gen].to(dev),
+                                          attention_mask=batch.attention_mask[gen].to(dev)).logits
+            t_logits = t_logits[..., : cache.vocab_size].to(s_logits.device)  # (g, T, V_shared)
+            step.stats["online_rows"] += int(gen.sum())
+            step.stats["online_s"] += time.perf_counter() - t0
+            loss = loss + online(s_logits[gen], t_logits, keep[gen], temperature=temperature, reduction="sum")
         return loss, int(keep.sum())
 
+    step.stats = {"online_rows": 0, "online_s": 0.0}
     return step

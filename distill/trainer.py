@@ -237,12 +237,15 @@ class MicroBatch:
             ``attention_mask[t+1]``).
         block_index: LongTensor (B,) rows of the training blocks this came from (looks up a cached teacher);
             ``None`` for generated sequences.
+        generated: BoolTensor (B,): ``True`` for rows the draft generated (on-policy; no cached teacher entry, the
+            block_index entry of such a row is the block its prompt came from); ``None``: no generated row.
     """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     block_index: torch.Tensor | None = None
+    generated: torch.Tensor | None = None
 
     @classmethod
     def from_blocks(cls, blocks: torch.Tensor, block_index: torch.Tensor | None = None) -> "MicroBatch":

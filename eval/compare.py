@@ -6,15 +6,18 @@
 Every multirun of ``python -m train`` writes it at the end (``train.callbacks.CompareSweep``, in conf/config.yaml).
 
 Every job folder under SWEEP_DIR that holds a ``metrics.json`` is one run; its label is the distillation loss
-(``resolved_config.json``: ``distill.loss``), followed by the job's override folder name when two jobs share a loss.
+(``resolved_config.json``: ``distill.loss``), followed by the data source when two jobs share a loss, else by the
+job's override folder name.
 Writes, atomically, into SWEEP_DIR:
 
 * ``comparison.json``: ``{"sweep_dir", "domains", "num_draft_tokens", "runs": [{"label", "job", "loss",
-  "data_source", "teacher_signal", "selected_step", "mean_accepted_length": {domain: tau}, "mean_accepted_length_ci": {domain: [lo, hi]}, "acceptance_rate":
+  "data_source", "teacher_signal", "off_policy_data", "selected_step", "cost": {"steps", "train_s", "one_off_s",
+  "on_policy_generation_s", "on_policy_target_scoring_s"}, "mean_accepted_length": {domain: tau}, "mean_accepted_length_ci": {domain: [lo, hi]}, "acceptance_rate":
   {domain: alpha}, "vs_baseline": {domain: tau / tau_baseline}}], "baseline": {"mean_accepted_length": {domain: tau},
   "jobs": n, "spread": {domain: max - min over jobs}}, "skipped": [{"job", "reason"}]}``
 * ``comparison.md``: the same as a loss x domain table of mean accepted length (distilled draft, its interval; in parentheses the
-  ratio to the cross-entropy baseline), with the baseline as the last row.
+  ratio to the cross-entropy baseline), with the baseline as the last row; then what each draft cost (steps,
+  training-loop seconds, one-off teacher passes, on-policy generation and target scoring).
 
 The baseline row is the mean over the jobs' baseline drafts (every job of a loss sweep trains the same baseline;
 ``spread`` shows whether they differ). Exit status 2 (with a message) when SWEEP_DIR holds no finished run.
@@ -55,12 +58,34 @@ def collect_runs(sweep_dir: Path) -> tuple[list[dict], list[dict]]:
                      "loss": distill.get("loss", meta.loss or "?"),
                      "data_source": distill.get("data_source", meta.data_source),
                      "teacher_signal": distill.get("teacher_signal", meta.teacher_signal),
-                     "selected_step": meta.selected_step})
+                     "off_policy_data": meta.off_policy_data,
+                     "selected_step": meta.selected_step, "cost": _cost(meta)})
     return runs, skipped
+
+
+def _cost(meta) -> dict:
+    """What the distilled draft cost (its ``specdraft.json``, :class:`data.specdraft_meta.SpecdraftMeta`): optimizer
+    steps, training-loop seconds (on-policy generation and target scoring included), one-off teacher passes (teacher
+    data, top-k cache) in seconds, and the on-policy part of the loop (draft generation, target scoring of the draft
+    rows)."""
+    train, op = meta.train or {}, meta.on_policy or {}
+    return {"steps": train.get("steps"), "train_s": train.get("train_time_s"),
+            "one_off_s": meta.one_off_pass_seconds if meta else None,
+            "on_policy_generation_s": op.get("generation_s"), "on_policy_target_scoring_s": op.get("target_scoring_s")}
 
 
 def _field(metrics: dict, draft: str, domain: str, name: str):
     return metrics.get("drafts", {}).get(draft, {}).get(domain, {}).get(name)
+
+
+def _label(r: dict, runs: list[dict], losses: list[str]) -> str:
+    """The loss; with the data source when that tells jobs of one loss apart; else with the job folder."""
+    if losses.count(r["loss"]) == 1:
+        return r["loss"]
+    key = (r["loss"], r["data_source"])
+    if sum((o["loss"], o["data_source"]) == key for o in runs) == 1:
+        return f"{r['loss']} / {r['data_source']}"
+    return f"{r['loss']} ({r['job']})"
 
 
 def compare(runs: list[dict], sweep_dir: str = "") -> dict:
@@ -83,9 +108,10 @@ def compare(runs: list[dict], sweep_dir: str = "") -> dict:
         tau = {d: _field(r["metrics"], DRAFT, d, "mean_accepted_length") for d in domains}
         base = baseline["mean_accepted_length"]
         out_runs.append({
-            "label": r["loss"] if losses.count(r["loss"]) == 1 else f"{r['loss']} ({r['job']})",
+            "label": _label(r, runs, losses),
             "job": r["job"], "loss": r["loss"], "data_source": r["data_source"],
-            "teacher_signal": r["teacher_signal"], "selected_step": r["selected_step"],
+            "teacher_signal": r["teacher_signal"], "off_policy_data": r.get("off_policy_data"),
+            "selected_step": r["selected_step"], "cost": r.get("cost", {}),
             "mean_accepted_length": tau,
             "mean_accepted_length_ci": {d: _field(r["metrics"], DRAFT, d, "mean_accepted_length_ci") for d in domains},
             "acceptance_rate": {d: _field(r["metrics"], DRAFT, d, "acceptance_rate") for d in domains},
@@ -126,6 +152,22 @@ def render_markdown(doc: dict) -> str:
                                                                    if spread else ".")]
     else:
         lines += ["", "No job trained a cross-entropy baseline (stage `baseline`), so there are no ratios."]
+    costs = [r for r in doc["runs"] if r.get("cost", {}).get("steps") is not None]
+    if costs:
+        def sec(v):
+            return f"{v:.0f}" if v is not None else "-"
+
+        lines += ["", "What each distilled draft cost (training-loop seconds include on-policy generation and the "
+                      "target's scoring of the draft rows; one-off passes: teacher data and top-k cache):", "",
+                  "| loss | data | steps | training s | one-off s | on-policy generation s | target scoring s |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in costs:
+            c = r["cost"]
+            data = r.get("data_source") or "?"
+            if data == "on_policy" and r.get("off_policy_data"):
+                data += f" (+ {r['off_policy_data']})"
+            lines.append(f"| {r['label']} | {data} | {c['steps']} | {sec(c['train_s'])} | {sec(c['one_off_s'])} | "
+                         f"{sec(c.get('on_policy_generation_s'))} | {sec(c.get('on_policy_target_scoring_s'))} |")
     if doc.get("skipped"):
         lines += ["", "Skipped jobs: " + "; ".join(f"{s['job']} ({s['reason']})" for s in doc["skipped"])]
     return "\n".join(lines) + "\n"

@@ -82,6 +82,30 @@ def test_on_policy_online_and_baseline(tiny_target, tmp_path):
     assert base["loss"] == "cross_entropy" and base["data_source"] == "dataset"
 
 
+def test_on_policy_warm_start_on_teacher_data_with_cached_teacher(tiny_target, tmp_path):
+    """The warm-started recipe of distill_med_onpolicy: target-generated blocks with a cached top-k teacher first,
+    then draft rows (scored by the target's forward, only those rows) from step 2 on; the cost lands in
+    specdraft.json and in every train-log record."""
+    rc = _rc(tiny_target, data_source="on_policy", off_policy_data="teacher", teacher_signal="cached",
+             cache_top_k=8, cache_shard_blocks=16, on_policy_fraction=0.5,
+             on_policy_schedule={"warmup_steps": 2, "ramp_steps": 1},
+             generation={"max_new_tokens": 24, "max_prompts": 40, "batch_size": 20, "max_prompt_tokens": 24,
+                         "temperature": 0.0},
+             on_policy_generation={"max_new_tokens": 8})
+    distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
+    meta = _check_saved(tmp_path, "distilled")
+    assert meta["off_policy_data"] == "teacher" and meta["teacher_data"]["num_sequences"] == 40
+    op = meta["on_policy"]
+    assert op["generated_rows"] == 2 * 2 and op["generated_tokens"] == 4 * 8  # steps 2, 3: half of 4 rows
+    assert op["target_scored_rows"] == 4 and op["generation_s"] > 0 and op["target_scoring_s"] > 0
+    assert op["generation"]["max_new_tokens"] == 8 and op["schedule"] == {"warmup_steps": 2, "ramp_steps": 1}
+    log = [json.loads(l) for l in (tmp_path / "train" / "distilled" / "train_log.jsonl").read_text().splitlines()]
+    train_recs = [r for r in log if r["kind"] == "train"]
+    assert [r["on_policy_fraction"] for r in train_recs] == [0.0, 0.0, 0.5, 0.5]
+    assert [r["on_policy_rows"] for r in train_recs] == [0, 0, 2, 2]
+    assert all(r["on_policy_target_scoring_s"] > 0 for r in train_recs[2:])
+
+
 def test_baseline_gets_the_distilled_drafts_wall_clock(tiny_target, tmp_path):
     rc = _rc(tiny_target, teacher_signal="cached", cache_top_k=8, cache_shard_blocks=16, baseline_budget="wall_clock",
              baseline_max_steps=10_000)
@@ -110,7 +134,9 @@ def test_inconsistent_config_is_rejected_before_loading(tmp_path):
 @pytest.mark.parametrize("distill,match", [
     ({"teacher_signal": "cached", "loss": "reverse_kl"}, "reverse KL is infinite"),
     ({"teacher_signal": "cached", "loss": "generalized_jsd", "beta": 1.0}, "reverse KL is infinite"),
-    ({"teacher_signal": "cached", "data_source": "on_policy"}, "teacher_signal=online"),
+    ({"data_source": "on_policy", "off_policy_data": "web"}, "distill.off_policy_data"),
+    ({"on_policy_schedule": {"warmup_steps": -1}}, "warmup_steps"),
+    ({"on_policy_generation": {"top_k": -1}}, "top_k"),
     ({"data_source": "web"}, "distill.data_source"),
     ({"teacher_signal": "lazy"}, "distill.teacher_signal"),
     ({"on_policy_fraction": 1.5}, "on_policy_fraction"),

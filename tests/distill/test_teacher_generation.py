@@ -1,5 +1,5 @@
 """distill.generation: target-generated training data is stored once and reused (resumable, deterministic), the
-on-policy hook replaces micro-batches with the draft's own continuations at rate lambda, and the acceptance
+on-policy hook replaces a share lambda of each micro-batch's rows with the draft's own continuations, and the acceptance
 evaluation measures the pooled mean accepted length."""
 from __future__ import annotations
 
@@ -52,24 +52,26 @@ def test_teacher_sequences_are_generated_once_and_reused(tmp_path):
     assert info4["path"] != info["path"]
 
 
-def test_on_policy_hook_rate_prefix_mask_and_determinism():
+def test_on_policy_hook_rows_prefix_mask_and_determinism():
     student = tiny_llama(vocab_size=V, hidden_size=32, seed=3).train()
     blocks = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1))
     batch = MicroBatch.from_blocks(blocks, torch.arange(4))
     gen = GenerationConfig(max_new_tokens=5)
     assert OnPolicyHook(0.0, gen, seed=0)(batch, 0, 0, student) is batch
-    hook = OnPolicyHook(1.0, gen, seed=0, vocab_size=50)
+    hook = OnPolicyHook(0.5, gen, seed=0, vocab_size=50)
     out = hook(batch, 3, 1, student)
     assert student.training, "the student is back in train mode"
-    assert out.block_index is None and out.input_ids.shape == (4, T)
-    assert torch.equal(out.input_ids[:, : T - 5], blocks[:, : T - 5])
-    assert (out.input_ids[:, T - 5 :] < 50).all()
-    assert out.loss_mask[:, : T - 6].sum() == 0 and out.loss_mask[:, T - 6 :].all()
+    assert out.generated.tolist() == [True, True, False, False] and out.input_ids.shape == (4, T)
+    assert torch.equal(out.block_index, batch.block_index)  # the cached teacher still covers the other rows
+    assert torch.equal(out.input_ids[:, : T - 5], blocks[:, : T - 5]) and torch.equal(out.input_ids[2:], blocks[2:])
+    assert (out.input_ids[:2, T - 5 :] < 50).all()
+    assert out.loss_mask[:2, : T - 6].sum() == 0 and out.loss_mask[:2, T - 6 :].all() and out.loss_mask[2:].all()
     assert not out.input_ids.is_inference()
     assert torch.equal(hook(batch, 3, 1, student).input_ids, out.input_ids)  # pure in (seed, step, micro)
-    half = OnPolicyHook(0.5, gen, seed=0)
-    replaced = sum(half(batch, s, 0, student) is not batch for s in range(40))
-    assert 10 <= replaced <= 30
+    assert hook.generated_rows == 4 and hook.generated_tokens == 20 and hook.generation_s > 0
+    w = hook.window()
+    assert w["on_policy_rows"] == 4 and w["on_policy_generated_tokens"] == 20 and w["on_policy_row_share"] == 0.5
+    assert hook.window()["on_policy_rows"] == 0, "the window resets"
     with pytest.raises(ValueError, match="must be < the block length"):
         OnPolicyHook(1.0, GenerationConfig(max_new_tokens=T), seed=0)(batch, 0, 0, student)
 
@@ -81,7 +83,7 @@ def test_on_policy_training_runs_and_counts_only_generated_positions(tmp_path):
     stats = train(student, blocks, tmp_path, TrainerConfig(max_steps=2, micro_batch_size=4, warmup_steps=1,
                                                            save_every=0, log_every=1),
                   make_distill_step(forward_kl, 1.0), teacher=teacher, batch_hook=hook)
-    assert hook.generated_batches == 2
+    assert hook.generated_batches == 2 and hook.generated_rows == 8
     assert stats["tokens_seen"] == 2 * 4 * 5  # steps x rows x counted positions (T-5 .. T-1)
 
 

@@ -290,9 +290,12 @@ def test_ctrl_c_ends_with_the_interrupted_line_and_no_progress_bar_after_it(tmp_
     env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1")
     log = tmp_path / "stderr.txt"  # a file, not a pipe: progress bars could fill a pipe and block the child
     with open(log, "wb") as err:
+        # SIGINT back to its default in the child: a suite started in the background by a non-interactive shell
+        # inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler (Ctrl-C reaches no one)
         proc = subprocess.Popen([sys.executable, "-m", "train", "+experiment=smoke", "stages=[distill]",
                                  "trainer.max_steps=400", f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err)
+                                stdout=subprocess.DEVNULL, stderr=err,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def training() -> bool:
         events = run_dir / "events.jsonl"

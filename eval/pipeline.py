@@ -253,12 +253,18 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
                            tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
+    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+
+    set_compile(rc.decode.compile)  # decode.compile: the lean forwards built from here on
+    compile_s0 = compile_seconds()
     target, tokenizer, drafts, meta = _load_models(rc, paths, device, dtype)
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     results, runtime = _measure(rc, target, tokenizer, drafts, prompts, routed, device, dtype, ev)
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
+               "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
+                                  "compile_time_s": compile_seconds() - compile_s0},
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,

@@ -107,6 +107,8 @@ def test_eval_cli_writes_report(cli_run):
     twin = doc["drafts"]["twin"]["chat"]
     assert twin["acceptance_rate"] == 1.0 and twin["token_acceptance_rate"] == 1.0
     assert doc["num_draft_tokens"] == 3 and doc["num_draft_tokens_swept"] == SWEEP  # closest to decode's 4
+    # decode.compile is applied and recorded: auto is off on the CPU, so nothing compiled and no compile time
+    assert doc["context"]["decode_compile"] == {"setting": "auto", "compiled": False, "compile_time_s": 0.0}
     report = (run_dir / "report.md").read_text()
     for d in domains:  # one verdict line per domain: a draft and setting, or the target alone
         assert f"- **{d}**: use `" in report or f"- **{d}**: decode with the target alone" in report

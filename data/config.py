@@ -102,6 +102,15 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
                 close = closest_keys(OmegaConf.structured(schema), key)
             if close:
                 msg += f"; did you mean {' or '.join(close)}?"
+        elif key and "is not a ListConfig" in msg:  # a single value where the key takes a list
+            try:
+                value = OmegaConf.select(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), str(key))
+            except Exception:  # noqa: BLE001  (only for the example)
+                value = None
+            example = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "a, b"
+            msg += f"; {key} takes a list: {key}='[{example}]' (quoted for the shell)"
+        elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
+            msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
         raise ValueError(f"invalid config: {msg}") from None
 
 

@@ -282,10 +282,14 @@ def extra_domain(name: str, path: str | os.PathLike, text_field: str, prompt_fie
 def unknown_domain_error(name: str) -> UnknownDomainError:
     from .registry import DOMAINS
 
+    import re
+
     dirs = " or ".join(str(d) for d in domain_dirs())
+    usable = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name or "") is not None  # data.registry.check_report_name
     return UnknownDomainError(
         f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}"
         + (f"; declared: {', '.join(declared_names())}" if declared_names() else "")
-        + f". Fix eval.domains / data.domain, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, \"Train a "
-          f"draft for your own traffic\")."
+        + (f". Fix eval.domains / data.domain, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, "
+           f"\"Train a draft for your own traffic\")." if usable else
+           ". Fix eval.domains / data.domain (a domain name is letters, digits and _ . + -, no spaces).")
     )

@@ -80,7 +80,8 @@ def check_data_root(root: str | os.PathLike | None, source: str = "root") -> Non
         what = "is a file, not a folder" if p.exists() else "does not exist"
         raise DataSourceError(
             f"data root {p} ({where}) {what}. Set data.root=/path/to/data (or export {ENV_DATA_ROOT}=/path/to/data) "
-            f"to the folder holding the domain files (see shared/data/MANIFEST.md), or read from the hub with "
+            f"to the folder holding the domain files (its MANIFEST.md lists them; by default ../shared/data beside the "
+            f"repository), or read from the hub with "
             f"data.source=hub."
         )
 

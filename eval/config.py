@@ -95,8 +95,9 @@ class EvalConfig:
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
 
     def __post_init__(self):
-        if self.max_prompts < 1 or self.max_new_tokens < 1 or self.max_prompt_tokens < 2:
-            raise ValueError("eval.max_prompts and eval.max_new_tokens must be >= 1, eval.max_prompt_tokens >= 2")
+        for key, low in (("max_prompts", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 2)):
+            if getattr(self, key) < low:
+                raise ValueError(f"eval.{key} must be >= {low}, got {getattr(self, key)}")
         if self.prompt_overflow not in ("truncate_left", "error"):
             raise ValueError(f"eval.prompt_overflow must be truncate_left or error, got {self.prompt_overflow!r}")
         if self.cost_ratio_trials < 1:

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"\ntarget {args.target} ({result['target_parameters']:,} params), draft {result['draft_parameters']:,} "
           f"params, {args.micro_batch_size} x {args.block_size} tokens per step, top-{args.top_k}, {source}")
-    print(f"| variant | median step (s) | timed steps |\n|---|---|---|")
+    print("| variant | median step (s) | timed steps |\n|---|---|---|")
     for k in ("online", "cached"):
         print(f"| {k} | {med[k]:.4f} | {len(times[k])} |")
     print(f"speedup (online / cached per-step time): {result['speedup']:.2f}x; one-off cache pass "

@@ -73,7 +73,7 @@ def test_expected_speedup_formula():
 
 
 def test_verify_block_greedy_never_always_partial():
-    vocab, g = 6, 3
+    vocab = 6
     target_tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])  # target argmax per position
     logits = torch.nn.functional.one_hot(target_tokens, vocab).float() * 5  # (3, G+1, V)
     drafts = torch.tensor([[0, 2, 3], [1, 2, 3], [1, 2, 5]])  # never / always / partial

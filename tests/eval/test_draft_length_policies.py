@@ -106,7 +106,6 @@ def test_recorded_draft_lengths_are_what_the_decoder_ran(policy_runs, policy):
     """per_prompt.csv's draft lengths = those of a direct decode with a fresh policy from the same config; they
     add up to the row's counts, and metrics.json's pooled histograms / means are rebuilt from them."""
     from data.checkpoints import load_causal_lm
-    from data.loading import DataOptions
     from decode import speculative_generate
     from eval.config import validate_eval
     from eval.evaluate import encode_prompt

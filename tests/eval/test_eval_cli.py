@@ -10,7 +10,6 @@ config errors are rejected before any model loads (in-process, through the same 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import subprocess

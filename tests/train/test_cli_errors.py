@@ -348,3 +348,21 @@ def test_a_suggested_key_gets_the_value_in_the_shape_it_takes(key, value, sugges
 
     msg = unknown_key_message(key, [f"{key}={value}"], PROJECT_ROOT / "conf", RootConfig)
     assert f"did you mean {suggestion}?" in msg
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("eval.domains=medical", "eval.domains takes a list: eval.domains='[medical]'"),
+    ("eval.num_draft_tokens=4", "eval.num_draft_tokens takes a list: eval.num_draft_tokens='[4]'"),
+    ("eval.drafts=x", "eval.drafts takes a mapping: eval.drafts='{name: value}'"),
+    ("eval.max_prompts=-1", "eval.max_prompts must be >= 1, got -1"),
+    ("eval.max_prompt_tokens=1", "eval.max_prompt_tokens must be >= 2, got 1"),
+])
+def test_a_value_of_the_wrong_shape_or_range_names_the_key_and_the_fix(override, expected):
+    """A single value where the key takes a list or a mapping gets the pasteable form; a range error names the one
+    key that is out of range and its value (validated in-process: the command line turns it into `error:`)."""
+    from tinymodels import compose_config
+    from train.schema import validate
+
+    with pytest.raises(ValueError) as e:
+        validate(compose_config([override]))
+    assert str(e.value).startswith("invalid config: ") and expected in str(e.value), str(e.value)

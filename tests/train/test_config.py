@@ -221,7 +221,6 @@ def test_cli_unknown_experiment_fails_naming_it(tmp_path):
 @pytest.mark.slow  # a python -m train subprocess
 def test_cli_invalid_value_fails_fast_before_any_model(tmp_path):
     proc, seconds = _run_train(["decode.num_draft_tokens=0", "stages=[eval]"], tmp_path, timeout=60)
-    out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "error: invalid config: decode.num_draft_tokens must be >= 1, got 0"
     assert seconds < 30

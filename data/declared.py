@@ -39,7 +39,7 @@ from typing import Any
 from .chat import ROLES, plain_render
 from .errors import DataFormatError, DataSourceError, UnknownDomainError
 from .paths import PROJECT_ROOT
-from .registry import Domain, HubSource, Source, check_report_name
+from .registry import Domain, HubSource, Source, check_report_name, usable_name
 
 log = logging.getLogger(__name__)
 
@@ -282,10 +282,8 @@ def extra_domain(name: str, path: str | os.PathLike, text_field: str, prompt_fie
 def unknown_domain_error(name: str) -> UnknownDomainError:
     from .registry import DOMAINS
 
-    import re
-
     dirs = " or ".join(str(d) for d in domain_dirs())
-    usable = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", name or "") is not None  # data.registry.check_report_name
+    usable = usable_name(name)
     return UnknownDomainError(
         f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}"
         + (f"; declared: {', '.join(declared_names())}" if declared_names() else "")

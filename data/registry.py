@@ -405,6 +405,11 @@ DOMAINS: dict[str, Domain] = {
 _REPORT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
 
 
+def usable_name(name) -> bool:
+    """Whether ``name`` follows :func:`check_report_name`'s rule."""
+    return isinstance(name, str) and _REPORT_NAME.fullmatch(name) is not None
+
+
 def check_report_name(name, key: str) -> str:
     """A domain or draft name that appears in report tables, file names (plots, per-prompt rows) and routing
     tables: letters, digits and ``_ . + -``, starting with a letter or digit.
@@ -412,7 +417,7 @@ def check_report_name(name, key: str) -> str:
     Raises:
         ValueError: naming ``key``, the bad name and the rule (e.g. ``a|b`` would split a Markdown table column).
     """
-    if not isinstance(name, str) or not _REPORT_NAME.fullmatch(name):
+    if not usable_name(name):
         raise ValueError(f"{key}: {name!r} is not a usable name: it appears in report tables, plot file names and "
                          f"routing.json, so use letters, digits and _ . + - (starting with a letter or digit), "
                          f"e.g. {re.sub(r'[^A-Za-z0-9_.+-]+', '_', str(name)).strip('_.+-') or 'my_domain'!r}.")

@@ -64,7 +64,7 @@ def domain_tau_stage(rc, opts, run_dir: Path, events=None) -> dict:
     import json
 
     from data.checkpoints import read_specdraft_meta
-    from data.io import write_text_atomic
+    from data.io import write_json_atomic
 
     metrics = Path(run_dir) / "metrics.json"
     if not metrics.is_file():
@@ -83,7 +83,7 @@ def domain_tau_stage(rc, opts, run_dir: Path, events=None) -> dict:
                 "num_draft_tokens": e.get("num_draft_tokens", doc.get("num_draft_tokens")),
                 "num_prompts": e.get("num_prompts")}
             for d, e in per_domain.items()}
-        write_text_atomic(draft_dir / "specdraft.json", json.dumps(meta.to_dict(), indent=2, default=str) + "\n")
+        write_json_atomic(draft_dir / "specdraft.json", meta.to_dict())
         written[name] = {d: v["mean_accepted_length"] for d, v in meta.domain_mean_accepted_length.items()}
     return {"domain_mean_accepted_length": written}
 

@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from .kv_policy import CachePolicy, cache_policy  # noqa: F401  (CachePolicy re-exported by decode)
 from .stats import AcceptanceStats
+from .threads import BlockThreads
 
 
 @dataclass
@@ -202,14 +203,9 @@ class KVState:
         if self.policy.windowed:
             self.pos = torch.cat([self.pos, position_ids], dim=1)
             attention_mask = self._window_masks(position_ids)
-        out = self.model(
-            input_ids=tokens,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        with BlockThreads(tokens.device, tokens.numel()):  # decode.block_threads (decode/threads.py)
+            out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self.num_valid = self.num_valid + tm.sum(1)
         return out.logits
 

@@ -28,6 +28,10 @@ class DecodeConfig:
     # torch.compile of the lean forward (decode/fast_llama.py): auto (on for CUDA, off on CPU, where it does not pay),
     # on, off. Lossless either way (the same computation).
     compile: str = "auto"
+    # CPU threads for forwards over more than one token (the target's verify block, prefills, batches): auto (every
+    # core the process may use), off (the caller's torch setting), or a number. One-token forwards keep the caller's
+    # eval.num_threads / trainer.num_threads (decode/threads.py). Lossless either way.
+    block_threads: str = "auto"
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -55,6 +59,9 @@ class DecodeConfig:
         self.check_policy(self.draft_length_policy)
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"decode.compile must be one of auto, on, off, got {self.compile!r}")
+        from .threads import parse_block_threads
+
+        self.block_threads = str(parse_block_threads(self.block_threads))
 
     def check_policy(self, name: str) -> None:
         """Raise ValueError (naming the keys to fix) unless policy ``name`` can be built from this section."""

@@ -30,6 +30,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from .threads import BlockThreads
+
 __all__ = ["fast_path_supported", "FastKVState"]
 
 
@@ -455,10 +457,11 @@ class FastKVState:
         ``tree`` (token trees, :mod:`decode.tree`): ``(position_ids (1, T), allowed (T, L+T) bool, key positions
         (L+T,))``: the tree's visibility (ancestors and self) used instead of the causal mask, each layer's window
         applied on top by position (every new token is a real token)."""
-        if not torch.is_inference_mode_enabled():  # the buffers are inference tensors (the decoders run inside)
-            with torch.inference_mode():
-                return self._forward(tokens, token_mask, logits_to_keep, tree)
-        return self._forward(tokens, token_mask, logits_to_keep, tree)
+        with BlockThreads(self.device, tokens.numel()):  # decode.block_threads (decode/threads.py)
+            if not torch.is_inference_mode_enabled():  # the buffers are inference tensors (the decoders run inside)
+                with torch.inference_mode():
+                    return self._forward(tokens, token_mask, logits_to_keep, tree)
+            return self._forward(tokens, token_mask, logits_to_keep, tree)
 
     def _forward(self, tokens: torch.Tensor, token_mask: torch.Tensor | None, logits_to_keep: int,
                  tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -556,7 +559,7 @@ class FastKVState:
                 if qk_norm is not None:  # Qwen3 / Gemma-3: RMSNorm over head_dim, q and k heads with their weights
                     qk = torch.cat([self._head_norm(qk[:, :, :h_q], qk_norm[0], qk_norm[2]),
                                     self._head_norm(qk[:, :, h_q:], qk_norm[1], qk_norm[2])], 2)
-                qk = qk * cos + qk.roll(half, -1) * sin  # apply_rotary_pos_emb on q and k at once
+                qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # apply_rotary_pos_emb on q and k at once
                 q = qk[:, :, :h_q]  # (B, T, H, D)
                 kbuf[:, start:end] = qk[:, :, h_q:]
                 vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
@@ -581,16 +584,23 @@ class FastKVState:
                                                    scale=self.scaling)
             else:
                 o = self._softcapped_attention(q.transpose(1, 2), key, val, attn_mask)
-            o = o.transpose(1, 2).reshape(bsz, t, qd)  # (B, T, H D)
-            o = torch.matmul(o, w_o) if packed else F.linear(o, w_o)
-            if post is not None:  # Gemma: RMSNorm on the attention output before the residual
-                o = norm(o, post[0][0], post[0][1])
-            x = x + o
+            o = o.transpose(1, 2).reshape(bsz * t, qd)  # (B T, H D)
+            if packed and post is None:  # residual + o_proj in one op (beta * x + o @ W_o, beta = 1)
+                x = torch.addmm(x.view(bsz * t, -1), o, w_o).view(bsz, t, -1)
+            else:
+                o = (torch.matmul(o, w_o) if packed else F.linear(o, w_o)).view(bsz, t, -1)
+                if post is not None:  # Gemma: RMSNorm on the attention output before the residual
+                    o = norm(o, post[0][0], post[0][1])
+                x = x + o
             # --- MLP block (gated: SiLU, Gemma GELU-tanh)
             hs = norm(x, ln2, eps2)
             if packed:  # (E, 2 I) = [gate_proj; up_proj]^T
                 gu = torch.matmul(hs, w_gu)  # (B, T, 2 I)
-                m = torch.matmul(act(gu[..., :inter]) * gu[..., inter:], w_d)
+                m = act(gu[..., :inter]) * gu[..., inter:]
+                if post is None:  # residual + down_proj in one op
+                    x = torch.addmm(x.view(bsz * t, -1), m.view(bsz * t, inter), w_d).view(bsz, t, -1)
+                    continue
+                m = torch.matmul(m, w_d)
             else:
                 m = F.linear(act(F.linear(hs, w_gu[0])) * F.linear(hs, w_gu[1]), w_d)
             if post is not None:  # Gemma: RMSNorm on the MLP output before the residual

@@ -52,6 +52,7 @@ from ._common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_sta
                       sync)
 from .sampling import process_logits, sample_tokens, uniform
 from .stats import AcceptanceStats
+from .threads import BlockThreads
 
 __all__ = ["DraftTree", "TokenTree", "DynamicTokenTree", "parse_draft_tree", "tree_generate"]
 
@@ -219,8 +220,9 @@ def _tree_forward(state, tokens: list[int], positions: list[int], region_start: 
         if state.mixed:
             mask = {"full_attention": additive(full), "sliding_attention": mask}
     state.mask = torch.cat([state.mask, torch.ones(1, t, dtype=torch.long, device=dev)], 1)
-    out = state.model(input_ids=tok, attention_mask=mask, position_ids=qpos[None], cache=state.cache,
-                      use_cache=True, logits_to_keep=0)
+    with BlockThreads(dev, t):  # decode.block_threads (decode/threads.py)
+        out = state.model(input_ids=tok, attention_mask=mask, position_ids=qpos[None], cache=state.cache,
+                          use_cache=True, logits_to_keep=0)
     state.num_valid = state.num_valid + t
     assert state.length == length + t
     return out.logits[0]

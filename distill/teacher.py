@@ -97,6 +97,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     """
     from data.devices import run_precision
     from decode._common import output_vocab_size
+    from decode.threads import BlockThreads
 
     t0 = time.perf_counter()
     vocab = int(vocab_size or output_vocab_size(teacher))
@@ -118,7 +119,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         vals, idx = [], []
         for j in range(0, part.size(0), batch_size):
             x = part[j : j + batch_size].to(device)  # (b, T)
-            with run_precision(precision, device):
+            with BlockThreads(device, x.numel()), run_precision(precision, device):  # decode.block_threads
                 logits = teacher(input_ids=x, attention_mask=torch.ones_like(x)).logits[..., :vocab]  # (b, T, V)
             v, ix = teacher_topk(logits, k)  # (b, T, k) each
             vals.append(v.cpu())

@@ -225,6 +225,9 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         ArtifactWriteError: an artifact could not be written (full disk, read-only folder).
     """
     rc = validate(cfg)
+    from decode.threads import set_block_threads
+
+    set_block_threads(rc.decode.block_threads)  # decode.block_threads: teacher generation, selection, evaluation
     dist = _check_launch(rc)
     if not dist.is_main_process:  # one copy of the progress log: the main process's
         for name in ("specdraft", "distill", "data", "eval", "decode"):

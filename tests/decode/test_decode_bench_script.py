@@ -30,6 +30,7 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
         "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
         "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "8",
         "--repeats", "1", "--cost-steps", "3", "--json-out", str(out_json), "--device", "cpu", "--dtype", "float32",
+        "--block-threads", "2",
     ])
     table = capsys.readouterr().out
     assert torch.get_num_threads() == threads_before  # --num-threads is restored after the run
@@ -39,7 +40,13 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
                    "verify cost ratio v", "loop efficiency", "expected speedup (measured c and v)",
                    "prefill / draft / verify / other"):
         assert needle in table
-    assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0}  # all agree
+    # all agree, also target-only with every forward at the block thread count (timed as a second peer)
+    assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0,
+                                                  "target_only_block_threads": 0}
+    assert result["block_threads"] == {"setting": "2", "threads": 2} and "cpu / float32, float32 / 1, 2" in table
+    tps = result["tokens_per_s"]  # the speedup is over the faster of the two target-only runs
+    assert result["ours_over_target_only"] == tps["ours_speculative"] / max(tps["target_only"],
+                                                                             tps["target_only_block_threads"])
     assert 0.0 <= result["acceptance_rate"] <= 1.0
     assert 1.0 <= result["mean_accepted_length"] <= 4.0
     assert result["cost_ratio"] > 0 and result["expected_speedup"] > 0

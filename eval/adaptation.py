@@ -28,7 +28,9 @@ def _how(m: SpecdraftMeta) -> str:
     """How a draft was made, in words, from its ``specdraft.json``."""
     data = f"({m.data_source} data, {m.teacher_signal} teacher)"
     if m.kind == "lora":
-        return f"LoRA r={(m.lora or {}).get('rank')} on the base {data}"
+        full = (m.lora or {}).get("modules_to_save")
+        return (f"LoRA r={(m.lora or {}).get('rank')} on the base"
+                f"{' + ' + ', '.join(full) + ' trained in full' if full else ''} {data}")
     if m.kind == "finetune":
         return f"every weight of the base fine-tuned {data}"
     if m.distilled:

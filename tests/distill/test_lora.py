@@ -12,7 +12,7 @@ import torch
 from tinymodels import tiny_family_lm, tiny_llama
 
 from distill.losses import get_loss
-from distill.lora import (LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
+from distill.lora import (ALL_LINEAR, LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
                           adapted_module_names, merge_lora, wrap_lora)
 from distill.trainer import TrainerConfig, make_distill_step, train
 from data.specdraft_meta import SpecdraftMeta
@@ -351,3 +351,49 @@ def test_a_target_sharing_its_weight_otherwise_is_refused():
         draft.model.layers[1].self_attn.q_proj.weight = draft.model.layers[0].self_attn.q_proj.weight
         with pytest.raises(LoraError, match=r"lora.target_modules: .*q_proj shares its weight with .*q_proj.*drop"):
             wrap_lora(draft, LoraSectionConfig(target_modules=[named]))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # a tied Llama head, GPT-2's Conv1D layers + tied wte
+def test_modules_to_save_trains_the_head_in_full_and_merged_equals_adapted(tmp_path, family):
+    """lora.modules_to_save=[<head>]: the head is trained in full beside the adapters (peft modules_to_save): it
+    alone of the base's layers requires grad, the tied input embedding keeps its values, and the merged draft (the
+    trained head swapped in) equals the adapted one, also after saving and reloading."""
+    from transformers import AutoModelForCausalLM
+
+    base = tiny_family_lm(family)
+    if family == "llama":  # tie it, as the project's drafts are (draft.arch.tie_word_embeddings)
+        base.config.tie_word_embeddings = True
+        base.tie_weights()
+    head = _head_name(base)
+    assert base.get_output_embeddings().weight is base.get_input_embeddings().weight  # tied
+    model = wrap_lora(copy.deepcopy(base), LoraSectionConfig(rank=2, alpha=4.0, target_modules=ALL_LINEAR,
+                                                             modules_to_save=[head]), seed=0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or f"{head}.modules_to_save" in n for n in trainable)
+    assert any(f"{head}.modules_to_save" in n for n in trainable)
+    _randomize_adapters(model)
+    with torch.no_grad():  # train the head copy: any change must reach the merged draft and only the head
+        for n, p in model.named_parameters():
+            if f"{head}.modules_to_save" in n:
+                p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+    merged = _assert_merged_equals_adapted(model, base)
+    assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
+    assert not torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+    merged.save_pretrained(tmp_path / "m")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+    assert reloaded.config.tie_word_embeddings is False
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+
+
+def test_modules_to_save_errors_name_the_key():
+    for bad in ("lm_head", [], [""], [3]):
+        with pytest.raises(ValueError, match="lora.modules_to_save must be null or a non-empty list"):
+            LoraSectionConfig(modules_to_save=bad)
+    with pytest.raises(ValueError, match=r"both name \['lm_head'\]"):
+        LoraSectionConfig(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"])
+    with pytest.raises(LoraError, match=r"lora.modules_to_save \['head'\] match no layer"):
+        wrap_lora(tiny_llama(), LoraSectionConfig(modules_to_save=["head"]))

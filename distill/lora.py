@@ -88,21 +88,16 @@ class LoraSectionConfig:
         tm = self.target_modules
         if isinstance(tm, str) and tm.lower() == ALL_LINEAR:
             self.target_modules = ALL_LINEAR
-        elif tm is not None and (isinstance(tm, str) or not isinstance(tm, (list, tuple)) or not tm
-                                 or any(not isinstance(m, str) or not m for m in tm)):
-            raise ValueError(f"lora.target_modules must be all-linear, null (peft's default for the draft's model "
-                             f"family) or a non-empty list of module names (e.g. [q_proj, v_proj]), got {tm!r}")
         elif tm is not None:
-            self.target_modules = list(tm)
-        ms = self.modules_to_save
-        if ms is not None and (isinstance(ms, str) or not isinstance(ms, (list, tuple)) or not ms
-                               or any(not isinstance(m, str) or not m for m in ms)):
-            raise ValueError(f"lora.modules_to_save must be null or a non-empty list of module names trained in full "
-                             f"beside the adapters (e.g. [lm_head]), got {ms!r}")
-        if ms is not None:
-            self.modules_to_save = list(ms)
-            both = sorted(set(self.modules_to_save) & set(self.target_modules if isinstance(self.target_modules, list)
-                                                          else []))
+            self.target_modules = _module_names(tm, "lora.target_modules must be all-linear, null (peft's default for "
+                                                    "the draft's model family) or a non-empty list of module names "
+                                                    "(e.g. [q_proj, v_proj])")
+        if self.modules_to_save is not None:
+            self.modules_to_save = _module_names(self.modules_to_save, "lora.modules_to_save must be null or a "
+                                                 "non-empty list of module names trained in full beside the adapters "
+                                                 "(e.g. [lm_head])")
+            adapted = self.target_modules if isinstance(self.target_modules, list) else []
+            both = sorted(set(self.modules_to_save) & set(adapted))
             if both:
                 raise ValueError(f"lora.target_modules and lora.modules_to_save both name {both}: a layer gets either "
                                  f"an adapter or full training; drop it from one of them")
@@ -141,6 +136,15 @@ class LoraSectionConfig:
         return replace(base, max_steps=self.max_steps, lr=self.lr, micro_batch_size=self.micro_batch_size,
                        grad_accum_steps=1, global_batch_size=0, warmup_steps=self.warmup_steps,
                        save_every=self.save_every, max_time_s=0.0, schedule_over="steps")
+
+
+def _module_names(value, rule: str) -> list[str]:
+    """``value`` as a list of module names; ``ValueError(rule + got ...)`` unless it is a non-empty list / tuple of
+    non-empty strings."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)) or not value \
+            or any(not isinstance(m, str) or not m for m in value):
+        raise ValueError(f"{rule}, got {value!r}")
+    return list(value)
 
 
 class LoraError(ValueError):

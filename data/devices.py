@@ -88,7 +88,11 @@ def runtime_record(device: torch.device, dtype: torch.dtype, threads: int | None
 def describe_runtime(r: dict) -> str:
     """One report line from :func:`runtime_record`'s dict, e.g. ``cpu, float32, 2 torch threads, torch 2.x``."""
     where = f"{r['device']} ({r['gpu']}, CUDA {r['cuda']})" if r.get("gpu") else r["device"]
-    return f"{where}, {r['dtype']}, {r['threads']} torch CPU threads, torch {r['torch']}"
+    blocks = r.get("block_threads")  # decode.block_threads, where the caller recorded it
+    threads = f"{r['threads']} torch CPU threads" + (
+        f" ({blocks} for forwards over more than one token: decode.block_threads)" if blocks and blocks != r["threads"]
+        else "")
+    return f"{where}, {r['dtype']}, {threads}, torch {r['torch']}"
 
 
 PRECISIONS = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # trainer.mixed_precision -> dtype

@@ -19,9 +19,12 @@ training steps keep ``trainer.num_threads``.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["set_block_threads", "block_thread_count", "resolved_block_threads", "parse_block_threads",
            "block_threads_setting", "available_cores", "BlockThreads"]
@@ -54,9 +57,14 @@ def parse_block_threads(value) -> str | int:
 
 def set_block_threads(value) -> None:
     """Set ``decode.block_threads`` for forwards from now on: ``"auto"`` (every core the process may use),
-    ``"off"`` (keep the caller's ``torch.get_num_threads()``) or a thread count. Raises ``ValueError`` otherwise."""
+    ``"off"`` (keep the caller's ``torch.get_num_threads()``) or a thread count (at most the cores the process may
+    use: more threads than cores only contend for them, so a larger count is capped, with a warning). Raises
+    ``ValueError`` otherwise."""
     global _setting
     _setting = parse_block_threads(value)
+    if isinstance(_setting, int) and _setting > available_cores():
+        log.warning("decode.block_threads=%d exceeds the %d CPU cores this process may use: using %d", _setting,
+                    available_cores(), available_cores())
 
 
 def block_threads_setting() -> str | int:
@@ -69,7 +77,7 @@ def resolved_block_threads(device) -> int | None:
     caller's (not a CPU, or ``off``). For records (metrics.json ``context.decode_block_threads``)."""
     if _setting == "off" or torch.device(device).type != "cpu":
         return None
-    return available_cores() if _setting == "auto" else _setting
+    return available_cores() if _setting == "auto" else min(_setting, available_cores())
 
 
 def block_thread_count(device) -> int | None:

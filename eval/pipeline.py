@@ -331,6 +331,7 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
     """Decode every prompt target-only and with every draft at every gamma, draft-length policy and token tree
     (with routing: each domain with its routed draft only, or the target alone). Returns ``(results, runtime)``."""
     from data.devices import runtime_record
+    from decode.threads import resolved_block_threads
 
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
@@ -348,6 +349,7 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
         ({}, {d: p for d, p in prompts.items() if routed[d] is None})]  # routed to no draft: the target alone
     with torch_threads(rc.eval.num_threads):
         runtime = runtime_record(device, dtype)  # threads: as set while timing
+        runtime["block_threads"] = resolved_block_threads(device)  # null: the same as threads (off, or not a CPU)
         ev("eval_runtime", **runtime)
         parts = [evaluate_drafts(
             target, tokenizer, group_drafts, group_prompts, num_draft_tokens=gammas,

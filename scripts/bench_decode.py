@@ -3,7 +3,7 @@
 
     python scripts/bench_decode.py --target DIR --draft DIR [--prompts-file F.jsonl --text-field text]
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
-        [--target-dtype D] [--draft-dtype D]
+        [--target-dtype D] [--draft-dtype D] [--domain medical] [--block-threads auto|off|N]
         [--draft-length-policy fixed|adaptive|confidence --policy-param max_draft_tokens=8 ...] [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
         [--fast-path auto|off] [--json-out F] [--draft-tree 3,2,1 ...] [--chain-gamma 2 ...] [--no-hf]
     python scripts/bench_decode.py --family mistral|qwen2|qwen3|gemma2|gemma3|phi3|llama [--family-layers 4]
@@ -91,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--family-window", type=int, default=16,
                     help="sliding window for --family models that have one (default 16: shorter than prompt + "
                          "generation, so the window is exercised)")
+    ap.add_argument("--domain", help="use a domain's evaluation prompts (data.loading.eval_prompts: the test split's "
+                                     "prompts, rendered with the target's chat template where they are chats; "
+                                     "the data root as for python -m eval), at most --max-prompts of them")
     ap.add_argument("--prompts-file", help="JSONL file with one prompt per line")
     ap.add_argument("--text-field", default="text", help="JSONL field holding the prompt text (default: text)")
     ap.add_argument("--max-prompts", type=int, default=8, help="use at most this many prompts from the file")
@@ -165,6 +168,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--draft-tree: an empty shape; give b1,b2,... or dynamic:depth,top_k,max_nodes")
     if any(g < 1 for g in args.chain_gamma):
         ap.error("--chain-gamma must be >= 1")
+    if sum(bool(x) for x in (args.domain, args.prompts_file, args.prompt_ids)) > 1:
+        ap.error("--domain, --prompts-file and --prompt-ids are alternatives: give one of them")
+    if args.domain:
+        from data.domains import get_domain
+
+        try:
+            get_domain(args.domain)
+        except ValueError as e:
+            ap.error(f"--domain: {e}")
+    from decode.threads import parse_block_threads
+
+    try:
+        parse_block_threads(args.block_threads)
+    except ValueError as e:
+        ap.error(f"--block-threads: {e}")
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
                  "num_threads"):
         if getattr(args, name) < 1:
@@ -239,7 +257,11 @@ def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
     if args.prompt_ids:
         gen = torch.Generator().manual_seed(args.seed)
         return [torch.randint(0, vocab, (1, args.prompt_len), generator=gen) for _ in range(args.num_prompts)]
-    if args.prompts_file:
+    if args.domain:
+        from data.loading import eval_prompts
+
+        texts = [e.prompt for e in eval_prompts(args.domain, max_prompts=args.max_prompts, tokenizer=tokenizer)]
+    elif args.prompts_file:
         texts = []
         with open(args.prompts_file, encoding="utf-8") as f:
             for line in f:
@@ -503,6 +525,7 @@ def _run(args) -> dict:
 
 def format_table(r: dict) -> str:
     tps = r["tokens_per_s"]
+    hf_ran = tps["hf_assisted"] == tps["hf_assisted"]  # NaN: skipped (--no-hf)
     bd, il = r["time_breakdown"]["ours_speculative"], r["in_loop"]
     wall = bd["wall_s"] or float("nan")
     rows = [
@@ -521,9 +544,10 @@ def format_table(r: dict) -> str:
         ("tokens/s target-only (ours AR)", f"{tps['target_only']:.1f}"),
         *([(f"tokens/s target-only, every forward at {r['block_threads']['threads']} threads",
             f"{tps['target_only_block_threads']:.1f}")] if "target_only_block_threads" in tps else []),
-        ("tokens/s transformers assisted", f"{tps['hf_assisted']:.1f}"),
+        (f"tokens/s transformers assisted (num_assistant_tokens {r['num_draft_tokens']}, constant)",
+         f"{tps['hf_assisted']:.1f}" if hf_ran else "skipped (--no-hf)"),
         ("tokens/s ours speculative", f"{tps['ours_speculative']:.1f}"),
-        ("ours / transformers", f"{r['ours_over_transformers']:.2f}x"),
+        ("ours / transformers", f"{r['ours_over_transformers']:.2f}x" if hf_ran else "skipped (--no-hf)"),
         ("ours / target-only (measured speedup; the faster target-only)", f"{r['ours_over_target_only']:.2f}x"),
         ("acceptance rate (accepted / drafted)", f"{r['acceptance_rate']:.3f}"),
         ("per-token acceptance alpha (accepted / tested)", f"{r['token_acceptance_rate']:.3f}"),
@@ -541,14 +565,17 @@ def format_table(r: dict) -> str:
         ("expected speedup (Leviathan Thm 3.8, v = 1)", f"{r['expected_speedup']:.2f}x"),
         ("expected speedup (measured c and v)", f"{r['expected_speedup_components']:.2f}x"),
         ("measured / expected (Leviathan)", f"{r['measured_over_expected']:.2f}"),
-        ("ours: greedy outputs differing from target-only", f"{r['greedy_output_mismatches']['ours_speculative']}"),
+        ("ours: greedy outputs differing from target-only (of prompts x repeats)",
+         f"{r['greedy_output_mismatches']['ours_speculative']} of {r['num_prompts'] * r['repeats']}"),
         ("decode.compile (compiled; compile s warm-up / timed)",
          f"{r['compile']['setting']} ({'yes' if r['compile']['compiled'] else 'no'}; "
          f"{r['compile']['compile_time_s']:.1f} / {r['compile']['compile_time_in_timed_s']:.1f})"),
         *([("ours compiled / uncompiled (tokens/s)", f"{r['compile']['compiled_over_uncompiled']:.2f}x"),
            ("ours uncompiled: outputs differing from target-only",
             f"{r['greedy_output_mismatches']['ours_speculative_uncompiled']}")] if r["compile"]["compiled"] else []),
-        ("transformers: outputs differing from target-only", f"{r['greedy_output_mismatches']['hf_assisted']}"),
+        ("transformers: outputs differing from target-only (of prompts x repeats)",
+         f"{r['greedy_output_mismatches']['hf_assisted']} of {r['num_prompts'] * r['repeats']}" if hf_ran
+         else "skipped (--no-hf)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [f"| {'metric'.ljust(width)} | value |", f"|{'-' * (width + 2)}|-------|"]
@@ -559,12 +586,14 @@ def format_table(r: dict) -> str:
 def format_compare(r: dict) -> str:
     """Chain vs tree: one row per chain / tree method (equal target forwards: tokens per target forward)."""
     lines = ["| method | tokens / target forward (tau) | nodes / target forward | target forwards | tokens/s | "
-             "tokens/s vs chain | vs target-only | greedy mismatches |",
-             "|---|---|---|---|---|---|---|---|"]
+             "tokens/s vs chain | vs target-only | vs transformers | greedy mismatches |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    hf = r["tokens_per_s"]["hf_assisted"]
     for name, c in r["chain_vs_tree"].items():
+        vs_hf = f"{c['tokens_per_s'] / hf:.2f}x" if hf == hf else "skipped"
         lines.append(f"| {name} | {c['tokens_per_target_forward']:.2f} | {c['nodes_per_target_forward']:.1f} | "
                      f"{c['target_forwards']} | {c['tokens_per_s']:.1f} | {c['tokens_per_s_over_chain']:.2f}x | "
-                     f"{c['tokens_per_s_over_target_only']:.2f}x | {c['greedy_output_mismatches']} |")
+                     f"{c['tokens_per_s_over_target_only']:.2f}x | {vs_hf} | {c['greedy_output_mismatches']} |")
     return "\n".join(lines)
 
 

@@ -61,8 +61,9 @@ def test_multi_token_forwards_use_block_threads_and_one_token_forwards_the_calle
     ids, mask = left_pad(random_prompts([7], 64, seed=2))
     ref = hf_greedy(target, ids, mask, 12)
     seen = _record_threads(monkeypatch, FastKVState if fast_path is None else KVState)
+    monkeypatch.setattr(block, "available_cores", lambda: 8)  # so 3 threads are allowed on any machine
     torch.set_num_threads(1)
-    block_threads(3)  # more threads than a 2-core machine has: torch accepts it, and it is distinguishable
+    block_threads(3)
     out = speculative_generate(target, draft, ids, mask, max_new_tokens=12, num_draft_tokens=4, fast_path=fast_path)
     assert torch.equal(out.sequences, ref)
     assert torch.get_num_threads() == 1  # restored
@@ -109,3 +110,14 @@ def test_setting_accepts_auto_off_and_thread_counts(value, expected):
 def test_setting_refuses_other_values_naming_the_key(value):
     with pytest.raises(ValueError, match=r"decode\.block_threads must be auto, off or a positive number"):
         DecodeConfig(block_threads=value)
+
+
+def test_a_count_above_the_cores_is_capped_with_a_warning(monkeypatch, block_threads, caplog):
+    monkeypatch.setattr(block, "available_cores", lambda: 2)
+    with caplog.at_level("WARNING", logger="decode.threads"):
+        block_threads(1000)
+    assert "decode.block_threads=1000 exceeds the 2 CPU cores" in caplog.text
+    assert block.resolved_block_threads("cpu") == 2
+    torch.set_num_threads(1)
+    with block.BlockThreads("cpu", tokens=4):
+        assert torch.get_num_threads() == 2

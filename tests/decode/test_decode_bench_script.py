@@ -137,3 +137,32 @@ def test_bench_decode_with_a_draft_length_policy(tmp_path, capsys):
         with pytest.raises(SystemExit) as ei:
             bench.parse_args(common + bad)
         assert ei.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_domain_prompts_and_argument_errors(capsys):
+    """--domain NAME takes the first --max-prompts evaluation prompts of that domain (the same texts as
+    data.loading.eval_prompts, tokenized by the target's tokenizer); the prompt sources are alternatives; an unknown
+    domain or block-thread value is a one-line usage error."""
+    from pathlib import Path as P
+
+    from transformers import AutoTokenizer
+
+    from data.loading import eval_prompts
+    from data.paths import default_data_root
+
+    root = default_data_root()
+    if root is None or not P(root).is_dir():  # the data root of README's setup
+        pytest.skip("no data root (set SPECDRAFT_DATA_ROOT or provide ../shared/data beside the repo)")
+    bench = _load_script()
+    ref = str(Path(__file__).resolve().parents[2] / "distill" / "reference_target")
+    args = bench.parse_args(["--target", ref, "--draft", ref, "--domain", "medical", "--max-prompts", "3"])
+    tok = AutoTokenizer.from_pretrained(ref)
+    got = bench.load_prompts(args, tok, 4096)
+    want = [tok(e.prompt, return_tensors="pt").input_ids for e in eval_prompts("medical", max_prompts=3, tokenizer=tok)]
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+    for argv, needle in ((["--domain", "medical", "--prompt-ids"], "alternatives"),
+                         (["--domain", "nope"], "--domain: unknown domain 'nope'"),
+                         (["--block-threads", "0"], "--block-threads: decode.block_threads must be auto, off")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--target", ref, "--draft", ref, *argv])
+        assert e.value.code == 2 and needle in capsys.readouterr().err

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 DRAFT_LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
 
@@ -31,7 +32,7 @@ class DecodeConfig:
     # CPU threads for forwards over more than one token (the target's verify block, prefills, batches): auto (every
     # core the process may use), off (the caller's torch setting), or a number. One-token forwards keep the caller's
     # eval.num_threads / trainer.num_threads (decode/threads.py). Lossless either way.
-    block_threads: str = "auto"
+    block_threads: Any = "auto"
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -61,7 +62,7 @@ class DecodeConfig:
             raise ValueError(f"decode.compile must be one of auto, on, off, got {self.compile!r}")
         from .threads import parse_block_threads
 
-        self.block_threads = str(parse_block_threads(self.block_threads))
+        self.block_threads = parse_block_threads(self.block_threads)
 
     def check_policy(self, name: str) -> None:
         """Raise ValueError (naming the keys to fix) unless policy ``name`` can be built from this section."""

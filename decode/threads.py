@@ -46,10 +46,12 @@ def parse_block_threads(value) -> str | int:
     Raises:
         ValueError: anything else, naming ``decode.block_threads`` and the accepted values.
     """
+    if isinstance(value, bool):  # YAML true / false are not thread counts
+        value = repr(value)
     text = str(value).strip().lower()
     if text in ("auto", "off"):
         return text
-    if text.isdigit() and int(text) >= 1:
+    if text.isascii() and text.isdigit() and int(text) >= 1:
         return int(text)
     raise ValueError(f"decode.block_threads must be auto, off or a positive number of threads, got {value!r} "
                      f"(e.g. decode.block_threads=2)")

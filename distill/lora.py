@@ -252,6 +252,69 @@ def _untie_targeted_embeddings(draft: torch.nn.Module, targets: list[str]) -> bo
     return untied
 
 
+def check_modules(draft: torch.nn.Module, cfg: LoraSectionConfig) -> tuple[Any, list[str]]:
+    """``(targets, modules_to_save)`` for ``draft`` (``targets``: the list, ``all-linear``, or peft's family default
+    for ``null``), checked against the draft's layers.
+
+    Raises:
+        LoraError: a ``target_modules`` name matching no adaptable layer; a ``modules_to_save`` name matching no
+            layer, or a layer that also gets an adapter or contains layers that do (peft would train it in full
+            instead, or find nothing to adapt); ``null`` targets for a family peft has no default for.
+    """
+    targets = cfg.target_modules
+    if targets is None:
+        targets = family_target_modules(draft)
+    kinds = _adaptable_types()
+    if isinstance(targets, list):
+        found = {k for n, m in draft.named_modules() if n and isinstance(m, kinds) for k in targets if _matches(n, k)}
+        missing = [k for k in targets if k not in found]
+        if missing:
+            raise LoraError(f"lora.target_modules {missing} match no layer LoRA can adapt in the draft "
+                            f"({type(draft).__name__}); it has {adaptable_module_names(draft)}. Set "
+                            f"lora.target_modules to some of those, or to all-linear.")
+    saved = cfg.modules_to_save or []
+    if not saved:
+        return targets, saved
+    names = {n for n, _ in draft.named_modules() if n}
+    absent = [k for k in saved if not any(_matches(n, k) for n in names)]
+    if absent:
+        raise LoraError(f"lora.modules_to_save {absent} match no layer of the draft ({type(draft).__name__}); it has "
+                        f"{sorted({n.rsplit('.', 1)[-1] for n in names})}.")
+    head = draft.get_output_embeddings() if hasattr(draft, "get_output_embeddings") else None
+    from transformers.pytorch_utils import Conv1D
+
+    if targets == ALL_LINEAR:  # peft: every Linear / Conv1D layer but the output head
+        adapted = [n for n, m in draft.named_modules()
+                   if n and isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
+    else:
+        adapted = [n for n, m in draft.named_modules()
+                   if n and isinstance(m, kinds) and any(_matches(n, k) for k in targets)]
+    for k in saved:
+        for n in (n for n in names if _matches(n, k)):
+            clash = next((a for a in adapted if a == n or a.startswith(n + ".")), None)
+            if clash is not None:
+                raise LoraError(f"lora.modules_to_save names {k!r}, but {clash} gets an adapter under "
+                                f"lora.target_modules={cfg.target_modules!r}: a layer is either adapted or trained in "
+                                f"full. Name a layer without adapters (e.g. lm_head), or take it out of "
+                                f"lora.target_modules.")
+    return targets, saved
+
+
+def check_modules_before_loading(base: str, run_dir: Path, cfg: LoraSectionConfig) -> None:
+    """Before the teacher passes: :func:`check_modules` on the base draft's architecture, built from its
+    ``config.json`` on the meta device (no weights read). A base that an earlier stage of the run writes is checked
+    when the stage runs. Raises :class:`LoraError` as :func:`check_modules` does."""
+    found = resolve_base(base, run_dir)
+    if not (found / "config.json").is_file():
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(found)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    check_modules(skeleton, cfg)
+
+
 def wrap_lora(draft: torch.nn.Module, cfg: LoraSectionConfig, seed: int = 0):
     """A peft ``PeftModel`` of ``draft`` with LoRA adapters on ``cfg.target_modules`` (base weights frozen, only
     the adapter parameters require grad). The A matrices are seeded from ``seed``; B starts at 0.
@@ -275,24 +338,7 @@ def wrap_lora(draft: torch.nn.Module, cfg: LoraSectionConfig, seed: int = 0):
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    targets = cfg.target_modules
-    if targets is None:
-        targets = family_target_modules(draft)
-    if isinstance(targets, list):
-        kinds = _adaptable_types()
-        found = {k for n, m in draft.named_modules() if n and isinstance(m, kinds) for k in targets if _matches(n, k)}
-        missing = [k for k in targets if k not in found]
-        if missing:
-            raise LoraError(f"lora.target_modules {missing} match no layer LoRA can adapt in the draft "
-                            f"({type(draft).__name__}); it has {adaptable_module_names(draft)}. Set "
-                            f"lora.target_modules to some of those, or to all-linear.")
-    saved = cfg.modules_to_save or []
-    if saved:
-        present = {k for n, _ in draft.named_modules() if n for k in saved if _matches(n, k)}
-        absent = [k for k in saved if k not in present]
-        if absent:
-            raise LoraError(f"lora.modules_to_save {absent} match no layer of the draft ({type(draft).__name__}); "
-                            f"it has {adaptable_module_names(draft)}.")
+    targets, saved = check_modules(draft, cfg)
     if isinstance(targets, list) or saved:
         if _untie_targeted_embeddings(draft, (targets if isinstance(targets, list) else []) + saved):
             log.info("lora.target_modules / lora.modules_to_save name a tied embedding: the draft's output head now "

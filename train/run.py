@@ -121,7 +121,7 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
     Raises:
         ValueError: naming the missing draft / table and how to supply it.
     """
-    from distill.lora import check_base_available
+    from distill.lora import check_base_available, check_modules_before_loading
 
     produced: set[str] = set()
     training = [s for s in rc.stages if STAGES[s].draft is not None or s == "adapt"]
@@ -133,15 +133,19 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
     for stage in rc.stages:
         if stage == "lora":
             check_base_available(rc.lora.base, run_dir, produced)
+            check_modules_before_loading(rc.lora.base, run_dir, rc.lora)  # target_modules / modules_to_save
             name = lora_draft_name(rc)
-            if name in fixed_names | produced or name.endswith("_int8"):
+            if name in fixed_names | produced | {STAGES[s].draft(rc) for s in rc.stages if s == "finetune"} \
+                    or name.endswith("_int8"):
                 raise ValueError(f"lora.name={name!r} would replace another draft of this run (drafts/{name}); "
                                  f"choose another lora.name (default lora_<domain>)")
             produced.add(name)
         elif stage == "finetune":
             check_base_available(rc.lora.base, run_dir, produced)
+            produced.add(STAGES[stage].draft(rc))
         elif stage == "adapt":
             check_base_available(rc.adapt.draft, run_dir, produced, key="adapt.draft")
+            check_modules_before_loading(rc.adapt.draft, run_dir, rc.lora)
         elif stage == "baseline" and rc.distill.baseline_budget == "wall_clock" and "distilled" not in produced \
                 and not (run_dir / "drafts" / "distilled" / "specdraft.json").exists():
             raise ValueError("distill.baseline_budget=wall_clock matches the baseline's time to the distilled "

@@ -101,12 +101,12 @@ def test_threads_are_restored_after_an_error(block_threads):
         assert torch.get_num_threads() == 1
 
 
-@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("off", "off"), ("2", "2"), (4, "4"), (" AUTO ", "auto")])
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), ("off", "off"), ("2", 2), (4, 4), (" AUTO ", "auto")])
 def test_setting_accepts_auto_off_and_thread_counts(value, expected):
     assert DecodeConfig(block_threads=value).block_threads == expected
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "two", "", "1.5"])
+@pytest.mark.parametrize("value", ["0", "-1", "two", "", "1.5", None, True, "\u00b2", "\u0663"])
 def test_setting_refuses_other_values_naming_the_key(value):
     with pytest.raises(ValueError, match=r"decode\.block_threads must be auto, off or a positive number"):
         DecodeConfig(block_threads=value)

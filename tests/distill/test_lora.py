@@ -397,3 +397,21 @@ def test_modules_to_save_errors_name_the_key():
         LoraSectionConfig(target_modules=["q_proj", "lm_head"], modules_to_save=["lm_head"])
     with pytest.raises(LoraError, match=r"lora.modules_to_save \['head'\] match no layer"):
         wrap_lora(tiny_llama(), LoraSectionConfig(modules_to_save=["head"]))
+    # a layer that also gets an adapter (all-linear, the family default, a list) or that contains adapted layers:
+    # peft would train it in full instead, or find nothing to adapt
+    for targets, saved in ((ALL_LINEAR, "q_proj"), (None, "v_proj"), (["q_proj"], "self_attn"), (["down_proj"], "model")):
+        with pytest.raises(LoraError, match=rf"modules_to_save names '{saved}', but .* gets an adapter"):
+            wrap_lora(tiny_llama(), LoraSectionConfig(target_modules=targets, modules_to_save=[saved]))
+
+
+def test_module_names_are_checked_from_the_base_config_before_any_weights_load(tmp_path):
+    from distill.lora import check_modules_before_loading
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    (tmp_path / "base" / "model.safetensors").unlink()  # only config.json is read
+    check_modules_before_loading("base", tmp_path, LoraSectionConfig(modules_to_save=["lm_head"]))
+    with pytest.raises(LoraError, match=r"modules_to_save \['nope'\] match no layer"):
+        check_modules_before_loading("base", tmp_path, LoraSectionConfig(modules_to_save=["nope"]))
+    with pytest.raises(LoraError, match=r"target_modules \['qkv'\] match no layer"):
+        check_modules_before_loading(str(tmp_path / "base"), tmp_path, LoraSectionConfig(target_modules=["qkv"]))
+    check_modules_before_loading("drafts/distilled", tmp_path, LoraSectionConfig(modules_to_save=["nope"]))  # later

@@ -309,9 +309,12 @@ def check_modules_before_loading(base: str, run_dir: Path, cfg: LoraSectionConfi
         return
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(found)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+    try:
+        config = AutoConfig.from_pretrained(found)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+    except (ValueError, OSError, KeyError):  # not a loadable config: the stage's checkpoint check reports it
+        return
     check_modules(skeleton, cfg)
 
 

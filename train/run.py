@@ -133,12 +133,12 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
     for stage in rc.stages:
         if stage == "lora":
             check_base_available(rc.lora.base, run_dir, produced)
-            check_modules_before_loading(rc.lora.base, run_dir, rc.lora)  # target_modules / modules_to_save
             name = lora_draft_name(rc)
             if name in fixed_names | produced | {STAGES[s].draft(rc) for s in rc.stages if s == "finetune"} \
                     or name.endswith("_int8"):
                 raise ValueError(f"lora.name={name!r} would replace another draft of this run (drafts/{name}); "
                                  f"choose another lora.name (default lora_<domain>)")
+            check_modules_before_loading(rc.lora.base, run_dir, rc.lora)  # target_modules / modules_to_save
             produced.add(name)
         elif stage == "finetune":
             check_base_available(rc.lora.base, run_dir, produced)

@@ -30,6 +30,7 @@ __all__ = ["set_block_threads", "block_thread_count", "resolved_block_threads", 
            "block_threads_setting", "available_cores", "BlockThreads"]
 
 _setting = "auto"
+_threads: int | None = None  # the count _setting resolves to on a CPU (None: off); set with the setting, not per forward
 
 
 def available_cores() -> int:
@@ -62,11 +63,13 @@ def set_block_threads(value) -> None:
     ``"off"`` (keep the caller's ``torch.get_num_threads()``) or a thread count (at most the cores the process may
     use: more threads than cores only contend for them, so a larger count is capped, with a warning). Raises
     ``ValueError`` otherwise."""
-    global _setting
+    global _setting, _threads
     _setting = parse_block_threads(value)
-    if isinstance(_setting, int) and _setting > available_cores():
+    cores = available_cores()
+    if isinstance(_setting, int) and _setting > cores:
         log.warning("decode.block_threads=%d exceeds the %d CPU cores this process may use: using %d", _setting,
-                    available_cores(), available_cores())
+                    cores, cores)
+    _threads = None if _setting == "off" else cores if _setting == "auto" else min(_setting, cores)
 
 
 def block_threads_setting() -> str | int:
@@ -77,9 +80,9 @@ def block_threads_setting() -> str | int:
 def resolved_block_threads(device) -> int | None:
     """Threads that forwards over more than one token on ``device`` use under the current setting; ``None``: the
     caller's (not a CPU, or ``off``). For records (metrics.json ``context.decode_block_threads``)."""
-    if _setting == "off" or torch.device(device).type != "cpu":
+    if _threads is None or torch.device(device).type != "cpu":
         return None
-    return available_cores() if _setting == "auto" else min(_setting, available_cores())
+    return _threads
 
 
 def block_thread_count(device) -> int | None:
@@ -109,3 +112,6 @@ class BlockThreads:
         if self.prev is not None:
             torch.set_num_threads(self.prev)
         return False
+
+
+set_block_threads(_setting)  # resolve the default once, at import

@@ -254,7 +254,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                            tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     from decode.fast_llama import compile_enabled, compile_seconds, set_compile
-    from decode.threads import resolved_block_threads, set_block_threads
+    from decode.threads import set_block_threads
 
     set_compile(rc.decode.compile)  # decode.compile: the lean forwards built from here on
     set_block_threads(rc.decode.block_threads)  # decode.block_threads: forwards over more than one token
@@ -267,8 +267,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
                "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
                                   "compile_time_s": compile_seconds() - compile_s0},
-               "decode_block_threads": {"setting": rc.decode.block_threads,
-                                        "threads": resolved_block_threads(device)},
+               "decode_block_threads": {"setting": rc.decode.block_threads, "threads": runtime["block_threads"]},
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,

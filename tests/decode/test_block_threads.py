@@ -16,9 +16,9 @@ from decode.fast_llama import FastKVState
 @pytest.fixture
 def block_threads():
     """Set decode.block_threads for one test; the caller's thread count and the setting are restored after it."""
-    prev = torch.get_num_threads()
+    prev, saved = torch.get_num_threads(), (block._setting, block._threads)
     yield block.set_block_threads
-    block.set_block_threads("auto")
+    block._setting, block._threads = saved  # as they were (available_cores may still be patched here)
     torch.set_num_threads(prev)
 
 

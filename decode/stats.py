@@ -5,7 +5,8 @@ Definitions (Leviathan et al. 2023, "Fast Inference from Transformers via Specul
 - acceptance rate ``alpha`` = accepted draft tokens / drafted tokens, *pooled* over all verify steps.
 - mean accepted length ``tau`` = emitted tokens / verify steps, **including the bonus (or correction) token**, so
   ``1 <= tau <= gamma + 1``. Pooled: sum of emitted / sum of verify steps, never a mean of per-prompt means.
-- expected speedup (Thm 3.8): ``(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))`` with cost ratio ``c``.
+- expected speedup (Thm 3.8): ``(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))`` with cost ratio ``c``;
+  from measured parts (:func:`expected_speedup_from_costs`): ``tau / mean(k c + v_k)`` over the verify steps.
 
 In a batch every active row counts as its own verify step (a "row-step"), so batched and unbatched runs of the same
 prompts give the same statistics.
@@ -16,7 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-__all__ = ["AcceptanceStats", "expected_speedup", "expected_speedup_mixture"]
+__all__ = ["AcceptanceStats", "expected_speedup", "expected_speedup_mixture", "expected_speedup_from_costs"]
 
 
 def _add_lists(a: list, b: list) -> list:
@@ -234,3 +235,58 @@ def expected_speedup_mixture(acceptance_rate: float, draft_length_histogram: lis
                  for k, h in enumerate(draft_length_histogram))
     cost = sum(h * (k * c + 1.0) for k, h in enumerate(draft_length_histogram))
     return tokens / cost if cost else float("nan")
+
+
+def expected_speedup_from_costs(mean_accepted_length: float, draft_length_histogram: Iterable[int],
+                                cost_ratio: float, verify_cost_ratio, nodes_per_step: float | None = None) -> float:
+    """Expected walltime improvement from the measured parts of a step: tokens per step over the step's cost.
+
+    ``tau / (sum_k h[k] (k c + v_k) / sum_k h[k])``: ``tau`` = the measured mean accepted length (emitted tokens
+    per verify step, bonus included), ``h[k]`` = steps that drafted ``k`` tokens, ``c`` = cost ratio (one-position
+    draft forward / one-position target forward) and ``v_k`` = verify cost ratio of a step with ``k`` draft tokens
+    (the target's (k + 1)-position forward / its one-position forward; ``v_0 = 1``). This is Leviathan et al. 2023,
+    Sec. 3.3 / Thm 3.8 with the i.i.d. acceptance term replaced by the measured tau and the verify forward costing
+    its measured ``v_k`` instead of 1: on a CPU (and for wide blocks anywhere) ``v_k`` grows with ``k`` and is not
+    even monotone (a 4-position forward measured slower than a 5-position one on the development machine, MKL's
+    small-M kernels). A token tree (``nodes_per_step`` given): a step drafts one level per draft forward, its depth
+    ``k`` from the histogram, and verifies ``n`` = ``round(nodes_per_step)`` nodes, so its cost is ``k c + v_n``
+    (each level counted as one one-position draft forward: a lower bound of the tree's drafting cost).
+
+    Args:
+        mean_accepted_length: tau >= 0 (tokens per verify step).
+        draft_length_histogram: ``[k]`` = verify steps that drafted ``k`` tokens (tree: of depth ``k``).
+        cost_ratio: c >= 0.
+        verify_cost_ratio: mapping ``k -> v_k`` (int keys, or their strings as in ``metrics.json``); a ``v``
+            that is needed and missing makes the result NaN.
+        nodes_per_step: nodes a token tree verifies per step (None: a chain).
+
+    Returns:
+        The expected speedup (a ratio); NaN for an empty histogram, a non-finite tau or a missing ``v_k``.
+
+    Raises:
+        ValueError: ``c < 0``, a negative count or a ``v_k <= 0``.
+    """
+    c = float(cost_ratio)
+    if not (c >= 0.0):
+        raise ValueError(f"cost_ratio must be >= 0 (got {cost_ratio!r}).")
+    hist = list(draft_length_histogram)
+    if any(h < 0 for h in hist):
+        raise ValueError(f"draft_length_histogram counts must be >= 0 (got {hist!r}).")
+    v = {int(k): float(x) for k, x in dict(verify_cost_ratio or {}).items()}
+    if any(not (x > 0.0) for x in v.values()):
+        raise ValueError(f"verify cost ratios must be > 0 (got {verify_cost_ratio!r}).")
+    v.setdefault(0, 1.0)
+    tau = float(mean_accepted_length)
+    steps = sum(hist)
+    if not steps or not math.isfinite(tau):
+        return float("nan")
+    if nodes_per_step is not None:
+        n = int(round(float(nodes_per_step)))
+        if n not in v:
+            return float("nan")
+        depth = sum(k * h for k, h in enumerate(hist)) / steps
+        return tau / (depth * c + v[n])
+    if any(h and k not in v for k, h in enumerate(hist)):
+        return float("nan")
+    cost = sum(h * (k * c + v[k]) for k, h in enumerate(hist) if h) / steps
+    return tau / cost

@@ -13,9 +13,10 @@ policy) and the measured forward times:
 - ``verify_cost_ratio`` v ((gamma + 1)-position target forward / one-position target forward, medians, measured
   once per gamma: ``verify_cost_ratio.<gamma>``, :func:`decode.block_forward_times_s`) and
   ``verify_cost_ratio_in_loop = (verify_s / verify_steps) / target_forward_s``;
-- ``expected_speedup_components``: ``(1 - a^(g+1)) / ((1 - a)(g c + v))`` with the measured c and v
-  (:func:`decode.expected_speedup`), beside ``expected_speedup_leviathan`` (v = 1, Leviathan et al. 2023,
-  Thm 3.8) and the ``measured_speedup``.
+- ``expected_speedup_components``: the cell's measured tau over its steps' mean cost ``k c + v_k``
+  (:func:`decode.stats.expected_speedup_from_costs`, the value the verdicts break ties with), beside
+  ``expected_speedup_leviathan`` (``(1 - a^(g+1)) / ((1 - a)(g c + 1))``, v = 1, Leviathan et al. 2023, Thm 3.8)
+  and the ``measured_speedup``.
 
 A value that cannot be computed (rows written before ``prefill_time_s`` was recorded, nothing drafted, no verify
 measurement) is ``None``.
@@ -73,7 +74,7 @@ def time_breakdown(rows: list[dict], cost_ratio: dict, verify_cost_ratio: dict |
                 "verify_cost_ratio_in_loop": _div(_div(verify_s, steps), t1),
                 "measured_speedup": entry.get("measured_speedup"),
                 "expected_speedup_leviathan": expected_speedup(a, g, c) if finite else None,
-                "expected_speedup_components": expected_speedup(a, g, c, v) if finite and v else None,
+                "expected_speedup_components": entry.get("expected_speedup_components") if v else None,
             }
     return out
 

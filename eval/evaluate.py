@@ -60,15 +60,33 @@ def load_record(before, after) -> dict:
             "overloaded": max(before[0], after[0]) > cores}
 
 
-def measure_verify_cost_ratio(target, input_ids: torch.Tensor, gammas, trials: int = 20) -> dict[str, dict]:
-    """Verify cost ratio v per gamma: ``{str(gamma): {"verify_cost_ratio", "verify_forward_s", "target_forward_s"}}``
-    = (gamma + 1)-position target forward / one-position forward (medians of ``trials``, the decoder's own
-    forward path, widths alternating: :func:`decode.block_forward_times_s`)."""
+def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20) -> dict[str, dict]:
+    """Verify cost ratio v per draft length k: ``{str(k): {"verify_cost_ratio", "verify_forward_s",
+    "target_forward_s"}}`` = (k + 1)-position target forward / one-position forward (medians of ``trials``, the
+    decoder's own forward path, widths alternating: :func:`decode.block_forward_times_s`). ``draft_lengths``: the
+    gammas, and every other draft length (or tree node count) a decode used; 0 is skipped (v_0 = 1)."""
     device = next(target.parameters()).device
-    widths = sorted({1, *(int(g) + 1 for g in gammas)})
+    ks = sorted({int(k) for k in draft_lengths if int(k) > 0})
+    widths = sorted({1, *(k + 1 for k in ks)})
     t = block_forward_times_s(target, input_ids.to(device), widths, steps=trials)
-    return {str(g): {"verify_cost_ratio": t[g + 1] / t[1], "verify_forward_s": t[g + 1], "target_forward_s": t[1]}
-            for g in gammas}
+    return {str(k): {"verify_cost_ratio": t[k + 1] / t[1], "verify_forward_s": t[k + 1], "target_forward_s": t[1]}
+            for k in ks}
+
+
+def verified_lengths(rows: list[dict]) -> set[int]:
+    """Every number of draft tokens a verify step of ``rows`` scored: the chains' per-step draft lengths, and per
+    token-tree cell (draft, domain, tree) its pooled nodes per step, rounded: the widths
+    :func:`decode.stats.expected_speedup_from_costs` needs."""
+    out: set[int] = set()
+    trees: dict[tuple, list[int]] = {}
+    for r in rows:
+        if r.get("nodes_verified") is not None and str(r.get("draft_length_policy", "")).startswith("tree:"):
+            acc = trees.setdefault((r["draft"], r["domain"], r["draft_length_policy"]), [0, 0])
+            acc[0], acc[1] = acc[0] + int(r["nodes_verified"]), acc[1] + int(r["verify_steps"])
+        else:
+            out.update(int(k) for k in r.get("draft_lengths") or [])
+    out.update(int(round(n / s)) for n, s in trees.values() if s)
+    return out
 
 
 @dataclass
@@ -146,7 +164,7 @@ def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool,
         "prompt_tokens": ids.size(1), "truncated": truncated,
         "new_tokens": int(out.num_new_tokens[0]), "verify_steps": s.verify_steps,
         "drafted_tokens": s.drafted_tokens, "accepted_tokens": s.accepted_tokens,
-        "emitted_tokens": s.emitted_tokens, "draft_time_s": s.draft_time_s,
+        "emitted_tokens": s.emitted_tokens, "nodes_verified": s.nodes_verified, "draft_time_s": s.draft_time_s,
         "verify_time_s": s.verify_time_s, "prefill_time_s": s.prefill_time_s,
         "speculative_time_s": sum(ts) / len(ts),
         "target_new_tokens": int(ref.num_new_tokens[0]), "target_time_s": sum(t_ref) / len(t_ref),
@@ -217,7 +235,6 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
     _warm_up(target, drafts, probe, gammas[0], eos, pad)
     cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
-    verify = measure_verify_cost_ratio(target, probe, gammas, cost_ratio_trials)
     if events:
         events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
     rows: list[dict] = []
@@ -253,6 +270,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         if events:
             events("eval_domain_done", domain=domain, prompts=len(prompts),
                    seconds=time.perf_counter() - t_domain, machine_load=load[domain])
+    # v for every draft length the decodes used (and the gammas): the verdicts' cost model weighs each step by it
+    verify = measure_verify_cost_ratio(target, probe, set(gammas) | verified_lengths(rows), cost_ratio_trials)
     if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)

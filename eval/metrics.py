@@ -18,7 +18,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from decode.stats import expected_speedup, expected_speedup_mixture
+from decode.stats import expected_speedup, expected_speedup_from_costs, expected_speedup_mixture
 
 # per_prompt.csv columns, in order. List-valued columns are space-separated integers.
 PER_PROMPT_COLUMNS = (
@@ -26,15 +26,16 @@ PER_PROMPT_COLUMNS = (
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
     "accepted_length_histogram", "draft_length_policy", "draft_lengths", "speculative_trial_times_s",
-    "target_trial_times_s", "prefill_time_s",
+    "target_trial_times_s", "prefill_time_s", "nodes_verified",
 )
 LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
 # columns added after the first files were written: their value in an older per_prompt.csv / row
 COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": [], "speculative_trial_times_s": [],
-                   "target_trial_times_s": [], "prefill_time_s": None}
+                   "target_trial_times_s": [], "prefill_time_s": None, "nodes_verified": None}
 # per-trial wall times (seconds, one per timing trial; space-separated in the CSV)
 FLOAT_LIST_COLUMNS = ("speculative_trial_times_s", "target_trial_times_s")
 OPTIONAL_FLOAT_COLUMNS = ("prefill_time_s",)  # None when unknown (an older file)
+OPTIONAL_INT_COLUMNS = ("nodes_verified",)
 FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
                "emitted_tokens", "target_new_tokens")
@@ -146,14 +147,17 @@ def draft_length_histogram(rows: Iterable[dict]) -> list[int]:
 
 def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, bootstrap_samples: int = 1000,
                  confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
-                 draft_length_policy: str = FIXED) -> dict:
+                 draft_length_policy: str = FIXED, verify_cost_ratio: dict | None = None) -> dict:
     """All metrics of one (draft, domain, num_draft_tokens) cell, or of one (draft, domain, policy) cell, from its
     per-prompt rows (see docs/reports.md, "Report fields").
 
     The draft lengths the decoder used are ``draft_length_histogram`` (pooled from the rows' ``draft_lengths``) and
     ``mean_draft_length`` = drafted tokens / verify steps. A fixed gamma's expected speedup is Leviathan et al.'s
     Thm 3.8 at that gamma; a policy's is the same formula pooled over the draft lengths it used
-    (:func:`decode.stats.expected_speedup_mixture`)."""
+    (:func:`decode.stats.expected_speedup_mixture`). ``expected_speedup_components`` is the expectation from the
+    measured parts instead: the cell's tau over its steps' mean cost ``k c + v_k`` in one-position target forwards
+    (:func:`decode.stats.expected_speedup_from_costs`; ``verify_cost_ratio``: ``{str(k): {"verify_cost_ratio"}}``
+    as :func:`eval.evaluate.measure_verify_cost_ratio` returns it; None without it or a needed ``v_k``)."""
     g = int(num_draft_tokens)
     dl_hist = draft_length_histogram(rows)
     col = lambda k: np.asarray([r[k] for r in rows], dtype=float)  # noqa: E731  (n,) per-prompt column
@@ -181,6 +185,11 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     paired = float(np.median(pairs)) if pairs.size else float("nan")
     c = float(cost_ratio)
     exp_speedup, exp_tau = _expected(token_alpha, g, c, dl_hist, draft_length_policy)
+    v = {k: x["verify_cost_ratio"] for k, x in (verify_cost_ratio or {}).items()}
+    nodes = [r.get("nodes_verified") for r in rows]
+    tree = str(draft_length_policy).startswith("tree:") and bool(rows) and None not in nodes
+    components = expected_speedup_from_costs(tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None) \
+        if v else float("nan")
     equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
@@ -211,6 +220,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
         "timing_trials": int(spec_trials.shape[1]),
         "paired_speedup_median": paired,
         "expected_speedup": exp_speedup,
+        "expected_speedup_components": _nan_to_none(components),
         "cost_ratio": c,
         "num_prompts": len(rows),
         "lossless": (all(equal) if equal else None) if check_lossless else None,
@@ -274,7 +284,7 @@ def ratios_vs_reference(rows: list[dict], *, num_draft_tokens: int, reference: s
 
 def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_draft_tokens: int,
               bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
-              check_lossless: bool = True) -> dict:
+              check_lossless: bool = True, verify_cost_ratio: dict | None = None) -> dict:
     """Per-prompt rows -> ``{"drafts": {draft: {domain: entry}}, "recommendation": {domain: ...}}``.
 
     ``entry`` holds the metrics at the primary gamma (``primary_num_draft_tokens`` if it was measured, else the
@@ -300,11 +310,12 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
         policies.setdefault((draft, domain), {})[name] = cell_metrics(
             cell, cost_ratio[draft], num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
             bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed, check_lossless=check_lossless,
-            draft_length_policy=name)
+            draft_length_policy=name, verify_cost_ratio=verify_cost_ratio)
     drafts: dict[str, dict[str, dict]] = {}
     for (draft, domain, g), cell in cells.items():
         e = cell_metrics(cell, cost_ratio[draft], num_draft_tokens=g, bootstrap_samples=bootstrap_samples,
-                         confidence=confidence, seed=seed, check_lossless=check_lossless)
+                         confidence=confidence, seed=seed, check_lossless=check_lossless,
+                         verify_cost_ratio=verify_cost_ratio)
         drafts.setdefault(draft, {}).setdefault(domain, {})[g] = e
     out: dict[str, dict[str, dict]] = {}
     recommendation: dict[str, dict] = {}
@@ -333,7 +344,9 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
                         "measured_speedup": e["measured_speedup"], "measured_speedup_ci": e["measured_speedup_ci"],
                         "mean_accepted_length": e["mean_accepted_length"],
                         "mean_accepted_length_ci": e["mean_accepted_length_ci"],
-                        "expected_speedup": e["expected_speedup"], "mean_draft_length": e["mean_draft_length"]}
+                        "expected_speedup": e["expected_speedup"],
+                        "expected_speedup_components": e["expected_speedup_components"],
+                        "mean_draft_length": e["mean_draft_length"]}
                 cur = recommendation.get(domain)
                 if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
                     recommendation[domain] = cand
@@ -380,6 +393,8 @@ def row_from_csv(rec: dict[str, str]) -> dict:
         out[k] = float(rec[k])
     for k in OPTIONAL_FLOAT_COLUMNS:
         out[k] = None if rec.get(k) in (None, "") else float(rec[k])
+    for k in OPTIONAL_INT_COLUMNS:
+        out[k] = None if rec.get(k) in (None, "") else int(rec[k])
     for k in BOOL_COLUMNS:
         out[k] = None if rec[k] == "" else rec[k] == "True"
     for k in LIST_COLUMNS:

@@ -14,9 +14,14 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
    measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
    among ``best`` and the tied settings whose interval is not wholly below 1 (only those whose interval lies wholly
    above 1, when there are any: measured clearly faster than the target alone) is the highest expected speedup of the
-   cost model (Leviathan et al. 2023, Thm 3.8: ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` with the
-   measured per-token acceptance alpha and the measured cost ratio c; a policy pools it over the draft lengths it
-   used), then the higher mean accepted length tau; the verdict says "tie" and why.
+   measured cost model, ``tau / mean(k c + v_k)`` over the setting's verify steps
+   (:func:`decode.stats.expected_speedup_from_costs`: its measured mean accepted length tau, the measured cost
+   ratio c and the measured verify cost ratio v_k of a k-token block), then the higher tau; the verdict says "tie"
+   and why. Without measured verify cost ratios (an older ``metrics.json``) the model is Leviathan et al. 2023,
+   Thm 3.8, ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` (v = 1, per-token acceptance alpha) for every
+   setting. The verify forward's cost decides between gammas on a CPU: with v = 1 the model preferred gamma 3
+   (measured 1.22x) to gamma 4 (1.47x) in a ``distill_med`` run whose 4-position verify forward cost 1.97 one-token
+   forwards and the 5-position one 1.46.
 
 So no decision recommends a setting whose measured speedup interval lies wholly below 1.
 
@@ -37,6 +42,7 @@ log = logging.getLogger(__name__)
 TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
 FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
+COMPONENTS_FORMULA = "tau / mean(k c + v_k)"  # decode.stats.expected_speedup_from_costs
 
 
 def _num(x) -> float:
@@ -88,11 +94,21 @@ def candidates(doc: dict, domain: str) -> list[dict]:
             out.append({"draft": draft, "draft_length_policy": policy, "num_draft_tokens": e["num_draft_tokens"],
                         "measured_speedup": e["measured_speedup"], "measured_speedup_ci": e.get("measured_speedup_ci"),
                         "expected_speedup": e.get("expected_speedup"),
+                        "expected_speedup_components": e.get("expected_speedup_components"),
                         "mean_accepted_length": e.get("mean_accepted_length"),
                         "mean_accepted_length_ci": e.get("mean_accepted_length_ci"),
                         "mean_draft_length": e.get("mean_draft_length"),
                         "projected_speedup": e.get("projected_speedup")})
     return out
+
+
+def model_field(pool: list[dict]) -> str:
+    """The cost model a tie is broken with: ``expected_speedup_components`` (measured tau, c and v_k) when every
+    setting of ``pool`` has it, else Leviathan's ``expected_speedup`` (v = 1) for all of them (one model for the
+    whole comparison)."""
+    if pool and all(not math.isnan(_num(c.get("expected_speedup_components"))) for c in pool):
+        return "expected_speedup_components"
+    return "expected_speedup"
 
 
 def decide(cands: list[dict]) -> dict:
@@ -101,7 +117,7 @@ def decide(cands: list[dict]) -> dict:
     Args:
         cands: candidates as :func:`candidates` builds them (at least ``draft``, ``draft_length_policy``,
             ``num_draft_tokens``, ``measured_speedup``, ``measured_speedup_ci`` ([low, high] or None),
-            ``expected_speedup``, ``mean_accepted_length``).
+            ``expected_speedup``, ``mean_accepted_length``; ``expected_speedup_components`` when measured).
 
     Returns:
         ``{"action": "speculate" | "target_only" | "none", "basis": "measured" | "tie" | "below_one" | "none",
@@ -132,15 +148,18 @@ def decide(cands: list[dict]) -> dict:
     else:
         pool = [best] + [c for c in tied if interval(c)[1] >= 1.0]  # never a setting wholly below 1
         above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
-        chosen = max(above or pool, key=lambda c: (_key(c.get("expected_speedup")),
-                                                   _key(c.get("mean_accepted_length")), order(c)))
+        field = model_field(above or pool)
+        chosen = max(above or pool, key=lambda c: (_key(c.get(field)), _key(c.get("mean_accepted_length")),
+                                                   order(c)))
         basis = "tie"
+        how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c and verify cost ratio v_k of each "
+               f"k-token block" if field == "expected_speedup_components"
+               else f"{FORMULA} from the measured acceptance and cost ratio c (no verify cost ratios measured)")
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
                   f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
                   + (" among those whose interval lies above 1" if above else "")
-                  + f": the highest expected speedup {FORMULA} from the measured acceptance and cost ratio c "
-                  f"({_fmt(chosen.get('expected_speedup'))}x), then the higher tau")
+                  + f": the highest expected speedup {how} ({_fmt(chosen.get(field))}x), then the higher tau")
     return {"action": SPECULATE, "basis": basis, **chosen, "best_measured": best_view,
             "tied_with": [f"{c['draft']}:{label(c)}" for c in tied], "reason": reason}
 
@@ -175,7 +194,8 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         above = [o for o in pool if interval(o)[0] >= 1.0]
         assert any(o is c for o in (above or pool)), "tie pick not among the tied settings measured above 1"
         pool = above or pool
-        ex = lambda o: _num(o.get("expected_speedup"))  # noqa: E731
+        field = model_field(pool)
+        ex = lambda o: _num(o.get(field))  # noqa: E731
         best_ex = max((ex(o) for o in pool if not math.isnan(ex(o))), default=math.nan)
         assert math.isnan(best_ex) or ex(c) == best_ex, "tie not broken by the cost model"
 
@@ -317,7 +337,10 @@ def verdict_line(doc: dict, domain: str) -> str:
         line = (f"use `{r['draft']}` with {label(r)}: measured speedup {_fmt(e['measured_speedup'])}x"
                 + (f" [{_fmt(e['measured_speedup_ci'][0])}, {_fmt(e['measured_speedup_ci'][1])}]"
                    if e.get("measured_speedup_ci") else "")
-                + f" (Leviathan expects {_fmt(e['expected_speedup'])}x), tau {_fmt(e['mean_accepted_length'])}"
+                + f" (Leviathan expects {_fmt(e['expected_speedup'])}x"
+                + (f", the measured parts {_fmt(e['expected_speedup_components'])}x"
+                   if e.get("expected_speedup_components") is not None else "")
+                + f"), tau {_fmt(e['mean_accepted_length'])}"
                 + (f" [{_fmt(e['mean_accepted_length_ci'][0])}, {_fmt(e['mean_accepted_length_ci'][1])}]"
                    if e.get("mean_accepted_length_ci") else ""))
         if r.get("draft_length_policy", "fixed") != "fixed":

@@ -5,6 +5,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from decode_testutils import left_pad, make_pair, random_prompts
 
@@ -243,3 +245,39 @@ def test_right_padding_and_shapes_rejected():
         speculative_generate(target, draft, ids, torch.ones(2, 2, dtype=torch.long), max_new_tokens=2)
     with pytest.raises(ValueError, match="prompt_len"):
         speculative_generate(target, draft, torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2)
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.floats(0.0, 0.99), g=st.integers(1, 8), c=st.floats(0.0, 1.0),
+       v=st.lists(st.floats(0.5, 4.0), min_size=9, max_size=9), steps=st.lists(st.integers(0, 20), min_size=9,
+                                                                             max_size=9))
+def test_expected_speedup_from_costs_prices_every_step_with_its_own_verify_cost(a, g, c, v, steps):
+    """tau / mean(k c + v_k): with every step at gamma and v_k = 1 it is Leviathan's Thm 3.8 at the i.i.d. tau;
+    with a mixed histogram each step costs its own k c + v_k; a missing v_k gives NaN, never a guess."""
+    from decode.stats import expected_speedup, expected_speedup_from_costs
+
+    tau = (1 - a ** (g + 1)) / (1 - a)
+    hist = [0] * g + [5]
+    assert expected_speedup_from_costs(tau, hist, c, {g: 1.0}) == pytest.approx(expected_speedup(a, g, c))
+    assert expected_speedup_from_costs(tau, hist, c, {str(g): v[g]}) == pytest.approx(tau / (g * c + v[g]))
+    vk = {k: v[k] for k in range(1, 9)}
+    if sum(steps):
+        want = tau * sum(steps) / sum(h * (k * c + (vk[k] if k else 1.0)) for k, h in enumerate(steps))
+        assert expected_speedup_from_costs(tau, steps, c, vk) == pytest.approx(want)
+        used = [k for k, h in enumerate(steps) if h and k]
+        if used:  # a step length without its measured v
+            assert math.isnan(expected_speedup_from_costs(tau, steps, c, {k: x for k, x in vk.items() if k != used[0]}))
+    # a token tree: depth levels of one-position draft forwards, the verify forward of its nodes
+    assert expected_speedup_from_costs(tau, hist, c, {7: 2.0}, nodes_per_step=6.6) == pytest.approx(tau / (g * c + 2.0))
+    assert math.isnan(expected_speedup_from_costs(tau, [], c, vk))
+
+
+def test_expected_speedup_from_costs_rejects_bad_input():
+    from decode.stats import expected_speedup_from_costs
+
+    with pytest.raises(ValueError, match="cost_ratio"):
+        expected_speedup_from_costs(2.0, [0, 1], -0.1, {1: 1.2})
+    with pytest.raises(ValueError, match="verify cost ratios"):
+        expected_speedup_from_costs(2.0, [0, 1], 0.1, {1: 0.0})
+    with pytest.raises(ValueError, match="counts"):
+        expected_speedup_from_costs(2.0, [0, -1], 0.1, {1: 1.2})

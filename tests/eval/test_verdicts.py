@@ -42,6 +42,8 @@ def tables(draw):
             [s - draw(st.floats(0.0, 1.5)), s + draw(st.floats(0.0, 1.5))])
         out.append({"draft": draft, "draft_length_policy": policy, "num_draft_tokens": g, "measured_speedup": s,
                     "measured_speedup_ci": ci, "expected_speedup": draw(st.floats(0.1, 5.0)),
+                    # measured verify cost ratios: usually for every setting, sometimes missing (an older file)
+                    "expected_speedup_components": draw(st.one_of(st.floats(0.1, 5.0), st.just(None))),
                     "mean_accepted_length": draw(st.floats(1.0, 7.0))})
     return out
 
@@ -87,6 +89,32 @@ def test_check_consistent_catches_a_wrong_decision():
     assert (r["basis"], r["draft"]) == ("tie", "a")
     with pytest.raises(AssertionError):
         check_consistent({**r, "draft": "b", "num_draft_tokens": 4}, cands)
+
+
+def test_a_tie_is_broken_with_the_measured_verify_cost_not_v_equal_1():
+    """A distill_med run (medical): gamma 4 measured 1.47x [1.14, 1.75], gamma 3 1.22x [1.01, 1.37], tied. With
+    v = 1, Leviathan's model expects more of gamma 3 (1.93x vs 1.90x) and picked the slower setting; with the
+    measured verify cost ratios (a 4-position forward cost 1.97 one-token forwards, a 5-position one 1.46) the cost
+    model expects tau / (k c + v_k) = 3.13 / (3 x 0.244 + 1.97) = 1.16x against 3.60 / (4 x 0.244 + 1.46) = 1.48x
+    and picks gamma 4, the one measured faster."""
+    from decode.stats import expected_speedup_from_costs
+
+    c, v = 0.244, {"3": 1.971, "4": 1.457}
+    g3 = {"draft": "distilled", "draft_length_policy": "fixed", "num_draft_tokens": 3, "measured_speedup": 1.22,
+          "measured_speedup_ci": [1.01, 1.37], "expected_speedup": 1.93, "mean_accepted_length": 3.13,
+          "expected_speedup_components": expected_speedup_from_costs(3.13, [0, 0, 0, 10], c, v)}
+    g4 = {"draft": "distilled", "draft_length_policy": "fixed", "num_draft_tokens": 4, "measured_speedup": 1.47,
+          "measured_speedup_ci": [1.14, 1.75], "expected_speedup": 1.90, "mean_accepted_length": 3.60,
+          "expected_speedup_components": expected_speedup_from_costs(3.60, [0, 0, 0, 0, 10], c, v)}
+    assert g3["expected_speedup_components"] == pytest.approx(3.13 / (3 * c + 1.971))
+    r = decide([g3, g4])
+    check_consistent(r, [g3, g4])
+    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 4) and "verify cost ratio v_k" in r["reason"]
+    # without measured verify costs (an older metrics.json) both fall back to Leviathan's v = 1, never a mix
+    old = [{**x, "expected_speedup_components": None} for x in (g3, g4)]
+    assert decide(old)["num_draft_tokens"] == 3 and "no verify cost ratios measured" in decide(old)["reason"]
+    mixed = [g3, {**g4, "expected_speedup_components": None}]
+    assert decide(mixed)["num_draft_tokens"] == 3  # one setting lacks it: Leviathan's model for both
 
 
 def test_speedup_interval_resamples_timing_trials_as_well_as_prompts():

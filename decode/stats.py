@@ -238,10 +238,11 @@ def expected_speedup_mixture(acceptance_rate: float, draft_length_histogram: lis
 
 
 def expected_speedup_from_costs(mean_accepted_length: float, draft_length_histogram: Iterable[int],
-                                cost_ratio: float, verify_cost_ratio, nodes_per_step: float | None = None) -> float:
+                                cost_ratio: float, verify_cost_ratio, nodes_per_step: float | None = None,
+                                step_overhead: float = 0.0) -> float:
     """Expected walltime improvement from the measured parts of a step: tokens per step over the step's cost.
 
-    ``tau / (sum_k h[k] (k c + v_k) / sum_k h[k])``: ``tau`` = the measured mean accepted length (emitted tokens
+    ``tau / (sum_k h[k] (k c + v_k) / sum_k h[k] + o)``: ``tau`` = the measured mean accepted length (emitted tokens
     per verify step, bonus included), ``h[k]`` = steps that drafted ``k`` tokens, ``c`` = cost ratio (one-position
     draft forward / one-position target forward) and ``v_k`` = verify cost ratio of a step with ``k`` draft tokens
     (the target's (k + 1)-position forward / its one-position forward; ``v_0 = 1``). This is Leviathan et al. 2023,
@@ -250,7 +251,9 @@ def expected_speedup_from_costs(mean_accepted_length: float, draft_length_histog
     even monotone (a 4-position forward measured slower than a 5-position one on the development machine, MKL's
     small-M kernels). A token tree (``nodes_per_step`` given): a step drafts one level per draft forward, its depth
     ``k`` from the histogram, and verifies ``n`` = ``round(nodes_per_step)`` nodes, so its cost is ``k c + v_n``
-    (each level counted as one one-position draft forward: a lower bound of the tree's drafting cost).
+    (each level counted as one one-position draft forward: a lower bound of the tree's drafting cost). ``o`` =
+    ``step_overhead``: the loop's own work per verify step outside the forwards (acceptance, bookkeeping, cache
+    edits), in one-position target forwards; it weighs on short steps most (gamma 1 pays it every 1-2 tokens).
 
     Args:
         mean_accepted_length: tau >= 0 (tokens per verify step).
@@ -259,16 +262,19 @@ def expected_speedup_from_costs(mean_accepted_length: float, draft_length_histog
         verify_cost_ratio: mapping ``k -> v_k`` (int keys, or their strings as in ``metrics.json``); a ``v``
             that is needed and missing makes the result NaN.
         nodes_per_step: nodes a token tree verifies per step (None: a chain).
+        step_overhead: o >= 0, in one-position target forwards (0: forwards only).
 
     Returns:
         The expected speedup (a ratio); NaN for an empty histogram, a non-finite tau or a missing ``v_k``.
 
     Raises:
-        ValueError: ``c < 0``, a negative count or a ``v_k <= 0``.
+        ValueError: ``c < 0``, ``o < 0``, a negative count or a ``v_k <= 0``.
     """
-    c = float(cost_ratio)
+    c, o = float(cost_ratio), float(step_overhead)
     if not (c >= 0.0):
         raise ValueError(f"cost_ratio must be >= 0 (got {cost_ratio!r}).")
+    if not (o >= 0.0):
+        raise ValueError(f"step_overhead must be >= 0 (got {step_overhead!r}).")
     hist = list(draft_length_histogram)
     if any(h < 0 for h in hist):
         raise ValueError(f"draft_length_histogram counts must be >= 0 (got {hist!r}).")
@@ -285,8 +291,8 @@ def expected_speedup_from_costs(mean_accepted_length: float, draft_length_histog
         if n not in v:
             return float("nan")
         depth = sum(k * h for k, h in enumerate(hist)) / steps
-        return tau / (depth * c + v[n])
+        return tau / (depth * c + v[n] + o)
     if any(h and k not in v for k, h in enumerate(hist)):
         return float("nan")
     cost = sum(h * (k * c + v[k]) for k, h in enumerate(hist) if h) / steps
-    return tau / cost
+    return tau / (cost + o)

@@ -147,7 +147,8 @@ def draft_length_histogram(rows: Iterable[dict]) -> list[int]:
 
 def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, bootstrap_samples: int = 1000,
                  confidence: float = 0.95, seed: int = 0, check_lossless: bool = True,
-                 draft_length_policy: str = FIXED, verify_cost_ratio: dict | None = None) -> dict:
+                 draft_length_policy: str = FIXED, verify_cost_ratio: dict | None = None,
+                 step_overhead: float | None = None) -> dict:
     """All metrics of one (draft, domain, num_draft_tokens) cell, or of one (draft, domain, policy) cell, from its
     per-prompt rows (see docs/reports.md, "Report fields").
 
@@ -157,7 +158,9 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     (:func:`decode.stats.expected_speedup_mixture`). ``expected_speedup_components`` is the expectation from the
     measured parts instead: the cell's tau over its steps' mean cost ``k c + v_k`` in one-position target forwards
     (:func:`decode.stats.expected_speedup_from_costs`; ``verify_cost_ratio``: ``{str(k): {"verify_cost_ratio"}}``
-    as :func:`eval.evaluate.measure_verify_cost_ratio` returns it; None without it or a needed ``v_k``)."""
+    as :func:`eval.evaluate.measure_verify_cost_ratio` returns it; ``step_overhead``: the loop's own work per step
+    in one-position target forwards, :func:`loop_overhead_per_step`; None without ``verify_cost_ratio``, ``step_overhead``
+    or a needed ``v_k``)."""
     g = int(num_draft_tokens)
     dl_hist = draft_length_histogram(rows)
     col = lambda k: np.asarray([r[k] for r in rows], dtype=float)  # noqa: E731  (n,) per-prompt column
@@ -188,8 +191,8 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     v = {k: x["verify_cost_ratio"] for k, x in (verify_cost_ratio or {}).items()}
     nodes = [r.get("nodes_verified") for r in rows]
     tree = str(draft_length_policy).startswith("tree:") and bool(rows) and None not in nodes
-    components = expected_speedup_from_costs(tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None) \
-        if v else float("nan")
+    components = expected_speedup_from_costs(tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None,
+                                             step_overhead) if v and step_overhead is not None else float("nan")
     equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
@@ -221,6 +224,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
         "paired_speedup_median": paired,
         "expected_speedup": exp_speedup,
         "expected_speedup_components": _nan_to_none(components),
+        "loop_overhead_per_step": step_overhead,
         "cost_ratio": c,
         "num_prompts": len(rows),
         "lossless": (all(equal) if equal else None) if check_lossless else None,
@@ -282,9 +286,22 @@ def ratios_vs_reference(rows: list[dict], *, num_draft_tokens: int, reference: s
     return out
 
 
+def loop_overhead_per_step(rows: list[dict], target_forward_s: float | None) -> float | None:
+    """The loop's own work per verify step, in one-position target forwards: ``sum(speculative_time_s -
+    prefill_time_s - draft_time_s - verify_time_s) / sum(verify_steps) / target_forward_s`` over ``rows`` (one draft
+    and domain, every setting pooled: the bookkeeping per step hardly depends on gamma), clipped at 0. None without
+    ``prefill_time_s`` (an older file), a target forward time or steps."""
+    if not target_forward_s or not rows or any(r.get("prefill_time_s") is None for r in rows):
+        return None
+    steps = sum(r["verify_steps"] for r in rows)
+    other = sum(r["speculative_time_s"] - r["prefill_time_s"] - r["draft_time_s"] - r["verify_time_s"] for r in rows)
+    return max(0.0, other / steps / target_forward_s) if steps else None
+
+
 def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_draft_tokens: int,
               bootstrap_samples: int = 1000, confidence: float = 0.95, seed: int = 0,
-              check_lossless: bool = True, verify_cost_ratio: dict | None = None) -> dict:
+              check_lossless: bool = True, verify_cost_ratio: dict | None = None,
+              target_forward_s: dict[str, float] | None = None) -> dict:
     """Per-prompt rows -> ``{"drafts": {draft: {domain: entry}}, "recommendation": {domain: ...}}``.
 
     ``entry`` holds the metrics at the primary gamma (``primary_num_draft_tokens`` if it was measured, else the
@@ -292,7 +309,9 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     (highest measured speedup) and ``leviathan_curve`` (expected speedup for gamma = 1..max, from the token
     acceptance rate pooled over the sweep). ``recommendation[domain]`` = the (draft, gamma) with the highest measured
     speedup. ``vs_baseline`` = :func:`ratios_vs_reference` at the primary gamma when a draft is named
-    ``baseline``. ``cost_ratio`` maps draft -> c.
+    ``baseline``. ``cost_ratio`` maps draft -> c. ``verify_cost_ratio`` (``metrics.json``'s) and
+    ``target_forward_s`` (draft -> the target's one-position forward in seconds, measured with its c) give every
+    cell's ``expected_speedup_components`` (:func:`cell_metrics`, with :func:`loop_overhead_per_step` per draft and domain).
 
     Rows of a draft-length policy other than ``fixed`` (column ``draft_length_policy``) are pooled per (draft,
     domain, policy) into ``policies.<name>`` of the entry; they compete with the sweep for ``recommendation``
@@ -305,17 +324,21 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
             cells.setdefault((r["draft"], r["domain"], int(r["num_draft_tokens"])), []).append(r)
         else:
             policy_cells.setdefault((r["draft"], r["domain"], policy_of(r)), []).append(r)
+    by_pair: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        by_pair.setdefault((r["draft"], r["domain"]), []).append(r)
+    overhead = {pair: loop_overhead_per_step(rs, (target_forward_s or {}).get(pair[0])) for pair, rs in by_pair.items()}
     policies: dict[tuple[str, str], dict[str, dict]] = {}
     for (draft, domain, name), cell in policy_cells.items():
         policies.setdefault((draft, domain), {})[name] = cell_metrics(
             cell, cost_ratio[draft], num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
             bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed, check_lossless=check_lossless,
-            draft_length_policy=name, verify_cost_ratio=verify_cost_ratio)
+            draft_length_policy=name, verify_cost_ratio=verify_cost_ratio, step_overhead=overhead[(draft, domain)])
     drafts: dict[str, dict[str, dict]] = {}
     for (draft, domain, g), cell in cells.items():
         e = cell_metrics(cell, cost_ratio[draft], num_draft_tokens=g, bootstrap_samples=bootstrap_samples,
                          confidence=confidence, seed=seed, check_lossless=check_lossless,
-                         verify_cost_ratio=verify_cost_ratio)
+                         verify_cost_ratio=verify_cost_ratio, step_overhead=overhead[(draft, domain)])
         drafts.setdefault(draft, {}).setdefault(domain, {})[g] = e
     out: dict[str, dict[str, dict]] = {}
     recommendation: dict[str, dict] = {}

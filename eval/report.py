@@ -59,7 +59,8 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
     cost = {n: c["cost_ratio"] for n, c in results["cost_ratio"].items()}
     agg = aggregate(results["rows"], cost, primary_num_draft_tokens=primary, bootstrap_samples=bootstrap_samples,
                     confidence=confidence, seed=seed, check_lossless=check_lossless,
-                    verify_cost_ratio=results.get("verify_cost_ratio"))
+                    verify_cost_ratio=results.get("verify_cost_ratio"),
+                    target_forward_s={n: c.get("target_forward_s") for n, c in results["cost_ratio"].items()})
     all_lossless = [e["lossless"] for by_domain in agg["drafts"].values() for entry in by_domain.values()
                     for e in [*entry["sweep"].values(), *entry.get("policies", {}).values()]
                     if e["lossless"] is not None]

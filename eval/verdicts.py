@@ -14,10 +14,10 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
    measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
    among ``best`` and the tied settings whose interval is not wholly below 1 (only those whose interval lies wholly
    above 1, when there are any: measured clearly faster than the target alone) is the highest expected speedup of the
-   measured cost model, ``tau / mean(k c + v_k)`` over the setting's verify steps
+   measured cost model, ``tau / (mean(k c + v_k) + o)`` over the setting's verify steps
    (:func:`decode.stats.expected_speedup_from_costs`: its measured mean accepted length tau, the measured cost
-   ratio c and the measured verify cost ratio v_k of a k-token block), then the higher tau; the verdict says "tie"
-   and why. Without measured verify cost ratios (an older ``metrics.json``) the model is Leviathan et al. 2023,
+   ratio c, the measured verify cost ratio v_k of a k-token block and the loop's measured own work per step o, in
+   one-position target forwards), then the higher tau; the verdict says "tie" and why. Without measured verify cost ratios (an older ``metrics.json``) the model is Leviathan et al. 2023,
    Thm 3.8, ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` (v = 1, per-token acceptance alpha) for every
    setting. The verify forward's cost decides between gammas on a CPU: with v = 1 the model preferred gamma 3
    (measured 1.22x) to gamma 4 (1.47x) in a ``distill_med`` run whose 4-position verify forward cost 1.97 one-token
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
 FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
-COMPONENTS_FORMULA = "tau / mean(k c + v_k)"  # decode.stats.expected_speedup_from_costs
+COMPONENTS_FORMULA = "tau / (mean(k c + v_k) + o)"  # decode.stats.expected_speedup_from_costs
 
 
 def _num(x) -> float:
@@ -152,8 +152,8 @@ def decide(cands: list[dict]) -> dict:
         chosen = max(above or pool, key=lambda c: (_key(c.get(field)), _key(c.get("mean_accepted_length")),
                                                    order(c)))
         basis = "tie"
-        how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c and verify cost ratio v_k of each "
-               f"k-token block" if field == "expected_speedup_components"
+        how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c, verify cost ratio v_k of each "
+               f"k-token block and loop overhead per step o" if field == "expected_speedup_components"
                else f"{FORMULA} from the measured acceptance and cost ratio c (no verify cost ratios measured)")
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "

@@ -143,7 +143,8 @@ def test_recorded_draft_lengths_are_what_the_decoder_ran(policy_runs, policy):
     assert cell["mean_draft_length"] == pytest.approx(sum(lengths_seen) / len(lengths_seen))
     again = json_clean(aggregate(_csv_rows(run_dir), {n: c["cost_ratio"] for n, c in doc["cost_ratio"].items()},
                                  primary_num_draft_tokens=doc["num_draft_tokens"], bootstrap_samples=0,
-                                 seed=doc["context"]["seed"], verify_cost_ratio=doc["verify_cost_ratio"]))
+                                 seed=doc["context"]["seed"], verify_cost_ratio=doc["verify_cost_ratio"],
+                                 target_forward_s={n: c["target_forward_s"] for n, c in doc["cost_ratio"].items()}))
     assert again["drafts"] == doc["drafts"] and again["recommendation"] == doc["best_measured"]
 
 

@@ -141,7 +141,8 @@ def test_per_prompt_csv_recomputes_metrics_json(cli_run):
     rows = read_per_prompt_csv(run_dir / "per_prompt.csv")
     again = json_clean(aggregate(rows, {n: c["cost_ratio"] for n, c in doc["cost_ratio"].items()},
                                  primary_num_draft_tokens=doc["num_draft_tokens"], bootstrap_samples=200,
-                                 seed=doc["context"]["seed"], verify_cost_ratio=doc["verify_cost_ratio"]))
+                                 seed=doc["context"]["seed"], verify_cost_ratio=doc["verify_cost_ratio"],
+                                 target_forward_s={n: c["target_forward_s"] for n, c in doc["cost_ratio"].items()}))
     assert again["drafts"] == doc["drafts"]
     assert again["recommendation"] == doc["best_measured"]  # the fastest measured setting; the verdict's decision
     from eval.verdicts import candidates, decide  # is a function of the document's numbers

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the 
 ROOT = Path(__file__).resolve().parents[2]
 TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
         "User: hello there\nAssistant: hi, how can I help?", "The patient reports chest pain and cough."] * 20
-TIMING = ("_time_s", "_times_s", "_tokens_per_s", "speedup", "cost_ratio", "latency", "draft_forward_s", "target_forward_s",
+TIMING = ("_time_s", "_times_s", "_tokens_per_s", "speedup", "cost_ratio", "overhead", "latency", "draft_forward_s", "target_forward_s",
           "best_num_draft_tokens", "leviathan_curve")  # the last two follow the measured speedup
 
 

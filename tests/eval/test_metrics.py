@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from decode.stats import expected_speedup, expected_speedup_mixture
-from eval.metrics import (PER_PROMPT_COLUMNS, aggregate, bootstrap_ratio_ci, cell_metrics, json_clean, percentiles,
+from eval.metrics import (PER_PROMPT_COLUMNS, aggregate, loop_overhead_per_step, bootstrap_ratio_ci, cell_metrics, json_clean, percentiles,
                           read_per_prompt_csv)
 from eval.report import metrics_document, render_markdown, write_per_prompt_csv, write_report
 
@@ -277,7 +277,11 @@ def test_time_breakdown_splits_the_wall_time_and_prices_the_measured_components(
     a = doc["drafts"]["a"]["x"]["token_acceptance_rate"]
     assert e["expected_speedup_leviathan"] == pytest.approx(doc["drafts"]["a"]["x"]["expected_speedup"])
     tau = doc["drafts"]["a"]["x"]["mean_accepted_length"]
-    assert e["expected_speedup_components"] == pytest.approx(tau / (2 * 0.2 + v))  # every step drafted 2 tokens
+    o = (wall - sum(parts)) / steps / 1e-3  # the loop's own work per step, in target forwards (1 ms each here)
+    assert doc["drafts"]["a"]["x"]["loop_overhead_per_step"] == pytest.approx(
+        loop_overhead_per_step(rows[:-1] + [rows[-1]], 1e-3))  # every setting of the draft and domain pooled
+    o = doc["drafts"]["a"]["x"]["loop_overhead_per_step"]
+    assert e["expected_speedup_components"] == pytest.approx(tau / (2 * 0.2 + v + o))  # every step drafted 2 tokens
     assert e["expected_speedup_components"] == doc["drafts"]["a"]["x"]["expected_speedup_components"]
     assert e["measured_speedup"] == doc["drafts"]["a"]["x"]["measured_speedup"]
     md = "\n".join(time_breakdown_section(doc))

@@ -50,14 +50,28 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def load_record(before, after) -> dict:
+OTHER_LOAD_LIMIT = 0.5  # cores other processes may keep busy before a domain's timing counts as disturbed
+
+
+def load_record(before, after, own_cores: float | None = None) -> dict:
     """The machine's load around a measurement: ``{"loadavg_before": [1, 5, 15 min], "loadavg_after": [...],
-    "cores": n, "overloaded": bool}``; overloaded when the 1-minute load average before or after exceeds the
-    cores (runnable processes queue for a core, so wall times include waiting)."""
+    "cores": n, "own_cores", "other_load", "overloaded": bool}``.
+
+    ``own_cores``: the cores this process kept busy while measuring (its CPU seconds / wall seconds, all threads).
+    ``other_load`` = the higher 1-minute load average minus ``own_cores``: what other processes added (the load
+    average counts this process's busy threads too, so an evaluation on every core holds it at the core count by
+    itself). Overloaded when ``other_load`` exceeds :data:`OTHER_LOAD_LIMIT` (half a core); without ``own_cores``
+    (an older caller) when the load average exceeds the cores."""
     cores = cpu_cores()
     before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
-    return {"loadavg_before": before, "loadavg_after": after, "cores": cores,
-            "overloaded": max(before[0], after[0]) > cores}
+    peak = max(before[0], after[0])
+    if own_cores is None:
+        return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": None,
+                "other_load": None, "overloaded": peak > cores}
+    own = round(float(own_cores), 2)
+    other = round(max(0.0, peak - own), 2)
+    return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": own,
+            "other_load": other, "overloaded": other > OTHER_LOAD_LIMIT}
 
 
 def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20) -> dict[str, dict]:
@@ -246,7 +260,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     load: dict[str, dict] = {}
     target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
     for domain, prompts in prompts_by_domain.items():
-        t_domain = time.perf_counter()
+        t_domain, cpu_domain = time.perf_counter(), time.process_time()
         tgt_tokens, tgt_time = 0, 0.0
         load_before = os.getloadavg()
         bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
@@ -264,7 +278,9 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
                                      t_spec[(k, name)], ref, t_ref, compare))
         bar.close()
-        load[domain] = load_record(load_before, os.getloadavg())
+        wall_domain = time.perf_counter() - t_domain
+        load[domain] = load_record(load_before, os.getloadavg(),
+                                   (time.process_time() - cpu_domain) / wall_domain if wall_domain > 0 else None)
         target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
                                "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
         if events:

@@ -26,8 +26,8 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
 So no decision recommends a setting whose measured speedup interval lies wholly below 1.
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
-times its point estimate, or the machine's 1-minute load average exceeded its core count while the domain was
-timed.
+times its point estimate, or other processes kept more than half a core busy while the domain was timed (the
+1-minute load average minus the cores the evaluation itself used; ``eval.evaluate.load_record``).
 """
 from __future__ import annotations
 
@@ -295,8 +295,12 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
                    f"estimate (eval.noisy_relative_width)")
     load = (doc.get("timing") or {}).get("machine_load", {}).get(domain)
     if load and load.get("overloaded"):
-        out.append(f"load average {max(load['loadavg_before'][0], load['loadavg_after'][0]):.2f} above the "
-                   f"{load['cores']} cores while timing")
+        peak = max(load["loadavg_before"][0], load["loadavg_after"][0])
+        if load.get("other_load") is None:
+            out.append(f"load average {peak:.2f} above the {load['cores']} cores while timing")
+        else:
+            out.append(f"other processes kept {load['other_load']:.2f} cores busy while timing (load average "
+                       f"{peak:.2f}, this evaluation {load['own_cores']:.2f} of {load['cores']} cores)")
     return out
 
 
@@ -406,9 +410,11 @@ def verdicts_section(doc: dict) -> str:
                      f"interleaved prompt by prompt; speedup intervals resample prompts and trials (paired).")
     if loads:
         peak = max(max(x["loadavg_before"][0], x["loadavg_after"][0]) for x in loads)
+        other = [x["other_load"] for x in loads if x.get("other_load") is not None]
         notes.append(f"Machine load while timing: 1-minute load average up to {peak:.2f} on {loads[0]['cores']} "
-                     f"core(s)" + (" (above the core count: timings include waiting for a core)."
-                                   if any(x["overloaded"] for x in loads) else "."))
+                     f"core(s)" + (f", of which other processes up to {max(other):.2f}" if other else "")
+                     + (" (other processes competed for the cores: timings include waiting for a core)."
+                        if any(x["overloaded"] for x in loads) else "."))
     if doc.get("noisy"):
         notes.append(f"Noisy timing in {len(doc['noisy'])} domain(s) ({', '.join(doc['noisy'])}): re-measure on a "
                      f"quiet machine, or with more eval.timing_trials / eval.max_prompts, before relying on their "

@@ -320,3 +320,25 @@ def test_bad_timing_and_deployment_settings_are_one_line_config_errors(override,
     with pytest.raises(ValueError) as ei:
         validate_eval({"eval": {"device": "cpu", **override}})
     assert message in str(ei.value) and "\n" not in str(ei.value)
+
+
+def test_an_evaluation_on_every_core_is_not_noisy_by_its_own_load(monkeypatch):
+    """The load average counts the evaluation's own busy threads: on 2 cores an evaluation using both holds it at
+    about 2 by itself, which must not mark the timing noisy; another process keeping a core busy must."""
+    import eval.evaluate as ev
+
+    monkeypatch.setattr(ev, "cpu_cores", lambda: 2)
+    alone = ev.load_record([2.03, 1, 1], [1.98, 1, 1], own_cores=1.95)
+    assert not alone["overloaded"] and alone["other_load"] == pytest.approx(0.08)
+    busy = ev.load_record([3.1, 1, 1], [2.9, 1, 1], own_cores=1.6)  # a burner took about 1.5 cores
+    assert busy["overloaded"] and busy["other_load"] == pytest.approx(1.5)
+    one_thread = ev.load_record([1.9, 1, 1], [1.9, 1, 1], own_cores=1.0)  # one core left to another process
+    assert one_thread["overloaded"]
+    old = ev.load_record([2.5, 1, 1], [1.0, 1, 1])  # no own-CPU figure: the core count is the limit
+    assert old["overloaded"] and old["other_load"] is None
+    from eval.verdicts import noisy_reasons
+
+    doc = {"timing": {"machine_load": {"x": busy}}}
+    reasons = noisy_reasons(doc, "x", {"measured_speedup": 1.0, "measured_speedup_ci": [0.95, 1.05]}, 0.5)
+    assert reasons == ["other processes kept 1.50 cores busy while timing (load average 3.10, this evaluation 1.60 "
+                       "of 2 cores)"]

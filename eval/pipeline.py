@@ -359,6 +359,8 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
             for group_drafts, group_prompts in groups if group_prompts]
     results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},
+               # each group measured v for the draft lengths its own decodes used
+               "verify_cost_ratio": {k: v for p in parts for k, v in (p.get("verify_cost_ratio") or {}).items()},
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
                "machine_load": {d: x for p in parts for d, x in p["machine_load"].items()},
                "target_only": {d: x for p in parts for d, x in p["target_only"].items()},

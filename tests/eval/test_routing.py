@@ -144,6 +144,13 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     chat = doc["context"]["draft_routing"]["target_only"]["chat"]  # decoded with the target alone
     assert chat["prompts"] == 1 and chat["new_tokens"] == 4 and chat["tokens_per_s"] > 0
     assert "- **chat**: decoded with the target alone" in (tmp_path / "run" / "report.md").read_text()
+    # each routed group measured v for its own draft lengths; the document keeps every group's
+    from eval.metrics import read_per_prompt_csv
+
+    used = {k for r in read_per_prompt_csv(tmp_path / "run" / "per_prompt.csv") for k in r["draft_lengths"] if k}
+    assert used and used <= {int(k) for k in doc["verify_cost_ratio"]}
+    assert all(doc["drafts"][n][d]["expected_speedup_components"] is not None for n, d in (("a", "medical"),
+                                                                                          ("b", "code")))
 
     # a domain without a route (and no default) fails before any model loads
     cfg["eval"]["plots"] = False

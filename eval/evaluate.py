@@ -50,26 +50,40 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-OTHER_LOAD_LIMIT = 0.5  # cores other processes may keep busy before a domain's timing counts as disturbed
+OTHER_LOAD_LIMIT = 0.25  # cores other processes may keep busy before a domain's timing counts as disturbed
 
 
-def load_record(before, after, own_cores: float | None = None) -> dict:
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has spent busy since boot (``/proc/stat``'s first line: everything
+    but idle and iowait), or None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def load_record(before, after, own_cores: float | None = None, other_cores: float | None = None) -> dict:
     """The machine's load around a measurement: ``{"loadavg_before": [1, 5, 15 min], "loadavg_after": [...],
     "cores": n, "own_cores", "other_load", "overloaded": bool}``.
 
     ``own_cores``: the cores this process kept busy while measuring (its CPU seconds / wall seconds, all threads).
-    ``other_load`` = the higher 1-minute load average minus ``own_cores``: what other processes added (the load
-    average counts this process's busy threads too, so an evaluation on every core holds it at the core count by
-    itself). Overloaded when ``other_load`` exceeds :data:`OTHER_LOAD_LIMIT` (half a core); without ``own_cores``
-    (an older caller) when the load average exceeds the cores."""
+    ``other_cores``: the cores every other process kept busy over the same interval (the machine's busy CPU
+    seconds from ``/proc/stat`` minus this process's, per wall second): recorded as ``other_load``. Without it,
+    ``other_load`` = the higher 1-minute load average minus ``own_cores`` (the load average counts this process's
+    busy threads too, and lags by about a minute). Overloaded when ``other_load`` exceeds :data:`OTHER_LOAD_LIMIT`
+    (a quarter of a core); without ``own_cores`` either (an older caller) when the load average exceeds the
+    cores."""
     cores = cpu_cores()
     before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
     peak = max(before[0], after[0])
-    if own_cores is None:
+    if own_cores is None and other_cores is None:
         return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": None,
                 "other_load": None, "overloaded": peak > cores}
-    own = round(float(own_cores), 2)
-    other = round(max(0.0, peak - own), 2)
+    own = None if own_cores is None else round(float(own_cores), 2)
+    other = round(max(0.0, float(other_cores) if other_cores is not None else peak - own), 2)
     return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": own,
             "other_load": other, "overloaded": other > OTHER_LOAD_LIMIT}
 
@@ -77,10 +91,13 @@ def load_record(before, after, own_cores: float | None = None) -> dict:
 def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20) -> dict[str, dict]:
     """Verify cost ratio v per draft length k: ``{str(k): {"verify_cost_ratio", "verify_forward_s",
     "target_forward_s"}}`` = (k + 1)-position target forward / one-position forward (medians of ``trials``, the
-    decoder's own forward path, widths alternating: :func:`decode.block_forward_times_s`). ``draft_lengths``: the
-    gammas, and every other draft length (or tree node count) a decode used; 0 is skipped (v_0 = 1)."""
+    decoder's own forward path, widths alternating: :func:`decode.block_forward_times_s`). ``draft_lengths``: every
+    draft length (and token tree's mean node count) the decodes used, :func:`verified_lengths`; 0 is skipped
+    (v_0 = 1)."""
     device = next(target.parameters()).device
     ks = sorted({int(k) for k in draft_lengths if int(k) > 0})
+    if not ks:
+        return {}
     widths = sorted({1, *(k + 1 for k in ks)})
     t = block_forward_times_s(target, input_ids.to(device), widths, steps=trials)
     return {str(k): {"verify_cost_ratio": t[k + 1] / t[1], "verify_forward_s": t[k + 1], "target_forward_s": t[1]}
@@ -260,7 +277,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     load: dict[str, dict] = {}
     target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
     for domain, prompts in prompts_by_domain.items():
-        t_domain, cpu_domain = time.perf_counter(), time.process_time()
+        t_domain, cpu_domain, busy_domain = time.perf_counter(), time.process_time(), busy_cpu_seconds()
         tgt_tokens, tgt_time = 0, 0.0
         load_before = os.getloadavg()
         bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
@@ -278,16 +295,20 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
                                      t_spec[(k, name)], ref, t_ref, compare))
         bar.close()
-        wall_domain = time.perf_counter() - t_domain
-        load[domain] = load_record(load_before, os.getloadavg(),
-                                   (time.process_time() - cpu_domain) / wall_domain if wall_domain > 0 else None)
+        wall_domain, own_s, busy_end = time.perf_counter() - t_domain, time.process_time() - cpu_domain, \
+            busy_cpu_seconds()
+        load[domain] = load_record(
+            load_before, os.getloadavg(), own_s / wall_domain if wall_domain > 0 else None,
+            (busy_end - busy_domain - own_s) / wall_domain if wall_domain > 0 and None not in (busy_domain, busy_end)
+            else None)
         target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
                                "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
         if events:
             events("eval_domain_done", domain=domain, prompts=len(prompts),
                    seconds=time.perf_counter() - t_domain, machine_load=load[domain])
-    # v for every draft length the decodes used (and the gammas): the verdicts' cost model weighs each step by it
-    verify = measure_verify_cost_ratio(target, probe, set(gammas) | verified_lengths(rows), cost_ratio_trials)
+    # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4 new
+    # tokens drafts at most 4): the verdicts' cost model weighs each step by it
+    verify = measure_verify_cost_ratio(target, probe, verified_lengths(rows), cost_ratio_trials)
     if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)

@@ -190,9 +190,11 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     exp_speedup, exp_tau = _expected(token_alpha, g, c, dl_hist, draft_length_policy)
     v = {k: x["verify_cost_ratio"] for k, x in (verify_cost_ratio or {}).items()}
     nodes = [r.get("nodes_verified") for r in rows]
-    tree = str(draft_length_policy).startswith("tree:") and bool(rows) and None not in nodes
-    components = expected_speedup_from_costs(tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None,
-                                             step_overhead) if v and step_overhead is not None else float("nan")
+    tree = str(draft_length_policy).startswith("tree:")
+    known = bool(v) and step_overhead is not None and not (tree and None in nodes)  # an older file: unknown, never
+    components = expected_speedup_from_costs(  # a tree priced as a chain
+        tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None, step_overhead) \
+        if known and rows else float("nan")
     equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
@@ -310,8 +312,9 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     acceptance rate pooled over the sweep). ``recommendation[domain]`` = the (draft, gamma) with the highest measured
     speedup. ``vs_baseline`` = :func:`ratios_vs_reference` at the primary gamma when a draft is named
     ``baseline``. ``cost_ratio`` maps draft -> c. ``verify_cost_ratio`` (``metrics.json``'s) and
-    ``target_forward_s`` (draft -> the target's one-position forward in seconds, measured with its c) give every
-    cell's ``expected_speedup_components`` (:func:`cell_metrics`, with :func:`loop_overhead_per_step` per draft and domain).
+    ``target_forward_s`` (draft -> the target's one-position forward in seconds, measured with its c; the one
+    measured with the verify cost ratios is used instead when they carry it) give every cell's
+    ``expected_speedup_components`` (:func:`cell_metrics`, with :func:`loop_overhead_per_step` per draft and domain).
 
     Rows of a draft-length policy other than ``fixed`` (column ``draft_length_policy``) are pooled per (draft,
     domain, policy) into ``policies.<name>`` of the entry; they compete with the sweep for ``recommendation``
@@ -327,7 +330,11 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     by_pair: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         by_pair.setdefault((r["draft"], r["domain"]), []).append(r)
-    overhead = {pair: loop_overhead_per_step(rs, (target_forward_s or {}).get(pair[0])) for pair, rs in by_pair.items()}
+    # o in the unit the v_k it is added to share: the target forward measured with them (else the one measured with c)
+    unit = next((x.get("target_forward_s") for x in (verify_cost_ratio or {}).values() if x.get("target_forward_s")),
+                None)
+    overhead = {pair: loop_overhead_per_step(rs, unit or (target_forward_s or {}).get(pair[0]))
+                for pair, rs in by_pair.items()}
     policies: dict[tuple[str, str], dict[str, dict]] = {}
     for (draft, domain, name), cell in policy_cells.items():
         policies.setdefault((draft, domain), {})[name] = cell_metrics(

@@ -138,10 +138,11 @@ def policies_section(doc: dict) -> list[str]:
     lines = ["", f"## Draft-length policies ([{level}% CI])", "",
              "Each policy decodes the same prompts as the fixed-gamma sweep (parameters: `decode.*`). Expected "
              "speedup: Leviathan et al.'s Thm 3.8 with the token acceptance rate, pooled over the draft lengths "
-             "actually used for a policy. Draft lengths used: `length:verify steps` (the last step of a prompt drafts "
+             "actually used for a policy; expected from measured costs: tau / (mean(k c + v_k) + o), what ties are "
+             "broken with (see Verdicts). Draft lengths used: `length:verify steps` (the last step of a prompt drafts "
              "fewer when fewer tokens remain).", "",
              "| domain | draft | setting | tau | acceptance rate | measured speedup | expected speedup | "
-             "mean draft length | draft lengths used | lossless |", "|" + "---|" * 10]
+             "expected from measured costs | mean draft length | draft lengths used | lossless |", "|" + "---|" * 11]
     for d in domains_of(doc):
         rec = doc["recommendation"].get(d, {})
         for n, by_domain in doc["drafts"].items():
@@ -157,7 +158,10 @@ def policies_section(doc: dict) -> list[str]:
                              f"{_ci(e['mean_accepted_length'], e.get('mean_accepted_length_ci'))} | "
                              f"{_fmt(e['acceptance_rate'])} | "
                              f"{_ci(e['measured_speedup'], e.get('measured_speedup_ci'), 2, 'x')} | "
-                             f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e.get('mean_draft_length'), 2)} | "
+                             f"{_fmt(e['expected_speedup'], 2)}x | "
+                             f"{_fmt(e.get('expected_speedup_components'), 2)}"
+                             f"{'x' if e.get('expected_speedup_components') is not None else ''} | "
+                             f"{_fmt(e.get('mean_draft_length'), 2)} | "
                              f"{histogram_text(e.get('draft_length_histogram'))} | {_fmt(e['lossless'])} |")
     lines += ["", "Bold: the recommended setting of the domain (see Verdicts: measured speedup where the intervals "
               "separate, else the cost model; none when decoding with the target alone)."]

@@ -26,8 +26,8 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
 So no decision recommends a setting whose measured speedup interval lies wholly below 1.
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
-times its point estimate, or other processes kept more than half a core busy while the domain was timed (the
-1-minute load average minus the cores the evaluation itself used; ``eval.evaluate.load_record``).
+times its point estimate, or other processes kept more than a quarter of a core busy while the domain was timed
+(the machine's busy CPU time minus the evaluation's own; ``eval.evaluate.load_record``).
 """
 from __future__ import annotations
 
@@ -154,7 +154,8 @@ def decide(cands: list[dict]) -> dict:
         basis = "tie"
         how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c, verify cost ratio v_k of each "
                f"k-token block and loop overhead per step o" if field == "expected_speedup_components"
-               else f"{FORMULA} from the measured acceptance and cost ratio c (no verify cost ratios measured)")
+               else f"{FORMULA} from the measured acceptance and cost ratio c (the measured step costs, v_k and o, "
+                    f"are incomplete for these settings)")
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
                   f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"

@@ -108,6 +108,24 @@ def test_aggregate_recommends_the_fastest_measured_setting_per_domain():
     assert curve["expected_speedup"][3] == pytest.approx(expected_speedup(alpha, 4, 0.2))
 
 
+def test_measured_parts_are_unknown_rather_than_guessed_for_an_older_tree_row():
+    """A token-tree cell prices its step with the verify cost of its nodes; a row from a file written before
+    ``nodes_verified`` existed gives no expectation (null), never the chain formula at the tree's depth."""
+    v = {"2": {"verify_cost_ratio": 1.3}, "5": {"verify_cost_ratio": 1.6}}
+    tree = [row(g=2, policy="tree:2,1", pid=str(i)) for i in range(3)]
+    for r in tree:
+        r["nodes_verified"] = 5 * r["verify_steps"]
+    e = cell_metrics(tree, 0.2, num_draft_tokens=2, bootstrap_samples=0, draft_length_policy="tree:2,1",
+                     verify_cost_ratio=v, step_overhead=0.1)
+    assert e["expected_speedup_components"] == pytest.approx(e["mean_accepted_length"] / (2 * 0.2 + 1.6 + 0.1))
+    older = [{**r, "nodes_verified": None} for r in tree]
+    assert cell_metrics(older, 0.2, num_draft_tokens=2, bootstrap_samples=0, draft_length_policy="tree:2,1",
+                        verify_cost_ratio=v, step_overhead=0.1)["expected_speedup_components"] is None
+    chain = cell_metrics([{**r, "nodes_verified": None} for r in (row(g=2, pid="c"),)], 0.2, num_draft_tokens=2,
+                         bootstrap_samples=0, verify_cost_ratio=v, step_overhead=0.1)
+    assert chain["expected_speedup_components"] is not None  # a chain needs no node count
+
+
 def test_csv_round_trip_rebuilds_every_number(tmp_path):
     rows = _sweep_rows()
     rows[0]["greedy_equal"] = None

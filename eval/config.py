@@ -113,6 +113,11 @@ class EvalConfig:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "
                                  f"got {self.num_draft_tokens}")
+            over = [g for g in self.num_draft_tokens if g > self.max_new_tokens]
+            if over:  # no step drafts more than the tokens left; a huge gamma only bloats curves and plots
+                raise ValueError(f"eval.num_draft_tokens {over} exceed eval.max_new_tokens={self.max_new_tokens}: no "
+                                 f"verify step can draft more tokens than are left to generate. Use gammas <= "
+                                 f"{self.max_new_tokens}, or raise eval.max_new_tokens")
         if self.draft_length_policies is not None:
             from decode.config import DRAFT_LENGTH_POLICIES
 

@@ -220,6 +220,7 @@ def test_bad_target_exits_nonzero(models, tmp_path):
     ("decode.num_draft_tokens=0", "num_draft_tokens"),
     ("eval.domains=[nope]", "nope"),
     ("eval.num_draft_tokens=[2,0]", "eval.num_draft_tokens"),
+    ("eval.num_draft_tokens=[2,100000]", "exceed eval.max_new_tokens"),  # a gamma no step can reach
     ("eval.bootstrap_samples=-1", "bootstrap_samples"),
     ("eval.extra_domains=[{name: chat, path: x.jsonl, text_field: q}]", "registered domain"),
     ("eval.extra_domains=[{name: mine, path: /no/such/file.jsonl, text_field: q}]", "/no/such/file.jsonl"),

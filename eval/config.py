@@ -247,6 +247,10 @@ class EvalRootConfig:
     def __post_init__(self):
         for name in self.eval.policies(self.decode.draft_length_policy):
             self.decode.check_policy(name)  # e.g. adaptive needs decode.num_draft_tokens within its bounds
+        if self.eval.num_draft_tokens is None and self.decode.num_draft_tokens > self.eval.max_new_tokens:
+            raise ValueError(f"decode.num_draft_tokens={self.decode.num_draft_tokens} exceeds eval.max_new_tokens="
+                             f"{self.eval.max_new_tokens}: no verify step can draft more tokens than are left to "
+                             f"generate. Lower it, or raise eval.max_new_tokens")
 
 
 def validate_eval(cfg: Any) -> EvalRootConfig:

@@ -113,11 +113,6 @@ class EvalConfig:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "
                                  f"got {self.num_draft_tokens}")
-            over = [g for g in self.num_draft_tokens if g > self.max_new_tokens]
-            if over:  # no step drafts more than the tokens left; a huge gamma only bloats curves and plots
-                raise ValueError(f"eval.num_draft_tokens {over} exceed eval.max_new_tokens={self.max_new_tokens}: no "
-                                 f"verify step can draft more tokens than are left to generate. Use gammas <= "
-                                 f"{self.max_new_tokens}, or raise eval.max_new_tokens")
         if self.draft_length_policies is not None:
             from decode.config import DRAFT_LENGTH_POLICIES
 
@@ -247,10 +242,14 @@ class EvalRootConfig:
     def __post_init__(self):
         for name in self.eval.policies(self.decode.draft_length_policy):
             self.decode.check_policy(name)  # e.g. adaptive needs decode.num_draft_tokens within its bounds
-        if self.eval.num_draft_tokens is None and self.decode.num_draft_tokens > self.eval.max_new_tokens:
-            raise ValueError(f"decode.num_draft_tokens={self.decode.num_draft_tokens} exceeds eval.max_new_tokens="
-                             f"{self.eval.max_new_tokens}: no verify step can draft more tokens than are left to "
-                             f"generate. Lower it, or raise eval.max_new_tokens")
+        # the gammas the evaluation sweeps (eval.num_draft_tokens, else decode.num_draft_tokens): no step drafts more
+        # than the tokens left, and a huge gamma only bloats the expected-speedup curves and plots
+        over = [g for g in self.eval.sweep(self.decode.num_draft_tokens) if g > self.eval.max_new_tokens]
+        if over:
+            key = "eval.num_draft_tokens" if self.eval.num_draft_tokens else "decode.num_draft_tokens"
+            raise ValueError(f"{key} {over} exceed eval.max_new_tokens={self.eval.max_new_tokens}: no verify step "
+                             f"can draft more tokens than are left to generate. Use gammas <= "
+                             f"{self.eval.max_new_tokens}, or raise eval.max_new_tokens")
 
 
 def validate_eval(cfg: Any) -> EvalRootConfig:

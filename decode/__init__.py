@@ -8,11 +8,13 @@ Public API::
     AcceptanceStats, expected_speedup, GenerationOutput
     cache_policy(model, batch_size, max_length) -> CachePolicy  (ValueError: cache cannot be rolled back)
     FixedDraftLength, AdaptiveDraftLength, ConfidenceDraftLength, make_policy
+    frozen_weights(*models)  (context: decode calls reuse what they read from unchanged weights)
     TokenTree(branching=(b1, b2, ...), max_nodes=None), DynamicTokenTree(depth, top_k, max_nodes), parse_draft_tree
         (token-tree drafting: speculative_generate(..., draft_tree=...))
 """
 from ._common import CachePolicy, GenerationOutput, cache_policy
 from .autoregressive import autoregressive_generate
+from .fast_llama import frozen_weights
 from .policies import (
     AdaptiveDraftLength,
     ConfidenceDraftLength,
@@ -50,4 +52,5 @@ __all__ = [
     "TokenTree",
     "DynamicTokenTree",
     "parse_draft_tree",
+    "frozen_weights",
 ]

@@ -246,11 +246,11 @@ def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, 
     forward (``ValueError`` naming the reason when the model is not supported). ``capacity``: expected number of
     cache slots (the lean state preallocates that many and grows when needed).
     """
-    from .fast_llama import FastKVState, _unsupported_reason
+    from .fast_llama import FastKVState, _unsupported_reason, frozen_cached
 
     if fast_path is False:
         return KVState(model, batch_size, device, capacity)
-    reason = _unsupported_reason(model)
+    reason = frozen_cached(model, "unsupported_reason", lambda: _unsupported_reason(model))
     if reason is None:
         return FastKVState(model, batch_size, device, capacity=capacity)
     if fast_path:

@@ -278,7 +278,7 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
     Raises:
         ValueError: no prompts.
     """
-    from decode import AcceptanceStats, speculative_generate
+    from decode import AcceptanceStats, frozen_weights, speculative_generate
 
     if not prompts:
         raise ValueError("acceptance evaluation needs at least one prompt (distill.eval_prompts)")
@@ -292,12 +292,14 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
         if next(draft.parameters()).device != device:
             draft = copy.deepcopy(draft).to(device=device, dtype=p.dtype).eval()
         t0 = time.perf_counter()
-        stats = AcceptanceStats.pool(
-            speculative_generate(target, draft, ids.to(device), max_new_tokens=max_new_tokens,
-                                 num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id,
-                                 pad_token_id=pad_token_id, vocab_size=vocab_size,
-                                 draft_length_policy=draft_length_policy() if draft_length_policy else None).stats
-            for ids in prompts)
+        with frozen_weights(target, draft):  # unchanged during one evaluation: read them once, not per prompt
+            stats = AcceptanceStats.pool([
+                speculative_generate(target, draft, ids.to(device), max_new_tokens=max_new_tokens,
+                                     num_draft_tokens=num_draft_tokens, eos_token_id=eos_token_id,
+                                     pad_token_id=pad_token_id, vocab_size=vocab_size,
+                                     draft_length_policy=draft_length_policy() if draft_length_policy else None
+                                     ).stats
+                for ids in prompts])
         return {"mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate,
                 "verify_steps": stats.verify_steps, "emitted_tokens": stats.emitted_tokens,
                 "mean_draft_length": stats.drafted_tokens / stats.verify_steps if stats.verify_steps else None,

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode.tree import DraftTree
-from decode import autoregressive_generate, speculative_generate
+from decode import autoregressive_generate, frozen_weights, speculative_generate
 from decode._common import sync
 from decode.timing import block_forward_times_s, cost_ratio
 
@@ -256,63 +256,67 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
-    decode_kwargs = dict(decode_kwargs or {})
-    gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    sampling = bool(decode_kwargs.get("do_sample"))
-    compare = check_lossless and not sampling
-    device = next(target.parameters()).device  # sampling draws on the models' device (no host round trip)
-    first = next(p for ps in prompts_by_domain.values() for p in ps)
-    probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
-    _warm_up(target, drafts, probe, gammas[0], eos, pad)
-    cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
-    if events:
-        events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
-    rows: list[dict] = []
-    truncated_total = 0
-    policies = dict(draft_length_policies or {})
-    settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
-    runs_per_prompt = 1 + len(settings) * len(drafts)
-    trials = max(1, int(timing_trials))
-    load: dict[str, dict] = {}
-    target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
-    for domain, prompts in prompts_by_domain.items():
-        t_domain, cpu_domain, busy_domain = time.perf_counter(), time.process_time(), busy_cpu_seconds()
-        tgt_tokens, tgt_time = 0, 0.0
-        load_before = os.getloadavg()
-        bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
-                   dynamic_ncols=True)
-        run = _Runner(target, max_new_tokens, eos, pad, decode_kwargs, device, bar)
-        for i, p in enumerate(prompts):
-            ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
-            truncated_total += truncated
-            ref, t_ref, first, t_spec = _paired_trials(run, ids, seed + i, settings, drafts, trials)
-            n_ref = int(ref.num_new_tokens[0])
-            tgt_tokens, tgt_time = tgt_tokens + n_ref, tgt_time + sum(t_ref) / len(t_ref)
-            for k, (policy_name, gamma, _) in enumerate(settings):
-                for name in drafts:
-                    out, policy = first[(k, name)]
-                    rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
-                                     t_spec[(k, name)], ref, t_ref, compare))
-        bar.close()
-        wall_domain, own_s, busy_end = time.perf_counter() - t_domain, time.process_time() - cpu_domain, \
-            busy_cpu_seconds()
-        load[domain] = load_record(
-            load_before, os.getloadavg(), own_s / wall_domain if wall_domain > 0 else None,
-            (busy_end - busy_domain - own_s) / wall_domain if wall_domain > 0 and None not in (busy_domain, busy_end)
-            else None)
-        target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
-                               "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
+    # the weights stay as they are for the whole evaluation: every decode call reuses what the first one read
+    # from each model (decode.frozen_weights), as a server would, instead of re-checking every weight per call
+    with frozen_weights(target, *drafts.values()):
+        decode_kwargs = dict(decode_kwargs or {})
+        gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
+        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+        sampling = bool(decode_kwargs.get("do_sample"))
+        compare = check_lossless and not sampling
+        device = next(target.parameters()).device  # sampling draws on the models' device (no host round trip)
+        first = next(p for ps in prompts_by_domain.values() for p in ps)
+        probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
+        _warm_up(target, drafts, probe, gammas[0], eos, pad)
+        cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
         if events:
-            events("eval_domain_done", domain=domain, prompts=len(prompts),
-                   seconds=time.perf_counter() - t_domain, machine_load=load[domain])
-    # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4 new
-    # tokens drafts at most 4): the verdicts' cost model weighs each step by it
-    verify = measure_verify_cost_ratio(target, probe, verified_lengths(rows), cost_ratio_trials)
-    if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
-        warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
-                      f"truncated from the left", stacklevel=2)
-    return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
-            "max_new_tokens": max_new_tokens,
-            "sampling": decode_kwargs, "truncated_prompts": truncated_total, "draft_length_policies": list(policies),
-            "timing_trials": trials, "machine_load": load, "target_only": target_only}
+            events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
+        rows: list[dict] = []
+        truncated_total = 0
+        policies = dict(draft_length_policies or {})
+        settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
+        runs_per_prompt = 1 + len(settings) * len(drafts)
+        trials = max(1, int(timing_trials))
+        load: dict[str, dict] = {}
+        target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
+        for domain, prompts in prompts_by_domain.items():
+            t_domain, cpu_domain, busy_domain = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+            tgt_tokens, tgt_time = 0, 0.0
+            load_before = os.getloadavg()
+            bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
+                       dynamic_ncols=True)
+            run = _Runner(target, max_new_tokens, eos, pad, decode_kwargs, device, bar)
+            for i, p in enumerate(prompts):
+                ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
+                truncated_total += truncated
+                ref, t_ref, first, t_spec = _paired_trials(run, ids, seed + i, settings, drafts, trials)
+                n_ref = int(ref.num_new_tokens[0])
+                tgt_tokens, tgt_time = tgt_tokens + n_ref, tgt_time + sum(t_ref) / len(t_ref)
+                for k, (policy_name, gamma, _) in enumerate(settings):
+                    for name in drafts:
+                        out, policy = first[(k, name)]
+                        rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
+                                         t_spec[(k, name)], ref, t_ref, compare))
+            bar.close()
+            wall_domain, own_s, busy_end = time.perf_counter() - t_domain, time.process_time() - cpu_domain, \
+                busy_cpu_seconds()
+            load[domain] = load_record(
+                load_before, os.getloadavg(), own_s / wall_domain if wall_domain > 0 else None,
+                (busy_end - busy_domain - own_s) / wall_domain
+                if wall_domain > 0 and None not in (busy_domain, busy_end) else None)
+            target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
+                                   "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
+            if events:
+                events("eval_domain_done", domain=domain, prompts=len(prompts),
+                       seconds=time.perf_counter() - t_domain, machine_load=load[domain])
+        # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4 new
+        # tokens drafts at most 4): the verdicts' cost model weighs each step by it
+        verify = measure_verify_cost_ratio(target, probe, verified_lengths(rows), cost_ratio_trials)
+        if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
+            warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
+                          f"truncated from the left", stacklevel=2)
+        return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
+                "max_new_tokens": max_new_tokens,
+                "sampling": decode_kwargs, "truncated_prompts": truncated_total,
+                "draft_length_policies": list(policies),
+                "timing_trials": trials, "machine_load": load, "target_only": target_only}

@@ -64,6 +64,7 @@ from decode import (  # noqa: E402
     AcceptanceStats,
     autoregressive_generate,
     expected_speedup,
+    frozen_weights,
     speculative_generate,
 )
 from data.devices import runtime_record, torch_threads  # noqa: E402
@@ -332,195 +333,200 @@ def _run(args) -> dict:
     eos = target.generation_config.eos_token_id if args.stop_at_eos else None
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else (eos if isinstance(eos, int) else (eos[0] if eos else 0))
+    # weights never change during the benchmark: decode calls reuse what they read from the models, as a server
+    # (decode.frozen_weights; transformers' generate re-reads nothing per call either)
+    with frozen_weights(target, draft):
 
-    # Hugging Face assisted generation: constant schedule, no confidence stopping, same EOS policy as ours
-    gen_cfg = copy.deepcopy(target.generation_config)
-    gen_cfg.eos_token_id = eos
-    gen_cfg.pad_token_id = pad
-    gen_cfg.do_sample = False
-    gen_cfg.max_new_tokens = n_new
-    draft.generation_config.num_assistant_tokens = gamma
-    draft.generation_config.num_assistant_tokens_schedule = "constant"
-    draft.generation_config.assistant_confidence_threshold = 0.0
-    draft.generation_config.eos_token_id = eos
+        # Hugging Face assisted generation: constant schedule, no confidence stopping, same EOS policy as ours
+        gen_cfg = copy.deepcopy(target.generation_config)
+        gen_cfg.eos_token_id = eos
+        gen_cfg.pad_token_id = pad
+        gen_cfg.do_sample = False
+        gen_cfg.max_new_tokens = n_new
+        draft.generation_config.num_assistant_tokens = gamma
+        draft.generation_config.num_assistant_tokens_schedule = "constant"
+        draft.generation_config.assistant_confidence_threshold = 0.0
+        draft.generation_config.eos_token_id = eos
 
-    def hf_assisted(p):
-        out = target.generate(p, attention_mask=torch.ones_like(p), assistant_model=draft, generation_config=gen_cfg)
-        return out[:, p.shape[1]:]
+        def hf_assisted(p):
+            out = target.generate(p, attention_mask=torch.ones_like(p), assistant_model=draft,
+                                  generation_config=gen_cfg)
+            return out[:, p.shape[1]:]
 
-    def ours_ar(p):
-        out = autoregressive_generate(target, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
-                                      vocab_size=shared_vocab, fast_path=fast_path)
-        return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
-
-    def ours_spec(p):
-        out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=eos,
-                                   pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path,
-                                   draft_length_policy=args.policy_config.make_policy())
-        return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
-
-    def spec_fn(**setting):  # one more speculative setting: num_draft_tokens=G (a chain) or draft_tree=T
-        def fn(p):
-            out = speculative_generate(target, draft, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
-                                       vocab_size=shared_vocab, fast_path=fast_path, **setting)
+        def ours_ar(p):
+            out = autoregressive_generate(target, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
+                                          vocab_size=shared_vocab, fast_path=fast_path)
             return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
-        return fn
 
-    methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
-    block_threads = resolved_block_threads(device)
-    if block_threads is not None and block_threads != torch.get_num_threads():
+        def ours_spec(p):
+            out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=eos,
+                                       pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path,
+                                       draft_length_policy=args.policy_config.make_policy())
+            return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
-        def target_only_block_threads(p):  # every target-only forward at the block thread count: the peer's best?
-            with torch_threads(block_threads):
-                return ours_ar(p)
+        def spec_fn(**setting):  # one more speculative setting: num_draft_tokens=G (a chain) or draft_tree=T
+            def fn(p):
+                out = speculative_generate(target, draft, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
+                                           vocab_size=shared_vocab, fast_path=fast_path, **setting)
+                return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
+            return fn
 
-        methods["target_only_block_threads"] = target_only_block_threads
-    if args.no_hf:
-        del methods["hf_assisted"]
-    extra = {f"chain {g}": spec_fn(num_draft_tokens=g) for g in sorted(set(args.chain_gamma) - {gamma})}
-    extra.update({f"tree {t.spec()}": spec_fn(draft_tree=t) for t in args.trees})
-    methods.update(extra)
-    extra_stats: dict[str, list[AcceptanceStats]] = {m: [] for m in extra}
-    compiled = compile_enabled(device) and fast_path is None
-    if compiled:  # the same decoder uncompiled, in the same alternation
+        methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
+        block_threads = resolved_block_threads(device)
+        if block_threads is not None and block_threads != torch.get_num_threads():
 
-        def ours_spec_uncompiled(p):
-            set_compile("off")
-            try:
-                return ours_spec(p)
-            finally:
-                set_compile(args.compile)
+            def target_only_block_threads(p):  # every target-only forward at the block thread count: the peer's best?
+                with torch_threads(block_threads):
+                    return ours_ar(p)
 
-        methods["ours_speculative_uncompiled"] = ours_spec_uncompiled
-    # warm-up (allocations, kernels; compiling when decode.compile is on), untimed
-    compile_s0 = compile_seconds()
-    for fn in methods.values():
-        fn(prompts[0])
-    compile_warmup_s = compile_seconds() - compile_s0
+            methods["target_only_block_threads"] = target_only_block_threads
+        if args.no_hf:
+            del methods["hf_assisted"]
+        extra = {f"chain {g}": spec_fn(num_draft_tokens=g) for g in sorted(set(args.chain_gamma) - {gamma})}
+        extra.update({f"tree {t.spec()}": spec_fn(draft_tree=t) for t in args.trees})
+        methods.update(extra)
+        extra_stats: dict[str, list[AcceptanceStats]] = {m: [] for m in extra}
+        compiled = compile_enabled(device) and fast_path is None
+        if compiled:  # the same decoder uncompiled, in the same alternation
 
-    seconds = {m: 0.0 for m in methods}
-    tokens = {m: 0 for m in methods}
-    spec_stats: list[AcceptanceStats] = []
-    ar_stats: list[AcceptanceStats] = []
-    mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
-    for _ in range(args.repeats):
-        for p in prompts:
-            outputs = {}
-            for name, fn in methods.items():  # alternate the three methods on every prompt and repeat
-                sync(device)
-                t0 = time.perf_counter()
-                res = fn(p)
-                sync(device)
-                seconds[name] += time.perf_counter() - t0
-                new = res[0] if isinstance(res, tuple) else res
-                tokens[name] += new.shape[1]
-                outputs[name] = new.cpu()
-                if name in extra_stats:
-                    extra_stats[name].append(res[1])
-                if name == "ours_speculative":
-                    spec_stats.append(res[1])
-                elif name == "target_only":
-                    ar_stats.append(res[1])
-            ref = outputs["target_only"]
-            for n, o in outputs.items():
-                if n != "target_only":
-                    mismatches[n] += int(o.shape != ref.shape or not torch.equal(o, ref))
+            def ours_spec_uncompiled(p):
+                set_compile("off")
+                try:
+                    return ours_spec(p)
+                finally:
+                    set_compile(args.compile)
 
-    stats = AcceptanceStats.pool(spec_stats)
-    ar = AcceptanceStats.pool(ar_stats)
-    tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
-    tps.setdefault("hf_assisted", float("nan"))
-    mismatches.setdefault("hf_assisted", 0)
-    # against the faster target-only: one-token forwards at --num-threads, or every forward at the block threads
-    best_target_only = max(tps["target_only"], tps.get("target_only_block_threads", float("-inf")))
-    compare = {}
-    for name, st_list in [(f"chain {gamma}", spec_stats)] + list(extra_stats.items()):
-        method = "ours_speculative" if name == f"chain {gamma}" else name
-        st = AcceptanceStats.pool(st_list)
-        compare[name] = {
-            "tokens_per_target_forward": st.mean_accepted_length,
-            "nodes_per_target_forward": st.mean_nodes_verified,
-            "target_forwards": st.verify_steps,
-            "tokens_per_s": tps[method],
-            "tokens_per_s_over_chain": tps[method] / tps["ours_speculative"],
-            "tokens_per_s_over_target_only": tps[method] / best_target_only,
-            "greedy_output_mismatches": mismatches[method],
-            "draft_s": st.draft_time_s, "verify_s": st.verify_time_s, "wall_s": st.wall_time_s,
+            methods["ours_speculative_uncompiled"] = ours_spec_uncompiled
+        # warm-up (allocations, kernels; compiling when decode.compile is on), untimed
+        compile_s0 = compile_seconds()
+        for fn in methods.values():
+            fn(prompts[0])
+        compile_warmup_s = compile_seconds() - compile_s0
+
+        seconds = {m: 0.0 for m in methods}
+        tokens = {m: 0 for m in methods}
+        spec_stats: list[AcceptanceStats] = []
+        ar_stats: list[AcceptanceStats] = []
+        mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
+        for _ in range(args.repeats):
+            for p in prompts:
+                outputs = {}
+                for name, fn in methods.items():  # alternate the three methods on every prompt and repeat
+                    sync(device)
+                    t0 = time.perf_counter()
+                    res = fn(p)
+                    sync(device)
+                    seconds[name] += time.perf_counter() - t0
+                    new = res[0] if isinstance(res, tuple) else res
+                    tokens[name] += new.shape[1]
+                    outputs[name] = new.cpu()
+                    if name in extra_stats:
+                        extra_stats[name].append(res[1])
+                    if name == "ours_speculative":
+                        spec_stats.append(res[1])
+                    elif name == "target_only":
+                        ar_stats.append(res[1])
+                ref = outputs["target_only"]
+                for n, o in outputs.items():
+                    if n != "target_only":
+                        mismatches[n] += int(o.shape != ref.shape or not torch.equal(o, ref))
+
+        stats = AcceptanceStats.pool(spec_stats)
+        ar = AcceptanceStats.pool(ar_stats)
+        tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
+        tps.setdefault("hf_assisted", float("nan"))
+        mismatches.setdefault("hf_assisted", 0)
+        # against the faster target-only: one-token forwards at --num-threads, or every forward at the block threads
+        best_target_only = max(tps["target_only"], tps.get("target_only_block_threads", float("-inf")))
+        compare = {}
+        for name, st_list in [(f"chain {gamma}", spec_stats)] + list(extra_stats.items()):
+            method = "ours_speculative" if name == f"chain {gamma}" else name
+            st = AcceptanceStats.pool(st_list)
+            compare[name] = {
+                "tokens_per_target_forward": st.mean_accepted_length,
+                "nodes_per_target_forward": st.mean_nodes_verified,
+                "target_forwards": st.verify_steps,
+                "tokens_per_s": tps[method],
+                "tokens_per_s_over_chain": tps[method] / tps["ours_speculative"],
+                "tokens_per_s_over_target_only": tps[method] / best_target_only,
+                "greedy_output_mismatches": mismatches[method],
+                "draft_s": st.draft_time_s, "verify_s": st.verify_time_s, "wall_s": st.wall_time_s,
+            }
+        t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
+        blocks = block_forward_times_s(target, prompts[0], [1, gamma + 1], args.cost_steps, fast_path)
+        cost_ratio = t_draft / t_target
+        verify_ratio = blocks[gamma + 1] / blocks[1]
+        alpha = stats.acceptance_rate
+        token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
+        nan = float("nan")
+        expected_comp = expected_speedup(token_alpha, gamma, cost_ratio, verify_ratio) \
+            if token_alpha == token_alpha else nan
+        if args.draft_length_policy != "fixed" and token_alpha == token_alpha:  # Thm 3.8 over the lengths used
+            lengths = stats.draft_lengths
+            expected = expected_speedup_mixture(token_alpha, [lengths.count(k) for k in range(max(lengths) + 1)],
+                                                cost_ratio)
+        measured = tps["ours_speculative"] / best_target_only
+
+        def breakdown(st: AcceptanceStats) -> dict:
+            """Seconds per phase (pooled over the timed calls) and the loop efficiency (time in forwards / wall)."""
+            fwd = st.prefill_time_s + st.draft_time_s + st.verify_time_s
+            return {"wall_s": st.wall_time_s, "prefill_s": st.prefill_time_s, "draft_s": st.draft_time_s,
+                    "verify_s": st.verify_time_s, "other_s": st.wall_time_s - fwd,
+                    "loop_efficiency": fwd / st.wall_time_s if st.wall_time_s > 0 else nan}
+
+        spec_bd = breakdown(stats)
+        steps = stats.verify_steps
+        in_loop = {
+            "verify_s_per_step": stats.verify_time_s / steps if steps else nan,
+            "draft_s_per_token": stats.draft_time_s / stats.drafted_tokens if stats.drafted_tokens else nan,
+            "other_s_per_step": spec_bd["other_s"] / steps if steps else nan,
+            "target_s_per_token_target_only": ar.verify_time_s / ar.verify_steps if ar.verify_steps else nan,
         }
-    t_draft, t_target = forward_times_s([draft, target], prompts[0], args.cost_steps, fast_path)
-    blocks = block_forward_times_s(target, prompts[0], [1, gamma + 1], args.cost_steps, fast_path)
-    cost_ratio = t_draft / t_target
-    verify_ratio = blocks[gamma + 1] / blocks[1]
-    alpha = stats.acceptance_rate
-    token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
-    nan = float("nan")
-    expected_comp = expected_speedup(token_alpha, gamma, cost_ratio, verify_ratio) if token_alpha == token_alpha else nan
-    if args.draft_length_policy != "fixed" and token_alpha == token_alpha:  # Thm 3.8 over the lengths used
-        lengths = stats.draft_lengths
-        expected = expected_speedup_mixture(token_alpha, [lengths.count(k) for k in range(max(lengths) + 1)],
-                                            cost_ratio)
-    measured = tps["ours_speculative"] / best_target_only
-
-    def breakdown(st: AcceptanceStats) -> dict:
-        """Seconds per phase (pooled over the timed calls) and the loop efficiency (time in forwards / wall)."""
-        fwd = st.prefill_time_s + st.draft_time_s + st.verify_time_s
-        return {"wall_s": st.wall_time_s, "prefill_s": st.prefill_time_s, "draft_s": st.draft_time_s,
-                "verify_s": st.verify_time_s, "other_s": st.wall_time_s - fwd,
-                "loop_efficiency": fwd / st.wall_time_s if st.wall_time_s > 0 else nan}
-
-    spec_bd = breakdown(stats)
-    steps = stats.verify_steps
-    in_loop = {
-        "verify_s_per_step": stats.verify_time_s / steps if steps else nan,
-        "draft_s_per_token": stats.draft_time_s / stats.drafted_tokens if stats.drafted_tokens else nan,
-        "other_s_per_step": spec_bd["other_s"] / steps if steps else nan,
-        "target_s_per_token_target_only": ar.verify_time_s / ar.verify_steps if ar.verify_steps else nan,
-    }
-    in_loop["verify_cost_ratio"] = in_loop["verify_s_per_step"] / in_loop["target_s_per_token_target_only"]
-    in_loop["cost_ratio"] = in_loop["draft_s_per_token"] / in_loop["target_s_per_token_target_only"]
-    return {
-        "family": args.family,
-        "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "target_dtype": str(t_dtype).replace("torch.", ""),
-        "draft_dtype": str(d_dtype).replace("torch.", ""),
-        "num_threads": torch.get_num_threads(),
-        "block_threads": {"setting": args.block_threads, "threads": block_threads},
-        "runtime": runtime_record(device, dtype),  # + torch / CUDA versions and the GPU name (data.devices)
-        "fast_path": args.fast_path,
-        "fast_path_used": {"target": args.fast_path == "auto" and fast_path_supported(target),
-                           "draft": args.fast_path == "auto" and fast_path_supported(draft)},
-        "num_prompts": len(prompts),
-        "repeats": args.repeats,
-        "num_draft_tokens": gamma,
-        "draft_length_policy": args.policy_config.policy_settings(),
-        "mean_draft_length": stats.drafted_tokens / stats.verify_steps if stats.verify_steps else float("nan"),
-        "max_new_tokens": n_new,
-        "tokens_per_s": tps,
-        "ours_over_transformers": tps["ours_speculative"] / tps["hf_assisted"],
-        "ours_over_target_only": measured,
-        "acceptance_rate": alpha,
-        "token_acceptance_rate": token_alpha,
-        "mean_accepted_length": stats.mean_accepted_length,
-        "draft_forward_s": t_draft,
-        "target_forward_s": t_target,
-        "target_verify_forward_s": blocks[gamma + 1],
-        "cost_ratio": cost_ratio,
-        "verify_cost_ratio": verify_ratio,
-        "expected_speedup": expected,
-        "expected_speedup_components": expected_comp,
-        "measured_over_expected": measured / expected,
-        "time_breakdown": {"ours_speculative": spec_bd, "target_only": breakdown(ar)},
-        "in_loop": in_loop,
-        "greedy_output_mismatches": mismatches,
-        "compile": {"setting": args.compile, "compiled": compiled,
-                    "compile_time_s": compile_warmup_s,  # first calls (warm-up), untimed
-                    "compile_time_in_timed_s": compile_seconds() - compile_s0 - compile_warmup_s,
-                    "compiled_over_uncompiled": (tps["ours_speculative"] / tps["ours_speculative_uncompiled"]
-                                                 if compiled else None)},
-        "stats": stats.to_dict(),
-        "chain_vs_tree": compare,
-    }
+        in_loop["verify_cost_ratio"] = in_loop["verify_s_per_step"] / in_loop["target_s_per_token_target_only"]
+        in_loop["cost_ratio"] = in_loop["draft_s_per_token"] / in_loop["target_s_per_token_target_only"]
+        return {
+            "family": args.family,
+            "device": str(device),
+            "dtype": str(dtype).replace("torch.", ""),
+            "target_dtype": str(t_dtype).replace("torch.", ""),
+            "draft_dtype": str(d_dtype).replace("torch.", ""),
+            "num_threads": torch.get_num_threads(),
+            "block_threads": {"setting": args.block_threads, "threads": block_threads},
+            "runtime": runtime_record(device, dtype),  # + torch / CUDA versions and the GPU name (data.devices)
+            "fast_path": args.fast_path,
+            "fast_path_used": {"target": args.fast_path == "auto" and fast_path_supported(target),
+                               "draft": args.fast_path == "auto" and fast_path_supported(draft)},
+            "num_prompts": len(prompts),
+            "repeats": args.repeats,
+            "num_draft_tokens": gamma,
+            "draft_length_policy": args.policy_config.policy_settings(),
+            "mean_draft_length": stats.drafted_tokens / stats.verify_steps if stats.verify_steps else float("nan"),
+            "max_new_tokens": n_new,
+            "tokens_per_s": tps,
+            "ours_over_transformers": tps["ours_speculative"] / tps["hf_assisted"],
+            "ours_over_target_only": measured,
+            "acceptance_rate": alpha,
+            "token_acceptance_rate": token_alpha,
+            "mean_accepted_length": stats.mean_accepted_length,
+            "draft_forward_s": t_draft,
+            "target_forward_s": t_target,
+            "target_verify_forward_s": blocks[gamma + 1],
+            "cost_ratio": cost_ratio,
+            "verify_cost_ratio": verify_ratio,
+            "expected_speedup": expected,
+            "expected_speedup_components": expected_comp,
+            "measured_over_expected": measured / expected,
+            "time_breakdown": {"ours_speculative": spec_bd, "target_only": breakdown(ar)},
+            "in_loop": in_loop,
+            "greedy_output_mismatches": mismatches,
+            "compile": {"setting": args.compile, "compiled": compiled,
+                        "compile_time_s": compile_warmup_s,  # first calls (warm-up), untimed
+                        "compile_time_in_timed_s": compile_seconds() - compile_s0 - compile_warmup_s,
+                        "compiled_over_uncompiled": (tps["ours_speculative"] / tps["ours_speculative_uncompiled"]
+                                                     if compiled else None)},
+            "stats": stats.to_dict(),
+            "chain_vs_tree": compare,
+        }
 
 
 def format_table(r: dict) -> str:

@@ -403,3 +403,84 @@ def test_compiled_lean_forward_is_lossless():
     for off, on in zip(runs["off"], runs["on"]):
         assert torch.equal(off.sequences, on.sequences)
     assert torch.equal(runs["on"][1].sequences, hf_greedy(target, ids, mask, 12))
+
+
+# ---------------------------------------------------------------- decode.frozen_weights: read the weights once
+def _reads(monkeypatch):
+    """Count how often a state reads a model's weights (``_layer_weights``)."""
+    import decode.fast_llama as fl
+
+    calls = []
+    real = fl._layer_weights
+    monkeypatch.setattr(fl, "_layer_weights", lambda model, packed: calls.append(model) or real(model, packed))
+    return calls
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_frozen_weights_reads_each_model_once_and_decodes_the_same(monkeypatch, gamma):
+    from decode import frozen_weights
+
+    target, draft = make_pair(seed=31, noise=0.3)
+    prompts = random_prompts([5, 9, 3], 64, 7)
+    plain = [speculative_generate(target, draft, p[None], max_new_tokens=10, num_draft_tokens=gamma).sequences
+             for p in prompts]
+    calls = _reads(monkeypatch)
+    with frozen_weights(target, draft):
+        got = [speculative_generate(target, draft, p[None], max_new_tokens=10, num_draft_tokens=gamma).sequences
+               for p in prompts]
+        ar = [autoregressive_generate(target, p[None], max_new_tokens=10).sequences for p in prompts]
+    assert all(torch.equal(a, b) for a, b in zip(got, plain))
+    assert all(torch.equal(a, b) for a, b in zip(ar, plain))  # lossless: the target's own greedy output
+    assert calls.count(target) == 1 and calls.count(draft) == 1  # 6 target states and 3 draft states, one read each
+    calls.clear()
+    speculative_generate(target, draft, prompts[0][None], max_new_tokens=4, num_draft_tokens=gamma)
+    assert calls.count(target) == 1 and calls.count(draft) == 1  # outside the block: every state reads again
+
+
+@pytest.mark.parametrize("edit", ["inplace", "assign", "load_state_dict", "train"])
+def test_frozen_weights_sees_edits_through_the_parameters(edit):
+    """Inside the block an edit through the parameter itself (version counter), new storage, a reload or a mode
+    change is still seen: the next decode uses the current weights, as without the block."""
+    from decode import frozen_weights
+
+    target, draft = make_pair(seed=33, noise=0.3)
+    ids = random_prompts([6], 64, 5)[0][None]
+    with frozen_weights(target, draft):
+        before = speculative_generate(target, draft, ids, max_new_tokens=12, num_draft_tokens=3).sequences
+        w = target.lm_head.weight
+        if edit == "inplace":
+            with torch.no_grad():
+                w.mul_(-1.0)
+        elif edit == "assign":
+            w.data = -w.data
+        elif edit == "load_state_dict":
+            target.load_state_dict({**target.state_dict(), "lm_head.weight": -w.detach().clone()})
+        else:
+            target.train()  # dropout is 0 in these configs, but the lean forward refuses training mode
+        after = speculative_generate(target, draft, ids, max_new_tokens=12, num_draft_tokens=3).sequences
+    assert torch.equal(after, hf_greedy(target, ids, torch.ones_like(ids), 12))
+    if edit != "train":
+        assert not torch.equal(after, before)
+
+
+def test_frozen_weights_nests_and_forgets_the_models_on_exit(monkeypatch):
+    import gc
+    import weakref
+
+    import decode.fast_llama as fl
+    from decode import frozen_weights
+
+    model = _llama(seed=3)
+    ids = random_prompts([5], 80, 1)[0][None]
+    calls = _reads(monkeypatch)
+    with frozen_weights(model):
+        autoregressive_generate(model, ids, max_new_tokens=3)
+        with frozen_weights(model):  # reentrant: the inner exit keeps what the outer block cached
+            autoregressive_generate(model, ids, max_new_tokens=3)
+        autoregressive_generate(model, ids, max_new_tokens=3)
+        assert len(calls) == 1
+    assert model not in fl._frozen and model not in fl._frozen_plans
+    ref = weakref.ref(model)
+    del model, calls[:]
+    gc.collect()
+    assert ref() is None  # nothing the block cached keeps the model alive

@@ -484,3 +484,32 @@ def test_frozen_weights_nests_and_forgets_the_models_on_exit(monkeypatch):
     del model, calls[:]
     gc.collect()
     assert ref() is None  # nothing the block cached keeps the model alive
+
+
+@pytest.mark.parametrize("rows", [2, 5, 17])
+def test_several_row_products_on_the_out_in_copy_match_the_one_row_layout(rows):
+    """``_rows_times`` / ``_rows_addmm`` (weight as the left operand) compute ``x @ W^T`` and ``r + x @ W^T`` for
+    any rows, including a transposed (non-contiguous) ``x``, to fp32 rounding; the result is contiguous."""
+    from decode.fast_llama import _rows_addmm, _rows_times
+
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(37, 24, generator=g)  # (out, in)
+    x = torch.randn(rows, 24, generator=g)
+    res = torch.randn(rows, 37, generator=g)
+    for xi in (x, x.t().contiguous().t()):
+        out = _rows_times(xi, w)
+        assert out.shape == (rows, 37) and out.is_contiguous()
+        torch.testing.assert_close(out, x @ w.t(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(_rows_addmm(res, xi, w), res + x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_block_forward_matches_token_by_token_forward():
+    """A state fed a prompt in one block (several-row products) gives the logits of a state fed it one token at a
+    time (one-row products) to fp32 rounding, on the packed CPU path."""
+    model = _llama(seed=8, num_key_value_heads=2)
+    ids = random_prompts([9], 80, 6)[0][None]
+    with torch.inference_mode():
+        block = FastKVState(model, 1, torch.device("cpu"), packed=True).forward(ids, logits_to_keep=0)
+        one = FastKVState(model, 1, torch.device("cpu"), packed=True)
+        steps = torch.cat([one.forward(ids[:, j:j + 1]) for j in range(ids.shape[1])], 1)
+    torch.testing.assert_close(block, steps, atol=1e-4, rtol=1e-4)

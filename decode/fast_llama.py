@@ -289,9 +289,11 @@ def frozen_cached(model: torch.nn.Module, key, build):
     slot = _frozen_plans.setdefault(model, {})
     hit = slot.get(key)
     if hit is not None and hit[0] == fp:
-        return hit[1]
+        return hit[2]
     value = build()
-    slot[key] = (fp, value)
+    # the entry holds every parameter's storage of this moment (detach() shares it): while it is cached, no new
+    # tensor can be given a freed storage's address, so ``param.data = t`` always changes the pointer it records
+    slot[key] = (fp, [p.detach() for p in _frozen[model][1]], value)
     return value
 
 
@@ -304,19 +306,28 @@ def frozen_weights(*models: torch.nn.Module):
     Still seen inside the block (the cache is rebuilt): parameters edited in place through the parameter itself
     (``copy_``, ``load_state_dict``, an optimizer step), given new storage (``param.data = t``), a change of dtype
     or shape, ``train()`` / ``eval()``. Not seen: in-place writes through ``param.data`` (``p.data.add_(...)``,
-    peft's merge, DeepSpeed's optimizer) and modules or parameters added or replaced: change the model that way
-    only outside the block. Nests and is reentrant; leaving the outermost block for a model drops what was cached
-    for it.
+    peft's merge, DeepSpeed's optimizer) and modules or parameter objects added or replaced (including
+    ``load_state_dict(..., assign=True)``): change the model that way only outside the block. Nests and is
+    reentrant; leaving the outermost block for a model drops what was cached for it.
+
+    Raises:
+        TypeError: an argument that is not a ``torch.nn.Module`` (nothing is registered then).
     """
     for m in models:
-        entry = _frozen.get(m)
-        if entry is None:
-            _frozen[m] = [1, list(m.parameters())]
-        else:
-            entry[0] += 1
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"frozen_weights takes models (torch.nn.Module), got {type(m).__name__}")
+    entered = []
     try:
+        for m in models:
+            entry = _frozen.get(m)
+            if entry is None:
+                _frozen[m] = [1, list(m.parameters())]
+            else:
+                entry[0] += 1
+            entered.append(m)
         yield
     finally:
+        models = entered
         for m in models:
             entry = _frozen.get(m)
             if entry is not None and entry[0] > 1:

@@ -513,3 +513,33 @@ def test_block_forward_matches_token_by_token_forward():
         one = FastKVState(model, 1, torch.device("cpu"), packed=True)
         steps = torch.cat([one.forward(ids[:, j:j + 1]) for j in range(ids.shape[1])], 1)
     torch.testing.assert_close(block, steps, atol=1e-4, rtol=1e-4)
+
+
+def test_frozen_weights_sees_new_storage_even_at_a_reused_address():
+    """``param.data = t`` twice between decodes frees the first storage, and the allocator often hands its address
+    to the second tensor (same pointer, same version): the cached reading keeps the storage it was built from alive,
+    so the pointer always changes and the edit is seen (several rounds: a reuse happened in 3 of 5 tries before)."""
+    from decode import frozen_weights
+
+    target, draft = make_pair(seed=35, noise=0.3)
+    ids = random_prompts([6], 64, 8)[0][None]
+    w = target.lm_head.weight
+    with frozen_weights(target, draft):
+        for _ in range(5):
+            autoregressive_generate(target, ids, max_new_tokens=8)
+            w.data = -w.data
+            w.data = w.data.clone()
+            got = speculative_generate(target, draft, ids, max_new_tokens=8, num_draft_tokens=3).sequences
+            assert torch.equal(got, hf_greedy(target, ids, torch.ones_like(ids), 8))
+            assert torch.equal(autoregressive_generate(target, ids, max_new_tokens=8).sequences, got)
+
+
+def test_frozen_weights_refuses_a_non_model_and_registers_nothing():
+    import decode.fast_llama as fl
+    from decode import frozen_weights
+
+    model = _llama(seed=4)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        with frozen_weights(model, None):
+            pass
+    assert model not in fl._frozen and model not in fl._frozen_plans

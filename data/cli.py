@@ -137,6 +137,42 @@ def _overrides(argv: list[str]) -> list[str] | None:
     return list(argv)
 
 
+def _mapping_literal(arg: str) -> bool:
+    """``KEY={...}``: a plain assignment (no ``+``/``~``) of a mapping literal."""
+    return "=" in arg and not arg.startswith(("+", "~")) and arg.split("=", 1)[1].lstrip().startswith("{")
+
+
+def replace_mapping_overrides(argv: list[str], config_dir: str | os.PathLike,
+                              config_name: str = "config") -> list[str]:
+    """``argv`` with every ``KEY={...}`` whose key already holds a mapping in the composed config (an experiment's
+    ``eval.drafts``, say) rewritten as ``~KEY +KEY={...}``: the mapping the user typed *replaces* the config's.
+
+    Hydra merges a mapping override into an existing mapping: keys the config lacks are refused ("Could not
+    override") and keys it has but the user left out stay, so ``eval.drafts={mine: path}`` after an experiment
+    that names four drafts would evaluate five. To change one entry, override it alone (``eval.drafts.mine=path``).
+    A key that is null (or absent) is left to Hydra as it is, and so is a command with Hydra flags."""
+    if not any(_mapping_literal(a) for a in argv) or _overrides(argv) is None:
+        return list(argv)
+    from omegaconf import DictConfig, OmegaConf
+
+    rest = [a for a in argv if not _mapping_literal(a)]
+    try:
+        composed = compose(rest, config_dir, config_name)
+    except Exception:  # noqa: BLE001  (another bad override: preflight reports it as it is)
+        return list(argv)
+    if composed is None:
+        return list(argv)
+    out = []
+    for a in argv:
+        key = a.split("=", 1)[0]
+        if _mapping_literal(a) and isinstance(OmegaConf.select(composed[0], key, throw_on_missing=False),
+                                              DictConfig):
+            out += [f"~{key}", f"+{a}"]
+        else:
+            out.append(a)
+    return out
+
+
 def compose(argv: list[str], config_dir: str | os.PathLike, config_name: str = "config"):
     """``(cfg without the hydra node, run directory)`` composed exactly as ``@hydra.main`` will, or ``None`` when
     ``argv`` uses Hydra flags.
@@ -200,8 +236,8 @@ def _override_key(arg: str) -> str:
 def _split_by_shell(argv: list[str]) -> bool:
     """Signs that the shell split or brace-expanded one override into several arguments: a key given twice, or an
     argument that is not ``KEY=VALUE`` at all (``x,`` / ``path:`` left over from ``[{name: x, path: ...}]``)."""
-    keys = [_override_key(a) for a in argv if "=" in a]
-    return len(keys) != len(set(keys)) or any("=" not in a for a in argv)
+    keys = [_override_key(a) for a in argv if "=" in a and not a.startswith("~")]  # ~KEY +KEY=...: a replacement
+    return len(keys) != len(set(keys)) or any("=" not in a and not a.startswith("~") for a in argv)
 
 
 def _rejoined_override(argv: list[str]) -> str | None:

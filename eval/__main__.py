@@ -24,7 +24,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import exit_on_error, interrupted, preflight, quiet_libraries
+from data.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -95,9 +95,9 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
     from .config import EvalRootConfig
 
+    sys.argv[1:] = argv = replace_mapping_overrides(sys.argv[1:], PROJECT_ROOT / "conf")
     preflight(argv, PROJECT_ROOT / "conf", check_before_eval, EvalRootConfig)
     if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
         # Hydra writes its record before the evaluation starts; writing it to .hydra-eval directly would let a

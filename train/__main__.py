@@ -12,7 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from data.cli import exit_on_error, interrupted, preflight, quiet_libraries
+from data.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
 from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -57,6 +57,7 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     from .schema import RootConfig
 
+    sys.argv[1:] = replace_mapping_overrides(sys.argv[1:], PROJECT_ROOT / "conf")
     preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check, RootConfig)
     hydra_main()
 

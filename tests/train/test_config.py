@@ -267,3 +267,25 @@ def test_yaml_defaults_agree_with_the_dataclass_defaults(options):
     assert len(compared) > 100  # most of the tree is compared, not a handful of keys
     differ = {k: (yaml[k], python[k]) for k in compared if yaml[k] != python[k]}
     assert not differ, f"YAML default != dataclass default (yaml, python): {differ}"
+
+
+@pytest.mark.parametrize("experiment,value", [
+    ("lora_med", "{mine: /some/draft}"),  # a new name: Hydra's merge refused it ("Could not override")
+    ("lora_med", "{general: /some/draft}"),  # a name the experiment has: Hydra kept the other three beside it
+    ("adapt_domains", "{a: /x, b: /y}"),
+    ("distill_med", "{mine: /some/draft}"),  # eval.drafts is null there: left to Hydra, same result
+])
+def test_a_mapping_on_the_command_line_replaces_the_experiments_mapping(experiment, value):
+    """``eval.drafts={...}`` evaluates exactly the drafts typed, whatever the experiment names (the rewritten
+    command composes to that mapping); one entry is still changed alone with ``eval.drafts.NAME=PATH``."""
+    from data.cli import compose as cli_compose, replace_mapping_overrides
+
+    argv = replace_mapping_overrides([f"+experiment={experiment}", f"eval.drafts={value}"], CONF)
+    cfg, _ = cli_compose(argv, CONF)
+    assert OmegaConf.to_container(cfg.eval.drafts) == OmegaConf.to_container(OmegaConf.create(value))
+    one = replace_mapping_overrides(["+experiment=lora_med", "eval.drafts.general=/x"], CONF)
+    assert one == ["+experiment=lora_med", "eval.drafts.general=/x"]
+    cfg, _ = cli_compose(one, CONF)
+    assert cfg.eval.drafts.general == "/x" and "lora_medical" in cfg.eval.drafts
+    flags = ["--cfg", "job", "+experiment=lora_med", f"eval.drafts={value}"]
+    assert replace_mapping_overrides(flags, CONF) == flags  # Hydra flags: left to Hydra

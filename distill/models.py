@@ -14,7 +14,7 @@ class LlamaArch:
     """Architecture of a Llama-style causal LM built from config (vocab size comes from the tokenizer)."""
 
     hidden_size: int = 128
-    num_layers: int = 2
+    num_layers: int = 1  # conf/draft/small.yaml (why: its comment)
     num_heads: int = 4
     num_kv_heads: int | None = None
     intermediate_size: int = 344

@@ -88,6 +88,11 @@ def label(c: dict) -> str:
     return f"num_draft_tokens={c['num_draft_tokens']}" if p == "fixed" else f"draft_length_policy={p}"
 
 
+def _named(c: dict) -> str:
+    """A candidate as text: its draft in backticks, then :func:`label`."""
+    return f"`{c['draft']}` with {label(c)}"
+
+
 def candidates(doc: dict, domain: str) -> list[dict]:
     """Every measured setting of ``domain``: ``{"draft", "draft_length_policy", "num_draft_tokens",
     "measured_speedup", "measured_speedup_ci", "expected_speedup", "mean_accepted_length", ...}``."""
@@ -191,7 +196,7 @@ def decide(cands: list[dict]) -> dict:
         pick = (f": the highest expected speedup {how} ({_fmt(chosen.get(field))}x)" if len(near) == 1 else
                 f", the highest expected speedup {how}, {_fmt(top)}x at best, within whose own error (it misses "
                 f"the measured speedups by {100 * err:.0f}% here, median) {len(near)} settings lie "
-                f"({', '.join(label(c) for c in near)}): among them the highest measured speedup "
+                f"({', '.join(_named(c) for c in near)}): among them the highest measured speedup "
                 f"({_fmt(chosen['measured_speedup'])}x, expected {_fmt(chosen.get(field))}x)")
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "

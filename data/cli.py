@@ -139,37 +139,43 @@ def _overrides(argv: list[str]) -> list[str] | None:
 
 def _mapping_literal(arg: str) -> bool:
     """``KEY={...}``: a plain assignment (no ``+``/``~``) of a mapping literal."""
-    return "=" in arg and not arg.startswith(("+", "~")) and arg.split("=", 1)[1].lstrip().startswith("{")
+    return "=" in arg and not arg.startswith(("+", "~", "-")) and arg.split("=", 1)[1].lstrip().startswith("{")
 
 
-def replace_mapping_overrides(argv: list[str], config_dir: str | os.PathLike,
-                              config_name: str = "config") -> list[str]:
-    """``argv`` with every ``KEY={...}`` whose key already holds a mapping in the composed config (an experiment's
-    ``eval.drafts``, say) rewritten as ``~KEY +KEY={...}``: the mapping the user typed *replaces* the config's.
+def _is_named_mapping(schema, key: str) -> bool:
+    """Whether the typed ``schema`` (a dataclass) declares ``key`` as a ``dict[...]`` field: a mapping of names the
+    user chooses (``eval.drafts``, ``data.mixture``, ``data.declared_domains``), not a config section."""
+    import dataclasses
+    import types
+    import typing
 
-    Hydra merges a mapping override into an existing mapping: keys the config lacks are refused ("Could not
-    override") and keys it has but the user left out stay, so ``eval.drafts={mine: path}`` after an experiment
-    that names four drafts would evaluate five. To change one entry, override it alone (``eval.drafts.mine=path``).
-    A key that is null (or absent) is left to Hydra as it is, and so is a command with Hydra flags."""
-    if not any(_mapping_literal(a) for a in argv) or _overrides(argv) is None:
-        return list(argv)
-    from omegaconf import DictConfig, OmegaConf
+    node = schema
+    for part in key.split("."):
+        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+        if part not in hints:
+            return False
+        node = hints[part]
+        if typing.get_origin(node) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(node) if a is not type(None)]
+            node = args[0] if len(args) == 1 else None
+    return typing.get_origin(node) is dict or node is dict
 
-    rest = [a for a in argv if not _mapping_literal(a)]
-    try:
-        composed = compose(rest, config_dir, config_name)
-    except Exception:  # noqa: BLE001  (another bad override: preflight reports it as it is)
-        return list(argv)
-    if composed is None:
-        return list(argv)
+
+def replace_mapping_overrides(argv: list[str], schema) -> list[str]:
+    """``argv`` with every ``KEY={...}`` whose key the typed ``schema`` declares as a mapping of names
+    (:func:`_is_named_mapping`: ``eval.drafts``, ``data.mixture``, ``data.declared_domains``) preceded by
+    ``KEY=null``, so that the mapping the user typed *replaces* the one the config or experiment holds.
+
+    Hydra merges a mapping override into an existing mapping: names the config lacks are refused ("Could not
+    override") and names it has but the user left out stay, so ``eval.drafts={mine: path}`` after an experiment that
+    names four drafts would evaluate five. Setting the key to null first makes the mapping a plain assignment (also
+    with Hydra flags such as ``--cfg job``). Config sections (``trainer``, ``eval.deployment``, ...) keep Hydra's
+    merge: a partial section must not reset the keys left out. One entry alone: ``KEY.NAME=VALUE``."""
     out = []
     for a in argv:
-        key = a.split("=", 1)[0]
-        if _mapping_literal(a) and isinstance(OmegaConf.select(composed[0], key, throw_on_missing=False),
-                                              DictConfig):
-            out += [f"~{key}", f"+{a}"]
-        else:
-            out.append(a)
+        if _mapping_literal(a) and _is_named_mapping(schema, a.split("=", 1)[0]):
+            out.append(f"{a.split('=', 1)[0]}=null")
+        out.append(a)
     return out
 
 
@@ -236,7 +242,12 @@ def _override_key(arg: str) -> str:
 def _split_by_shell(argv: list[str]) -> bool:
     """Signs that the shell split or brace-expanded one override into several arguments: a key given twice, or an
     argument that is not ``KEY=VALUE`` at all (``x,`` / ``path:`` left over from ``[{name: x, path: ...}]``)."""
-    keys = [_override_key(a) for a in argv if "=" in a and not a.startswith("~")]  # ~KEY +KEY=...: a replacement
+    def balanced_literal(a: str) -> bool:  # a whole list / mapping in one argument: quoted, not split
+        v = a.split("=", 1)[1].strip()
+        return v[:1] in "[{" and v[-1:] in "]}" and sum(v.count(c) for c in "[{") == sum(v.count(c) for c in "]}")
+
+    keys = [_override_key(a) for a in argv if "=" in a and not a.startswith("~") and not balanced_literal(a)
+            and a.split("=", 1)[1] != "null"]
     return len(keys) != len(set(keys)) or any("=" not in a and not a.startswith("~") for a in argv)
 
 
@@ -253,6 +264,8 @@ def _rejoined_override(argv: list[str]) -> str | None:
         depth += sum(a.count(ch) for ch in "[{") - sum(a.count(ch) for ch in "]}")
         if depth <= 0:
             break
+    if depth > 0:  # never closed: no complete override to show
+        return None
     return " ".join(parts) if len(parts) > 1 else None  # one argument: not split at spaces (brace expansion?)
 
 
@@ -341,12 +354,15 @@ def _shaped(cfg, schema, key: str, value: str) -> str:
 
 
 def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None],
-              schema=None) -> None:
+              schema=None, typed: list[str] | None = None) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
     exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked.
 
     An unknown key names the closest valid key(s); a list or dict value the shell split into pieces gets the
-    quoting fix. ``schema``: the entry point's typed root config (a dataclass), for the shape of suggested values."""
+    quoting fix. ``schema``: the entry point's typed root config (a dataclass), for the shape of suggested values.
+    ``typed``: the command line as the user typed it, when ``argv`` is its rewrite
+    (:func:`replace_mapping_overrides`): messages quote what was typed."""
+    typed = list(argv) if typed is None else list(typed)
     try:
         composed = compose(argv, config_dir)
         if composed is None:
@@ -360,10 +376,11 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
             raise
         code, msg = known
         key = _unknown_override_key(str(e))
-        if key is not None and not _split_by_shell(argv):
+        if key is not None and not _split_by_shell(typed):
             msg = unknown_key_message(key, argv, config_dir, schema)
         elif code == EXIT_BAD_INPUT and ("Invalid type assigned" in msg or "no viable alternative" in msg
                                          or "mismatched input" in msg or "extraneous input" in msg
-                                         or _split_by_shell(argv)):
-            msg += quoting_hint(argv)
+                                         or _split_by_shell(typed)):
+            hint = quoting_hint(typed)
+            msg = msg.rstrip(".") + hint if hint else msg
         fail(code, msg)

@@ -97,13 +97,15 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     from .config import EvalRootConfig
 
-    sys.argv[1:] = argv = replace_mapping_overrides(sys.argv[1:], PROJECT_ROOT / "conf")
-    preflight(argv, PROJECT_ROOT / "conf", check_before_eval, EvalRootConfig)
+    typed = sys.argv[1:]
+    sys.argv[1:] = argv = replace_mapping_overrides(typed, EvalRootConfig)
+    preflight(argv, PROJECT_ROOT / "conf", check_before_eval, EvalRootConfig, typed=typed)
     if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
         # Hydra writes its record before the evaluation starts; writing it to .hydra-eval directly would let a
         # failed evaluation replace the record of the command behind the current report. evaluate_run publishes
         # the attempt's record as .hydra-eval together with the report set it produced, in the same rename.
-        sys.argv.append(f"hydra.output_subdir={ATTEMPT_RECORD}")  # a training run's .hydra/ is kept as it was
+        # first, not last: after a flag such as --cfg job Hydra's parser would take it for a stray argument
+        sys.argv.insert(1, f"hydra.output_subdir={ATTEMPT_RECORD}")  # a training run's .hydra/ is kept as it was
     hydra_main()
 
 

@@ -1,6 +1,8 @@
 """The ``eval`` and ``logger`` config sections and the typed root of ``python -m eval``."""
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,8 +109,13 @@ class EvalConfig:
         if self.drafts:
             from data.registry import check_report_name
 
-            for name in self.drafts:
+            for name, path in self.drafts.items():
                 check_report_name(name, "eval.drafts")
+                if not isinstance(path, (str, os.PathLike)):
+                    kind = "mapping" if isinstance(path, Mapping) else "list" if isinstance(path, Sequence) \
+                        else type(path).__name__
+                    raise ValueError(f"eval.drafts.{name} must be a path to a draft (a string), got a {kind}: "
+                                     f"eval.drafts='{{{name}: /path/to/draft}}'")
         if self.num_draft_tokens is not None:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "

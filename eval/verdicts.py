@@ -13,7 +13,8 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
 3. The settings whose interval overlaps ``best``'s (upper end >= ``best``'s lower end) are *tied* with it: the
    measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
    among ``best`` and the tied settings whose interval is not wholly below 1 (only those whose interval lies wholly
-   above 1, when there are any: measured clearly faster than the target alone) is the highest expected speedup of the
+   above 1, when there are any: measured clearly faster than the target alone; else those whose point estimate is at
+   least 1, when there are any) is the highest expected speedup of the
    measured cost model, ``tau / (mean(k c + v_k) + o)`` over the setting's verify steps
    (:func:`decode.stats.expected_speedup_from_costs`: its measured mean accepted length tau, the measured cost
    ratio c, the measured verify cost ratio v_k of a k-token block and the loop's measured own work per step o, in
@@ -183,8 +184,9 @@ def decide(cands: list[dict]) -> dict:
     else:
         pool = [best] + [c for c in tied if interval(c)[1] >= 1.0]  # never a setting wholly below 1
         above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
-        field = model_field(above or pool)
-        near, err = model_near_top(above or pool, valid, field)
+        faster = [c for c in pool if _num(c["measured_speedup"]) >= 1.0]  # at least measured faster
+        field = model_field(above or faster or pool)
+        near, err = model_near_top(above or faster or pool, valid, field)
         chosen = max(near, key=lambda c: (_num(c["measured_speedup"]), _key(c.get("mean_accepted_length")),
                                           order(c)))
         basis = "tie"
@@ -201,7 +203,9 @@ def decide(cands: list[dict]) -> dict:
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
                   f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
-                  + (" among those whose interval lies above 1" if above else "") + pick)
+                  + (" among those whose interval lies above 1" if above else
+                     " among those measured faster than the target alone" if faster and len(faster) < len(pool)
+                     else "") + pick)
     return {"action": SPECULATE, "basis": basis, **chosen, "best_measured": best_view,
             "tied_with": [f"{c['draft']}:{label(c)}" for c in tied], "reason": reason}
 
@@ -234,8 +238,9 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         assert interval(c)[1] >= interval(b)[0], "tie pick does not overlap the fastest setting"
         pool = [o for o in valid if o is b or (interval(o)[1] >= interval(b)[0] and interval(o)[1] >= 1.0)]
         above = [o for o in pool if interval(o)[0] >= 1.0]
-        assert any(o is c for o in (above or pool)), "tie pick not among the tied settings measured above 1"
-        pool = above or pool
+        faster = [o for o in pool if _num(o["measured_speedup"]) >= 1.0]
+        assert any(o is c for o in (above or faster or pool)), "tie pick not among the tied settings measured above 1"
+        pool = above or faster or pool
         field = model_field(pool)
         ex = lambda o: _num(o.get(field))  # noqa: E731
         best_ex = max((ex(o) for o in pool if ex(o) > 0), default=math.nan)

@@ -57,8 +57,9 @@ def hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     from .schema import RootConfig
 
-    sys.argv[1:] = replace_mapping_overrides(sys.argv[1:], PROJECT_ROOT / "conf")
-    preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check, RootConfig)
+    typed = sys.argv[1:]
+    sys.argv[1:] = replace_mapping_overrides(typed, RootConfig)
+    preflight(sys.argv[1:], PROJECT_ROOT / "conf", _check, RootConfig, typed=typed)
     hydra_main()
 
 

@@ -70,6 +70,8 @@ def test_every_decision_is_consistent_with_its_numbers(cands):
             assert any(c is chosen for c in tied)
             if any(interval(c)[0] >= 1.0 for c in tied):  # a tied setting measured clearly above 1 beats one that
                 assert interval(chosen)[0] >= 1.0  # is not, whatever the cost model says
+            elif any(c["measured_speedup"] >= 1.0 for c in tied):  # else one measured faster than the target alone
+                assert chosen["measured_speedup"] >= 1.0  # beats one measured slower
 
 
 def test_check_consistent_catches_a_wrong_decision():
@@ -142,6 +144,21 @@ def test_settings_the_cost_model_cannot_order_go_to_the_measured_speedup():
     assert r["num_draft_tokens"] != 2
     with pytest.raises(AssertionError):  # the check refuses the slower of two settings the model cannot order
         check_consistent({**decide(cands), "num_draft_tokens": 3}, cands)
+
+
+def test_a_tie_never_goes_to_a_setting_measured_slower_than_the_target_alone_over_one_measured_faster():
+    """No tied setting's interval lies wholly above 1; the cost model overrates gamma 6 (expects 1.50x, measured
+    0.85x) while matching the others within 2 %: gamma 6 is not picked over settings measured faster than the target
+    alone."""
+    rows = [(1, 1.10, [0.90, 1.30], 1.12), (2, 1.30, [0.95, 1.65], 1.00), (3, 1.05, [0.80, 1.30], 1.04),
+            (4, 1.02, [0.80, 1.25], 1.03), (6, 0.85, [0.60, 1.10], 1.50)]
+    cands = [{"draft": "d", "draft_length_policy": "fixed", "num_draft_tokens": g, "measured_speedup": s,
+              "measured_speedup_ci": ci, "expected_speedup": m, "expected_speedup_components": m,
+              "mean_accepted_length": 1.0 + g / 2} for g, s, ci, m in rows]
+    r = decide(cands)
+    check_consistent(r, cands)
+    assert r["num_draft_tokens"] != 6 and r["measured_speedup"] >= 1.0
+    assert "measured faster than the target alone" in r["reason"]
 
 
 def test_speedup_interval_resamples_timing_trials_as_well_as_prompts():

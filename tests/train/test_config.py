@@ -273,19 +273,40 @@ def test_yaml_defaults_agree_with_the_dataclass_defaults(options):
     ("lora_med", "{mine: /some/draft}"),  # a new name: Hydra's merge refused it ("Could not override")
     ("lora_med", "{general: /some/draft}"),  # a name the experiment has: Hydra kept the other three beside it
     ("adapt_domains", "{a: /x, b: /y}"),
-    ("distill_med", "{mine: /some/draft}"),  # eval.drafts is null there: left to Hydra, same result
+    ("distill_med", "{mine: /some/draft}"),  # eval.drafts is null there: the same result
 ])
-def test_a_mapping_on_the_command_line_replaces_the_experiments_mapping(experiment, value):
+def test_a_mapping_of_names_on_the_command_line_replaces_the_experiments(experiment, value):
     """``eval.drafts={...}`` evaluates exactly the drafts typed, whatever the experiment names (the rewritten
-    command composes to that mapping); one entry is still changed alone with ``eval.drafts.NAME=PATH``."""
+    command composes to that mapping, with Hydra flags too); one entry is still changed alone with
+    ``eval.drafts.NAME=PATH``; a config section typed as a mapping keeps Hydra's merge, so the keys left out keep
+    the experiment's values (distill_med's greedy teacher continuations, its memory-bound deployment)."""
     from data.cli import compose as cli_compose, replace_mapping_overrides
 
-    argv = replace_mapping_overrides([f"+experiment={experiment}", f"eval.drafts={value}"], CONF)
+    argv = replace_mapping_overrides([f"+experiment={experiment}", f"eval.drafts={value}"], RootConfig)
+    assert argv[1:] == ["eval.drafts=null", f"eval.drafts={value}"]
     cfg, _ = cli_compose(argv, CONF)
     assert OmegaConf.to_container(cfg.eval.drafts) == OmegaConf.to_container(OmegaConf.create(value))
-    one = replace_mapping_overrides(["+experiment=lora_med", "eval.drafts.general=/x"], CONF)
+    one = replace_mapping_overrides(["+experiment=lora_med", "eval.drafts.general=/x"], RootConfig)
     assert one == ["+experiment=lora_med", "eval.drafts.general=/x"]
     cfg, _ = cli_compose(one, CONF)
     assert cfg.eval.drafts.general == "/x" and "lora_medical" in cfg.eval.drafts
-    flags = ["--cfg", "job", "+experiment=lora_med", f"eval.drafts={value}"]
-    assert replace_mapping_overrides(flags, CONF) == flags  # Hydra flags: left to Hydra
+    mixture = replace_mapping_overrides(["+experiment=general_draft", "data.mixture={code: 1}"], RootConfig)
+    assert OmegaConf.to_container(cli_compose(mixture, CONF)[0].data.mixture) == {"code": 1}
+    sections = ["+experiment=distill_med", "distill.generation={max_new_tokens: 32}",
+                "eval.deployment={cost_ratio: 0.1}"]
+    assert replace_mapping_overrides(sections, RootConfig) == sections
+    cfg = validate(cli_compose(sections, CONF)[0])
+    assert (cfg.distill.generation.temperature, cfg.distill.generation.max_prompts) == (0.0, 2048)
+    assert cfg.eval.deployment["memory_bound"] if isinstance(cfg.eval.deployment, dict) else \
+        cfg.eval.deployment.memory_bound
+
+
+def test_eval_with_hydra_flags_after_the_overrides_composes_as_a_run_would():
+    """``python -m eval OVERRIDES --cfg job`` prints the config a run would use (the entry point's own override
+    goes first, where Hydra's parser accepts it), the mapping of drafts replaced as typed."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eval", "+experiment=lora_med", "eval.drafts={x: /n1}", "--cfg",
+                           "job"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    drafts = OmegaConf.create(proc.stdout).eval.drafts
+    assert OmegaConf.to_container(drafts) == {"x": "/n1"}

@@ -127,8 +127,9 @@ def model_field(pool: list[dict]) -> str:
 def model_error(cands: list[dict], field: str) -> float:
     """How far the cost model ``field`` is from the measurement in these settings: the median over ``cands`` of
     ``|ln(measured_speedup / model)|`` (0.05: about 5 %); NaN when no setting has both numbers."""
-    errs = [abs(math.log(_num(c["measured_speedup"]) / _num(c.get(field)))) for c in cands
-            if _num(c.get("measured_speedup")) > 0 and _num(c.get(field)) > 0]
+    ratios = [_num(c.get("measured_speedup")) / _num(c.get(field)) for c in cands
+              if _num(c.get("measured_speedup")) > 0 and _num(c.get(field)) > 0]
+    errs = [abs(math.log(r)) for r in ratios if 0 < r < math.inf]
     return float(statistics.median(errs)) if errs else math.nan
 
 

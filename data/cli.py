@@ -142,23 +142,35 @@ def _mapping_literal(arg: str) -> bool:
     return "=" in arg and not arg.startswith(("+", "~", "-")) and arg.split("=", 1)[1].lstrip().startswith("{")
 
 
-def _is_named_mapping(schema, key: str) -> bool:
-    """Whether the typed ``schema`` (a dataclass) declares ``key`` as a ``dict[...]`` field: a mapping of names the
-    user chooses (``eval.drafts``, ``data.mixture``, ``data.declared_domains``), not a config section."""
+def _schema_type(schema, key: str):
+    """The annotation of dotted ``key`` in the typed ``schema`` (a dataclass), ``Optional[X]`` read as ``X``; None
+    when the schema does not declare the key (or no schema is given)."""
     import dataclasses
     import types
     import typing
 
+    def unwrap(t):
+        if typing.get_origin(t) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(t) if a is not type(None)]
+            return args[0] if len(args) == 1 else t
+        return t
+
     node = schema
-    for part in key.split("."):
+    for part in key.split(".") if schema is not None else ():
         hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
         if part not in hints:
-            return False
-        node = hints[part]
-        if typing.get_origin(node) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(node) if a is not type(None)]
-            node = args[0] if len(args) == 1 else None
-    return typing.get_origin(node) is dict or node is dict
+            return None
+        node = unwrap(hints[part])
+    return node
+
+
+def _is_named_mapping(schema, key: str) -> bool:
+    """Whether the typed ``schema`` declares ``key`` as a ``dict[...]`` field: a mapping of names the user chooses
+    (``eval.drafts``, ``data.mixture``, ``data.declared_domains``), not a config section."""
+    import typing
+
+    node = _schema_type(schema, key)
+    return node is dict or typing.get_origin(node) is dict
 
 
 def replace_mapping_overrides(argv: list[str], schema) -> list[str]:
@@ -246,8 +258,7 @@ def _split_by_shell(argv: list[str]) -> bool:
         v = a.split("=", 1)[1].strip()
         return v[:1] in "[{" and v[-1:] in "]}" and sum(v.count(c) for c in "[{") == sum(v.count(c) for c in "]}")
 
-    keys = [_override_key(a) for a in argv if "=" in a and not a.startswith("~") and not balanced_literal(a)
-            and a.split("=", 1)[1] != "null"]
+    keys = [_override_key(a) for a in argv if "=" in a and not a.startswith("~") and not balanced_literal(a)]
     return len(keys) != len(set(keys)) or any("=" not in a and not a.startswith("~") for a in argv)
 
 
@@ -314,22 +325,12 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
 def _key_kind(cfg, schema, key: str) -> str | None:
     """``"list"`` / ``"dict"`` when key ``key`` takes a list / mapping: from the typed ``schema`` (a dataclass: the
     annotation, so a null default still tells), else from the composed ``cfg``'s value; ``None`` for a scalar."""
-    import dataclasses
+    import types
     import typing
 
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
-    node = schema
-    for part in key.split(".") if schema is not None else ():
-        hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
-        if part not in hints:
-            node = None
-            break
-        node = hints[part]
-        args = [a for a in typing.get_args(node) if a is not type(None)]
-        node = args[0] if not dataclasses.is_dataclass(node) and len(args) == 1 else node
-    import types
-
+    node = _schema_type(schema, key)
     union = typing.get_origin(node) in (typing.Union, types.UnionType)
     origins = {typing.get_origin(a) or a for a in (typing.get_args(node) if union else (node,))} \
         if node is not None else set()

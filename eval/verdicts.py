@@ -243,16 +243,11 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         assert any(o is c for o in (above or faster or pool)), "tie pick not among the tied settings measured above 1"
         pool = above or faster or pool
         field = model_field(pool)
-        ex = lambda o: _num(o.get(field))  # noqa: E731
-        best_ex = max((ex(o) for o in pool if ex(o) > 0), default=math.nan)
-        if not math.isnan(best_ex):
-            err = model_error(valid, field)
-            assert ex(c) > 0 and math.log(best_ex / ex(c)) <= (0.0 if math.isnan(err) else err) + 1e-12, \
-                "tie not broken by the cost model (the pick is outside the model's error of its best)"
-            near = [o for o in pool if ex(o) > 0 and math.log(best_ex / ex(o)) <= (0.0 if math.isnan(err) else err)
-                    + 1e-12]
-            assert _num(c["measured_speedup"]) == max(_num(o["measured_speedup"]) for o in near), \
-                "among the settings the cost model cannot tell apart, not the highest measured speedup"
+        near, _ = model_near_top(pool, valid, field)
+        assert any(o is c for o in near), "tie not broken by the cost model (the pick is outside the model's error " \
+            "of its best)"
+        assert _num(c["measured_speedup"]) == max(_num(o["measured_speedup"]) for o in near), \
+            "among the settings the cost model cannot tell apart, not the highest measured speedup"
 
 
 def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:

@@ -64,9 +64,8 @@ def test_routing_uses_an_adapter_only_where_it_was_kept(cells):
         allowed = {"general"} | ({f"lora_{d}"} if rows[d]["adapter_kept"] else set())
         assert r["draft"] in allowed | {None}
         cands = [c for c in candidates(doc, d) if c["draft"] in allowed]
-        if r["draft"] is None:  # the target alone: only when no allowed draft's interval reaches 1
-            assert all(c["measured_speedup_ci"][1] < 1.0 for c in cands
-                       if c["measured_speedup"] == max(x["measured_speedup"] for x in cands))
+        if r["draft"] is None:  # the target alone: only when no allowed draft was measured at least 1x
+            assert all(c["measured_speedup"] < 1.0 for c in cands)
         # the route is the evaluation's decision rule over the allowed drafts only (a refused adapter never wins)
         assert r["draft"] == decide(cands)["draft"]
     kept = {f"lora_{d}" for d in domains if rows[d]["adapter_kept"]}

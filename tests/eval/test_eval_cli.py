@@ -164,8 +164,8 @@ def test_sweep_recommends_num_draft_tokens_per_domain(cli_run):
         best = doc["best_measured"][domain]
         assert best["measured_speedup"] == max(measured.values())
         assert measured[(best["draft"], best["num_draft_tokens"])] == best["measured_speedup"]
-        if r["draft"] is None:  # the target alone: even the fastest setting's interval lies below 1
-            assert best["measured_speedup_ci"][1] < 1 and "decode with the target alone" in doc["verdicts"][domain]
+        if r["draft"] is None:  # the target alone: even the fastest setting measured below 1
+            assert best["measured_speedup"] < 1 and "decode with the target alone" in doc["verdicts"][domain]
             continue
         assert r["num_draft_tokens"] in SWEEP and r["draft"] in doc["drafts"]
         for n in doc["drafts"]:

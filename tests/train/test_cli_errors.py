@@ -1,4 +1,5 @@
-"""Bad input through the command line (``python -m train`` / ``python -m eval`` as subprocesses): a non-zero exit
+"""Bad input through the command line (``python -m train`` / ``python -m eval``, each command its own process; the
+tables of cases fork from one process per entry point, ``tests/cliforks.py``): a non-zero exit
 code, the last stderr line is our one-line ``error: ...`` message (never a traceback), and a run directory that
 already holds a finished run is left byte-identical (Hydra's ``.hydra/`` and log file included: commands are
 checked before Hydra touches the run directory).
@@ -26,11 +27,15 @@ TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def a
         "User: hello there\nAssistant: hi, how can I help?"] * 20
 
 
-def cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return env
+
+
+def cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
@@ -131,17 +136,20 @@ TRAIN_CASES = {
 
 
 def run_concurrently(jobs: dict[str, tuple[str, list[str]]], tmp_path_factory) -> dict[str, tuple]:
-    """Each job ``case -> (module, args)`` as its own subprocess against its own finished run directory
-    (``hydra.run.dir`` appended), a few at a time: the commands are independent and mostly import time, so running
-    them side by side keeps the suite short. Returns ``case -> (completed process, snapshot before, run dir)``."""
-    from concurrent.futures import ThreadPoolExecutor
+    """Each job ``case -> (module, args)`` as its own process against its own finished run directory
+    (``hydra.run.dir`` appended): one forked child per command from a driver that imported ``{module}.__main__``
+    once (``tests/cliforks.py``: own stdout, stderr and exit status per command, as from a shell). Returns ``case ->
+    (completed process, snapshot before, run dir)``."""
+    from cliforks import run_commands
 
     runs = {case: make_finished_run(tmp_path_factory.mktemp(case)) for case in jobs}
     before = {case: snapshot(run) for case, run in runs.items()}
-    with ThreadPoolExecutor(max_workers=(os.cpu_count() or 1) + 1) as pool:
-        futures = {case: pool.submit(cli, module, *args, f"hydra.run.dir={runs[case]}")
-                   for case, (module, args) in jobs.items()}
-        return {case: (f.result(), before[case], runs[case]) for case, f in futures.items()}
+    out = {}
+    for module in sorted({m for m, _ in jobs.values()}):
+        cases = [case for case, (m, _) in jobs.items() if m == module]
+        procs = run_commands(module, [[*jobs[c][1], f"hydra.run.dir={runs[c]}"] for c in cases], env=cli_env())
+        out.update({c: (p, before[c], runs[c]) for c, p in zip(cases, procs)})
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,157 @@
+"""The most a token tree can gain over a chain for a target / draft pair on this machine, from measurements.
+
+1. Ranks: the target's greedy continuation of each prompt is scored by the draft (teacher forcing: along an accepted
+   path the draft sees exactly those tokens); ``p_k`` = the fraction of positions where the target's token is the
+   draft's k-th likeliest. Greedy tree verification accepts a child of rank k exactly when that happens, so the
+   events are disjoint and ``p_1`` is the chain's per-token acceptance alpha.
+2. The best tree: assuming positions are independent with these ``p_k`` (Sequoia, Chen et al. 2024, Sec. 3.1), the
+   largest expected accepted length of any tree with ``n`` nodes and depth ``<= d`` is ``tau(n, d) = 1 + F(n, d)``,
+   ``F(n, d) = max over child sizes m_1 >= m_2 >= ... (sum = n) of sum_k p_k (1 + F(m_k - 1, d - 1))`` (the
+   dynamic programme of Sequoia, Sec. 3.2; the k-th child is the draft's k-th likeliest token). A chain of gamma is
+   the tree with one child per node: ``1 + p_1 + ... + p_1^gamma``.
+3. Costs: the target's and the draft's cached forward over ``w`` new positions (``decode.block_forward_times_s``,
+   widths alternated), in one-position target forwards: ``v(w)``; ``c`` = one draft position. A step of a tree
+   with ``n`` nodes and depth ``d`` costs at least ``d c + v(n + 1) + o`` (a draft forward per level at the price
+   of one position, however many nodes the level has: a lower bound on the draft phase; ``o`` = the loop's own
+   work per step, ``--overhead``), a chain of gamma ``gamma c + v(gamma + 1) + o``.
+
+Prints the rank distribution, the best chain's expected rate (accepted tokens per one-position target forward of
+step time) and, per depth, the best tree's tau and rate for some node budgets (and the first that reaches "+25 % tau
+at equal depth"), with the verify cost ratio ``v(n + 1)`` at which that tree would tie the best chain: a tree pays
+only where some budget reaches both, i.e. where the measured ``v(n + 1)`` lies below the break-even one.
+
+Example (distill_med's draft, medical)::
+
+    python scripts/tree_bound.py --target distill/reference_target --draft RUN/drafts/distilled --domain medical
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def rank_distribution(target, draft, prompts, max_new_tokens: int, top: int) -> tuple[list[float], int]:
+    """``p_k`` for k = 1..top (the target's greedy token is the draft's k-th likeliest), and the positions counted."""
+    import torch
+
+    from decode import autoregressive_generate
+
+    counts = [0] * (top + 1)  # last: rank > top
+    n = 0
+    for ids in prompts:
+        out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, do_sample=False).sequences
+        new = out.shape[1] - ids.shape[1]
+        if new < 1:
+            continue
+        with torch.inference_mode():
+            logits = draft(out).logits[0, ids.shape[1] - 1:out.shape[1] - 1].float()  # (new, V)
+        tok = out[0, ids.shape[1]:]
+        rank = (logits > logits.gather(1, tok[:, None])).sum(1)  # 0-based rank of the target's token
+        for r in rank.tolist():
+            counts[min(r, top)] += 1
+        n += new
+    return [c / max(n, 1) for c in counts[:top]], n
+
+
+def best_tree(p: list[float], max_nodes: int, max_depth: int):
+    """``tau(n, d)`` (Sequoia's DP, module docstring) for n = 0..max_nodes, d = 0..max_depth."""
+
+    @functools.lru_cache(maxsize=None)
+    def f(n: int, d: int) -> float:  # best expected accepted tokens below a node: n nodes, depth <= d
+        return 0.0 if n == 0 or d == 0 else g(0, n, d)
+
+    @functools.lru_cache(maxsize=None)
+    def g(k: int, n: int, d: int) -> float:  # children of rank >= k + 1 with n nodes in all
+        if n == 0 or k >= len(p):
+            return 0.0
+        best = g(k + 1, n, d)  # no child of this rank
+        for m in range(1, n + 1):
+            best = max(best, p[k] * (1.0 + f(m - 1, d - 1)) + g(k + 1, n - m, d))
+        return best
+
+    return lambda n, d: 1.0 + f(n, d)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--draft", required=True)
+    ap.add_argument("--domain", default="medical")
+    ap.add_argument("--max-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--max-nodes", type=int, default=64)
+    ap.add_argument("--depths", default="3,4,6,8")
+    ap.add_argument("--overhead", type=float, default=0.25,
+                    help="the loop's own work per step o, in one-position target forwards (bench_decode's 'other')")
+    ap.add_argument("--steps", type=int, default=20, help="timed forwards per width")
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from data.loading import eval_prompts
+    from decode.timing import block_forward_times_s
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
+    draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
+    prompts = [tok(e.prompt, return_tensors="pt").input_ids
+               for e in eval_prompts(args.domain, max_prompts=args.max_prompts, tokenizer=tok)]
+    p, n = rank_distribution(target, draft, prompts, args.max_new_tokens, args.top)
+    print(f"{args.domain}: {len(prompts)} prompts, {n} target tokens; draft rank of the target's greedy token:")
+    print("  " + "  ".join(f"p_{k + 1} {x:.3f}" for k, x in enumerate(p)) + f"  (rank > {args.top}: {1 - sum(p):.3f})")
+
+    depths = [int(x) for x in args.depths.split(",")]
+    widths = sorted({1, *range(2, 10), *[w for w in (13, 17, 25, 33, 49, 65) if w <= args.max_nodes + 1],
+                     args.max_nodes + 1})
+    ref = prompts[0]
+    tv = block_forward_times_s(target, ref, widths, args.steps)
+    dv = block_forward_times_s(draft, ref, [1], args.steps)
+    one = tv[1]
+    c = dv[1] / one
+
+    def v(w: int) -> float:  # linear between measured widths
+        lo = max(x for x in widths if x <= w)
+        hi = min(x for x in widths if x >= w)
+        t = tv[lo] if lo == hi else tv[lo] + (tv[hi] - tv[lo]) * (w - lo) / (hi - lo)
+        return t / one
+
+    print(f"target one-position forward {one * 1e3:.2f} ms, c {c:.3f}, o {args.overhead}; v(w): "
+          + ", ".join(f"{w}: {tv[w] / one:.2f}" for w in widths))
+    tau = best_tree(p, args.max_nodes, max(depths))
+    chains = {g: sum(p[0] ** i for i in range(g + 1)) for g in range(1, max(depths) + 1)}
+    rate = {g: chains[g] / (g * c + v(g + 1) + args.overhead) for g in chains}
+    gbest = max(rate, key=rate.get)
+    print(f"chains (expected tau, rate): " + ", ".join(f"gamma {g}: {chains[g]:.2f}, {rate[g]:.3f}" for g in chains))
+    print(f"best chain: gamma {gbest}, rate {rate[gbest]:.3f} tokens per one-position target forward")
+    print()
+    print("| depth | chain tau | tau needed (+25 %) | nodes | best tree tau | step cost (lower bound) | rate | vs best chain "
+          "| v(nodes + 1) measured / to break even |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for d in depths:
+        need = 1.25 * chains[d]
+        first_reach = None
+        for nodes in range(d, args.max_nodes + 1):
+            t = tau(nodes, d)
+            cost = d * c + v(nodes + 1) + args.overhead
+            if first_reach is None and t >= need:
+                first_reach = nodes
+            if nodes in (d, 2 * d, 16, 32, args.max_nodes) or nodes == first_reach:
+                mark = " (first to reach +25 %)" if nodes == first_reach else ""
+                even = t / rate[gbest] - d * c - args.overhead  # the verify cost at which this tree ties the chain
+                print(f"| {d} | {chains[d]:.2f} | {need:.2f} | {nodes}{mark} | {t:.2f} | {cost:.2f} | "
+                      f"{t / cost:.3f} | {t / cost / rate[gbest]:.2f}x | {v(nodes + 1):.2f} / {even:.2f} |")
+        if first_reach is None:
+            print(f"| {d} | {chains[d]:.2f} | {need:.2f} | none up to {args.max_nodes} | {tau(args.max_nodes, d):.2f} "
+                  f"| | | | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,8 +15,13 @@ def _looks_local(name_or_path: str | os.PathLike) -> bool:
     return p.exists() or str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1
 
 
-def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -> None:
+def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", key: str | None = None,
+                         need_tokenizer: bool = True) -> None:
     """Cheap checks of a local checkpoint directory, without loading anything (a hub id passes unchecked).
+
+    ``key`` is what the user sets to point elsewhere, named in the messages (default: the config key for ``role``;
+    a script passes its flag, e.g. ``--draft``). ``need_tokenizer=False`` accepts a directory without tokenizer
+    files (a draft that uses the target's).
 
     Raises:
         CheckpointError: the path does not exist, is not a readable directory, or lacks ``config.json``, the
@@ -26,8 +31,8 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -
     if not _looks_local(name_or_path):
         return
     p = Path(str(name_or_path)).expanduser()
-    key = (f"{role}.name_or_path" if role == "target" else
-           "draft.name_or_path" if "draft.name_or_path" in role else "eval.drafts")
+    key = key or (f"{role}.name_or_path" if role == "target" else
+                  "draft.name_or_path" if "draft.name_or_path" in role else "eval.drafts")
     if not p.exists():
         raise CheckpointError(
             f"{role} path {p} does not exist. Point {key} at a Hugging Face model directory "
@@ -44,7 +49,7 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -
     missing = [n for n in ("config.json",) if n not in names]
     if not any(n.endswith((".safetensors", ".bin")) for n in names):
         missing.append("model weights (*.safetensors)")
-    if not names & {"tokenizer.json", "tokenizer_config.json"}:
+    if need_tokenizer and not names & {"tokenizer.json", "tokenizer_config.json"}:
         missing.append("tokenizer files (tokenizer.json)")
     if missing:
         raise CheckpointError(
@@ -61,15 +66,16 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model") -
                                       f"permissions or point {key} elsewhere.") from None
 
 
-def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model"):
-    """The tokenizer of a checkpoint (no model weights are read), after :func:`check_checkpoint_dir`.
+def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model", key: str | None = None):
+    """The tokenizer of a checkpoint (no model weights are read), after :func:`check_checkpoint_dir` (``key`` as
+    there).
 
     Raises:
         CheckpointError: as :func:`check_checkpoint_dir`, or the tokenizer files cannot be parsed.
     """
     from transformers import AutoTokenizer
 
-    check_checkpoint_dir(name_or_path, role)
+    check_checkpoint_dir(name_or_path, role, key)
     src = str(Path(str(name_or_path)).expanduser()) if _looks_local(name_or_path) else str(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(src)
@@ -96,9 +102,11 @@ def check_finite_weights(model, name_or_path: str | os.PathLike, role: str = "mo
 
 
 def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: torch.dtype = torch.float32,
-                   device: torch.device | str | None = None):
+                   device: torch.device | str | None = None, key: str | None = None, need_tokenizer: bool = True):
     """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id, in eval mode, with weights in ``dtype``
-    on ``device`` (``None``: CPU; resolve a config value with :func:`data.devices.resolve_device` first).
+    on ``device`` (``None``: CPU; resolve a config value with :func:`data.devices.resolve_device` first). ``key``
+    and ``need_tokenizer`` as in :func:`check_checkpoint_dir`; without tokenizer files (allowed only when
+    ``need_tokenizer=False``) the tokenizer returned is ``None``.
 
     Raises:
         CheckpointError: the path does not exist (and does not look like a hub id), lacks config/weights/tokenizer
@@ -107,9 +115,11 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
     """
     from transformers import AutoModelForCausalLM
 
-    tok = load_tokenizer(name_or_path, role)
     local = _looks_local(name_or_path)
     src = str(Path(str(name_or_path)).expanduser()) if local else name_or_path
+    check_checkpoint_dir(name_or_path, role, key, need_tokenizer)
+    has_tok = not local or bool({q.name for q in Path(src).iterdir()} & {"tokenizer.json", "tokenizer_config.json"})
+    tok = load_tokenizer(name_or_path, role, key) if need_tokenizer or has_tok else None
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     except Exception as e:
@@ -159,3 +169,30 @@ def check_context_fits(model, tokens: int, role: str, what: str) -> None:
             f"{what} needs {tokens} positions but the {role} has a context of {limit} "
             f"(config.max_position_embeddings); lower it to at most {limit}."
         )
+
+
+def load_target_and_draft(target: str | os.PathLike, draft: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                          draft_dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+                          keys: tuple[str, str] = ("--target", "--draft"), need_tokenizer: bool = True):
+    """``(target, draft, tokenizer)`` for the scripts (``scripts/bench_decode.py``, ``scripts/tree_bound.py``): both
+    models through :func:`load_causal_lm` (``keys``: the flags named in the messages; the draft may come without
+    tokenizer files and then uses the target's; the target may too when ``need_tokenizer=False``, the tokenizer
+    returned is then ``None``), the draft's tokenizer checked against the target's
+    (:func:`data.tokenizer_check.check_tokenizers_compatible`) and both models' rows against the tokenizer
+    (:func:`check_vocab_covers_tokenizer`). The draft is loaded in ``draft_dtype`` (default ``dtype``).
+
+    Raises:
+        CheckpointError: a directory is missing, partial or unloadable, holds NaN/inf weights, or a model has
+            fewer vocabulary rows than the tokenizer.
+        data.tokenizer_check.TokenizerMismatchError: the two tokenizers differ (every difference listed).
+    """
+    from .tokenizer_check import check_tokenizers_compatible
+
+    t_model, tok = load_causal_lm(target, "target", dtype, device, key=keys[0], need_tokenizer=need_tokenizer)
+    d_model, d_tok = load_causal_lm(draft, "draft", draft_dtype or dtype, device, key=keys[1], need_tokenizer=False)
+    if tok is not None:
+        if d_tok is not None:
+            check_tokenizers_compatible(tok, d_tok, target_name=f"{keys[0]} {target}", draft_name=f"{keys[1]} {draft}")
+        check_vocab_covers_tokenizer(t_model, tok, role=f"{keys[0]} {target}")
+        check_vocab_covers_tokenizer(d_model, tok, role=f"{keys[1]} {draft}")
+    return t_model, d_model, tok

@@ -141,6 +141,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("give --target and --draft, or --family NAME")
     if args.family is not None:
         args.prompt_ids = True
+    else:
+        from data.checkpoints import check_checkpoint_dir
+        from data.errors import CheckpointError
+
+        try:  # before anything loads: a path that is not a model directory
+            check_checkpoint_dir(args.target, "target", "--target", need_tokenizer=not args.prompt_ids)
+            check_checkpoint_dir(args.draft, "draft", "--draft", need_tokenizer=False)
+        except CheckpointError as e:
+            ap.error(str(e))
     from decode.config import DecodeConfig
 
     params = {}
@@ -278,20 +287,6 @@ def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
     return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
 
 
-def check_tokenizers(target_dir: str, draft_dir: str):
-    """Load both tokenizers and fail clearly if they differ (speculative decoding needs a shared vocabulary)."""
-    from transformers import AutoTokenizer
-
-    tok_t = AutoTokenizer.from_pretrained(target_dir)
-    try:
-        tok_d = AutoTokenizer.from_pretrained(draft_dir)
-    except (OSError, ValueError):
-        return tok_t  # draft saved without a tokenizer: it uses the target's
-    if tok_t.get_vocab() != tok_d.get_vocab():
-        raise SystemExit(f"tokenizer mismatch: {target_dir} and {draft_dir} have different vocabularies")
-    return tok_t
-
-
 def run(args) -> dict:
     from decode.threads import block_threads_setting, set_block_threads
 
@@ -305,8 +300,6 @@ def run(args) -> dict:
 
 
 def _run(args) -> dict:
-    from transformers import AutoModelForCausalLM
-
     from decode.fast_llama import compile_enabled, compile_seconds, fast_path_supported, set_compile
     from decode.threads import resolved_block_threads, set_block_threads
 
@@ -317,14 +310,21 @@ def _run(args) -> dict:
     device, dtype = resolve_device_dtype(args.device, args.dtype)
     t_dtype = resolve_device_dtype(args.device, args.target_dtype)[1] if args.target_dtype else dtype
     d_dtype = resolve_device_dtype(args.device, args.draft_dtype)[1] if args.draft_dtype else dtype
-    tokenizer = None if args.prompt_ids else check_tokenizers(args.target, args.draft)
     if args.family:
         target, draft = family_models(args.family, args.family_layers, args.family_hidden, args.family_window,
                                       seed=args.seed)
         target, draft = target.to(device=device, dtype=t_dtype), draft.to(device=device, dtype=d_dtype)
+        tokenizer = None
     else:
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=t_dtype).to(device).eval()
-        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=d_dtype).to(device).eval()
+        from data.checkpoints import load_target_and_draft
+
+        try:  # clear errors for a missing / partial / unloadable directory or two tokenizers that differ
+            target, draft, tokenizer = load_target_and_draft(args.target, args.draft, dtype=t_dtype,
+                                                             draft_dtype=d_dtype, device=device,
+                                                             need_tokenizer=not args.prompt_ids)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        tokenizer = None if args.prompt_ids else tokenizer
     shared_vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
     if tokenizer is not None:
         shared_vocab = min(shared_vocab, len(tokenizer))

@@ -77,38 +77,81 @@ def best_tree(p: list[float], max_nodes: int, max_depth: int):
     return lambda n, d: 1.0 + f(n, d)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything loads: a bad value is a one-line usage error (exit 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--draft", required=True)
-    ap.add_argument("--domain", default="medical")
+    ap.add_argument("--target", required=True, help="the target's Hugging Face directory")
+    ap.add_argument("--draft", required=True, help="the draft's Hugging Face directory")
+    ap.add_argument("--domain", default="medical", help="the evaluation prompts of this domain (default medical)")
     ap.add_argument("--max-prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--max-nodes", type=int, default=64)
-    ap.add_argument("--depths", default="3,4,6,8")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="target greedy tokens per prompt for the ranks")
+    ap.add_argument("--max-nodes", type=int, default=64, help="the largest tree considered (draft nodes)")
+    ap.add_argument("--depths", default="3,4,6,8", help="comma-separated tree depths, each >= 1")
     ap.add_argument("--overhead", type=float, default=0.25,
                     help="the loop's own work per step o, in one-position target forwards (bench_decode's 'other')")
     ap.add_argument("--steps", type=int, default=20, help="timed forwards per width")
-    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--top", type=int, default=8, help="draft ranks counted (a tree node's children are ranks 1..top)")
     args = ap.parse_args(argv)
+    for name in ("max_prompts", "max_new_tokens", "max_nodes", "steps", "top"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    if not args.overhead >= 0 or args.overhead == float("inf"):
+        ap.error(f"--overhead must be a finite number >= 0 (got {args.overhead})")
+    try:
+        args.depths = sorted({int(x) for x in args.depths.split(",") if x.strip()})
+    except ValueError:
+        ap.error(f"--depths {args.depths!r}: expected comma-separated whole numbers, e.g. 3,4,6,8")
+    if not args.depths or args.depths[0] < 1:
+        ap.error(f"--depths {args.depths}: give at least one depth, each >= 1")
+    if args.max_nodes < args.depths[-1]:
+        ap.error(f"--max-nodes {args.max_nodes} is below the deepest --depths {args.depths[-1]}: a tree of depth d "
+                 f"needs at least d nodes; raise --max-nodes or lower --depths")
+    from data.checkpoints import check_checkpoint_dir
+    from data.domains import get_domain
+    from data.errors import CheckpointError
+
+    try:
+        get_domain(args.domain)
+    except ValueError as e:
+        ap.error(f"--domain: {e}")
+    try:
+        check_checkpoint_dir(args.target, "target", "--target")
+        check_checkpoint_dir(args.draft, "draft", "--draft", need_tokenizer=False)
+    except CheckpointError as e:
+        ap.error(str(e))
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from data.checkpoints import check_context_fits, load_target_and_draft
     from data.loading import eval_prompts
     from decode.timing import block_forward_times_s
 
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target).eval()
-    draft = AutoModelForCausalLM.from_pretrained(args.draft).eval()
-    prompts = [tok(e.prompt, return_tensors="pt").input_ids
-               for e in eval_prompts(args.domain, max_prompts=args.max_prompts, tokenizer=tok)]
+    try:
+        target, draft, tok = load_target_and_draft(args.target, args.draft)
+        prompts = [tok(e.prompt, return_tensors="pt").input_ids
+                   for e in eval_prompts(args.domain, max_prompts=args.max_prompts, tokenizer=tok)]
+        if not prompts:
+            raise ValueError(f"domain {args.domain!r} has no evaluation prompts; choose another --domain")
+        longest = max(x.shape[1] for x in prompts)
+        for model, role in ((target, "target"), (draft, "draft")):
+            check_context_fits(model, longest + max(args.max_new_tokens, args.max_nodes + 1), role,
+                               f"the longest prompt ({longest}) + max(--max-new-tokens, --max-nodes + 1)")
+    except ValueError as e:  # CheckpointError, TokenizerMismatchError, data errors: one line, exit 1
+        raise SystemExit(f"error: {e}") from None
     p, n = rank_distribution(target, draft, prompts, args.max_new_tokens, args.top)
+    if n == 0:
+        raise SystemExit(f"error: the target generated no token on any of the {len(prompts)} prompts of "
+                         f"{args.domain!r} (EOS at once?): no ranks to count; choose another --domain")
     print(f"{args.domain}: {len(prompts)} prompts, {n} target tokens; draft rank of the target's greedy token:")
     print("  " + "  ".join(f"p_{k + 1} {x:.3f}" for k, x in enumerate(p)) + f"  (rank > {args.top}: {1 - sum(p):.3f})")
 
-    depths = [int(x) for x in args.depths.split(",")]
+    depths = args.depths
     widths = sorted({1, *range(2, 10), *[w for w in (13, 17, 25, 33, 49, 65) if w <= args.max_nodes + 1],
                      args.max_nodes + 1})
     ref = prompts[0]

@@ -72,3 +72,22 @@ def test_rank_distribution_on_real_tiny_models(tb):
     assert n == 36 and p_same[0] == pytest.approx(1.0)  # a draft identical to the target: always its first choice
     p, n = tb.rank_distribution(target, draft, prompts, 12, 4)
     assert n == 36 and sum(p) <= 1.0 + 1e-9 and p[0] < 1.0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--depths", "x"], "--depths 'x': expected comma-separated whole numbers"),
+    (["--depths", "0,3"], "each >= 1"),
+    (["--depths", ","], "give at least one depth"),
+    (["--depths", "4", "--max-nodes", "3"], "--max-nodes 3 is below the deepest --depths 4"),
+    (["--top", "0"], "--top must be >= 1"),
+    (["--steps", "-1"], "--steps must be >= 1"),
+    (["--overhead", "nan"], "--overhead must be a finite number >= 0"),
+    (["--overhead", "-0.5"], "--overhead must be a finite number >= 0"),
+    (["--domain", "nope"], "--domain: unknown domain 'nope'"),
+])
+def test_bad_arguments_are_one_line_usage_errors(tb, capsys, argv, needle):
+    ref = str(SCRIPT.parents[1] / "distill" / "reference_target")
+    with pytest.raises(SystemExit) as e:
+        tb.parse_args(["--target", ref, "--draft", ref, *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and needle in err and "Traceback" not in err

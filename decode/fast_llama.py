@@ -163,8 +163,9 @@ def fast_path_supported(model: torch.nn.Module) -> bool:
 # parameters. The transposed copies are expensive to build (a strided copy of every weight: re-packing on every
 # decode call made 32- and 64-token calls 1.2-1.7x slower), so they are kept per model between decode calls, next
 # to a plain copy of the weights they were built from, [q; k; v] / [gate; up] concatenated in the parameters'
-# (out, in) layout; forwards over several rows (verify blocks, trees, prefills) multiply with that copy as the left
-# operand, which on these cores costs about what a one-row product costs (``_rows_times``). Every FastKVState
+# (out, in) layout; forwards over several rows (verify blocks, trees, prefills) multiply either with that copy as the
+# left operand (``_rows_times``: on the 2-core AVX2 machine about what a one-row product costs) or like one row on
+# the (in, out) copy, whichever measured faster on this machine (``set_row_layout``). Every FastKVState
 # compares the live parameters with the rows of that
 # copy bit for bit (a sequential read of both: 32- and 64-token calls took 1.05-1.14x the time of the old cache
 # keyed on storage pointer and version; no copies at all: 1.2-1.5x) and rebuilds whatever differs. No key can miss
@@ -415,6 +416,83 @@ def _rows_addmm(res: torch.Tensor, x: torch.Tensor, w_rows: torch.Tensor) -> tor
     return torch.addmm(res.t(), w_rows, x.t()).t().contiguous()
 
 
+# Which layout multiplies several rows is measured, not assumed: the best one is a property of the machine's BLAS
+# kernels. On the 2-core AVX2 machine the weight-left form (:func:`_rows_times`) made a 5-row forward of the reference
+# target cost 1.2-1.4x a one-row forward instead of about 2x; on a 2-core AVX-512 (AMX) Xeon the same form is 2-5x
+# slower than ``x @ W`` on the ``(in, out)`` copy for 2 to 33 rows (qkv projection, 2 rows: 86 against 15 us; head,
+# 5 rows: 386 against 215 us), and the one-row layout there costs about what one row costs up to 5-9 rows.
+# "auto" times both forms once per process on the model's own projection shapes (one layer's four and the head, 4
+# and 16 rows, alternated, medians) at the thread count multi-row forwards run with, and keeps the faster; the two
+# forms compute the same products (only the summation order inside the BLAS kernel may differ, as between a one-row
+# and a several-row forward).
+ROW_LAYOUTS = ("auto", "weight_left", "activation_left")
+_row_layout = "auto"
+_row_layout_measured: dict[tuple, tuple[str, dict]] = {}
+
+
+def set_row_layout(mode: str) -> None:
+    """How lean forwards built from now on multiply several rows on CPU (packed weights): ``"auto"`` (measured,
+    see above), ``"weight_left"`` (``(W x^T)^T`` on the ``(out, in)`` copy) or ``"activation_left"`` (``x W`` on the
+    ``(in, out)`` copy, the one-row layout). Raises ``ValueError`` for another value."""
+    global _row_layout
+    if mode not in ROW_LAYOUTS:
+        raise ValueError(f"row layout must be one of {', '.join(ROW_LAYOUTS)}, got {mode!r}")
+    _row_layout = mode
+
+
+def row_layout_record() -> dict:
+    """What ``auto`` chose so far in this process, for reports: ``{"setting", "measured": [{"shapes", "threads",
+    "chosen", "weight_left_us", "activation_left_us"}, ...]}`` (microseconds for the timed set of products)."""
+    return {"setting": _row_layout,
+            "measured": [{"shapes": [list(s) for s in key[2]], "threads": key[3], "chosen": chosen, **times}
+                         for key, (chosen, times) in _row_layout_measured.items()]}
+
+
+@torch.inference_mode()
+def _measure_row_layout(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int, rounds: int = 9) -> tuple:
+    """``("weight_left" | "activation_left", {"weight_left_us", "activation_left_us"})``: the summed median time of
+    ``x @ W`` for every ``(W (in, out), W_rows (out, in))`` of ``pairs`` at 4 and 16 rows, the two forms alternated
+    ``rounds`` times (the first round is warm-up) with ``threads`` threads."""
+    import statistics
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [[torch.randn(m, w.shape[0], generator=gen).to(w.dtype) for m in (4, 16)] for w, _ in pairs]
+        times = {"weight_left": [], "activation_left": []}
+        for _ in range(rounds):
+            for form in times:
+                t0 = time.perf_counter()
+                for (w, w_rows), x_m in zip(pairs, xs):
+                    for x in x_m:
+                        if form == "weight_left":
+                            _rows_times(x, w_rows)
+                        else:
+                            torch.matmul(x, w)
+                times[form].append(time.perf_counter() - t0)
+        med = {f"{form}_us": round(statistics.median(ts[1:]) * 1e6, 1) for form, ts in times.items()}
+    finally:
+        torch.set_num_threads(prev)
+    return ("weight_left" if med["weight_left_us"] < med["activation_left_us"] else "activation_left"), med
+
+
+def _row_layout_for(layer: tuple, rows: tuple, lm: torch.Tensor, lm_rows: torch.Tensor, device: torch.device) -> str:
+    """The layout several-row products use for a model with this first layer's packed weights ``layer`` (``(ln1,
+    eps1, W_qkv, W_o, ln2, eps2, W_gu, W_down)``), their ``(out, in)`` twins ``rows`` and head ``lm`` /
+    ``lm_rows``: the setting, or under ``auto`` the measured faster form (once per shapes, dtype and threads)."""
+    if _row_layout != "auto":
+        return _row_layout
+    from .threads import resolved_block_threads
+
+    threads = resolved_block_threads(device) or torch.get_num_threads()
+    pairs = [(layer[2], rows[0]), (layer[3], rows[1]), (layer[6], rows[2]), (layer[7], rows[3]), (lm, lm_rows)]
+    key = (torch.device(device).type, str(lm.dtype), tuple(tuple(w.shape) for w, _ in pairs), threads)
+    if key not in _row_layout_measured:
+        _row_layout_measured[key] = _measure_row_layout(pairs, threads)
+    return _row_layout_measured[key][0]
+
+
 class FastKVState:
     """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode._common.KVState``.
 
@@ -454,6 +532,9 @@ class FastKVState:
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)
         with torch.inference_mode():
             self._grow(max(int(capacity), 16))
+        if self.rows_all is not None:  # several-row products: the measured (or set) layout, see set_row_layout
+            self.rows_w = (self.rows_all if _row_layout_for(self.layers[0], self.rows_all[0], self.lm_w,
+                                                            self.rows_all[-1], device) == "weight_left" else None)
         self.compiled = compile_enabled(device) if compile is None else bool(compile)
         self._core = self._core_impl if not self.compiled else functools.partial(_compiled_core(device), self)
 
@@ -488,7 +569,8 @@ class FastKVState:
         # other dtypes keep the explicit formula (HF casts back to the input dtype before scaling)
         self.fused_norm = self.dtype == torch.float32 if fused_norm is None else fused_norm
         self.packed = packed
-        self.layers, self.lm_w, self.rows_w = _layer_weights(model, self.packed)
+        self.layers, self.lm_w, self.rows_all = _layer_weights(model, self.packed)
+        self.rows_w = None  # the (out, in) copies when several-row products use them (set per state in __init__)
         self.inter = (self.layers[0][7].shape[0] if self.packed else self.layers[0][7].shape[1])
         norm_w = self._norm_weight
         self.norm_w, self.norm_eps = norm_w(base.norm.weight), _eps(base.norm)
@@ -739,7 +821,7 @@ class FastKVState:
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         hs = norm(x, self.norm_w, self.norm_eps)
-        if packed and hs.shape[0] * hs.shape[1] > 1:
+        if packed and self.rows_w is not None and hs.shape[0] * hs.shape[1] > 1:
             logits = _rows_times(hs.reshape(-1, hs.shape[-1]), self.rows_w[-1]).view(*hs.shape[:2], -1)
         else:
             logits = torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)

@@ -133,6 +133,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--chain-gamma", action="append", default=[], type=int, metavar="G",
                     help="also run the chain with this num_draft_tokens (repeatable), for chain vs tree")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers assisted generation")
+    ap.add_argument("--row-layout", choices=("auto", "weight_left", "activation_left"), default="auto",
+                    help="ours (lean forward, CPU): how forwards over several positions multiply (auto: both forms "
+                         "timed once on the model's shapes, the faster kept; decode/fast_llama.py)")
+    ap.add_argument("--row-layout-peer", choices=("auto", "weight_left", "activation_left"),
+                    help="also run ours (the main chain) with this row layout, in the same alternation: "
+                         "ours / that (tokens/s)")
     ap.add_argument("--policy-param", action="append", default=[], metavar="KEY=VALUE",
                     help="a decode.* policy key, e.g. max_draft_tokens=8, adaptive_window=4, "
                          "confidence_threshold=0.6")
@@ -290,6 +296,8 @@ def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
 def run(args) -> dict:
     from decode.threads import block_threads_setting, set_block_threads
 
+    from decode.fast_llama import ROW_LAYOUTS, set_row_layout
+
     threads_before, block_before = torch.get_num_threads(), block_threads_setting()
     torch.set_num_threads(args.num_threads)
     try:
@@ -297,14 +305,17 @@ def run(args) -> dict:
     finally:
         torch.set_num_threads(threads_before)
         set_block_threads(block_before)
+        set_row_layout(ROW_LAYOUTS[0])
 
 
 def _run(args) -> dict:
-    from decode.fast_llama import compile_enabled, compile_seconds, fast_path_supported, set_compile
+    from decode.fast_llama import (compile_enabled, compile_seconds, fast_path_supported, row_layout_record,
+                                   set_compile, set_row_layout)
     from decode.threads import resolved_block_threads, set_block_threads
 
     set_compile(args.compile)
     set_block_threads(args.block_threads)
+    set_row_layout(args.row_layout)
     torch.manual_seed(args.seed)
     fast_path = None if args.fast_path == "auto" else False
     device, dtype = resolve_device_dtype(args.device, args.dtype)
@@ -397,6 +408,17 @@ def _run(args) -> dict:
                     set_compile(args.compile)
 
             methods["ours_speculative_uncompiled"] = ours_spec_uncompiled
+        peer_layout = f"ours_speculative_row_layout_{args.row_layout_peer}" if args.row_layout_peer else None
+        if peer_layout:  # the same decoder with the other several-row layout, in the same alternation
+
+            def ours_spec_row_layout(p):
+                set_row_layout(args.row_layout_peer)
+                try:
+                    return ours_spec(p)
+                finally:
+                    set_row_layout(args.row_layout)
+
+            methods[peer_layout] = ours_spec_row_layout
         # warm-up (allocations, kernels; compiling when decode.compile is on), untimed
         compile_s0 = compile_seconds()
         for fn in methods.values():
@@ -524,6 +546,8 @@ def _run(args) -> dict:
                         "compile_time_in_timed_s": compile_seconds() - compile_s0 - compile_warmup_s,
                         "compiled_over_uncompiled": (tps["ours_speculative"] / tps["ours_speculative_uncompiled"]
                                                      if compiled else None)},
+            "row_layout": {**row_layout_record(), "setting": args.row_layout, "peer": args.row_layout_peer,
+                           "ours_over_peer": tps["ours_speculative"] / tps[peer_layout] if peer_layout else None},
             "stats": stats.to_dict(),
             "chain_vs_tree": compare,
         }
@@ -534,6 +558,7 @@ def format_table(r: dict) -> str:
     hf_ran = tps["hf_assisted"] == tps["hf_assisted"]  # NaN: skipped (--no-hf)
     bd, il = r["time_breakdown"]["ours_speculative"], r["in_loop"]
     wall = bd["wall_s"] or float("nan")
+    peer = r["row_layout"]["peer"]
     rows = [
         ("model family (tiny random, --family)", r["family"] or "-"),
         ("device / dtype (target, draft) / threads (one-token, block)",
@@ -579,6 +604,13 @@ def format_table(r: dict) -> str:
         *([("ours compiled / uncompiled (tokens/s)", f"{r['compile']['compiled_over_uncompiled']:.2f}x"),
            ("ours uncompiled: outputs differing from target-only",
             f"{r['greedy_output_mismatches']['ours_speculative_uncompiled']}")] if r["compile"]["compiled"] else []),
+        ("ours: several-row products (setting: chosen, us weight-left / activation-left)",
+         f"{r['row_layout']['setting']}: " + ("; ".join(
+             f"{m['chosen']} ({m['weight_left_us']:.0f} / {m['activation_left_us']:.0f})"
+             for m in r["row_layout"]["measured"]) or r["row_layout"]["setting"])),
+        *([(f"ours / ours with row layout {peer} (tokens/s; its mismatches)",
+            f"{r['row_layout']['ours_over_peer']:.2f}x; "
+            f"{r['greedy_output_mismatches'][f'ours_speculative_row_layout_{peer}']}")] if peer else []),
         ("transformers: outputs differing from target-only (of prompts x repeats)",
          f"{r['greedy_output_mismatches']['hf_assisted']} of {r['num_prompts'] * r['repeats']}" if hf_ran
          else "skipped (--no-hf)"),

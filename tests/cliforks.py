@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,14 +84,30 @@ def run_commands(module: str, commands: list[list[str]], env: dict[str, str] | N
                  timeout: float = 600, workers: int | None = None) -> list[subprocess.CompletedProcess]:
     """Run ``python -m {module} ARGS`` for every ``ARGS`` of ``commands`` (each in its own forked process, at most
     ``workers`` at a time: the cores by default); returns one ``CompletedProcess`` (args, returncode, stdout, stderr)
-    per command, in order."""
+    per command, in order. A child killed by a signal reports ``-signal`` (as ``subprocess`` does).
+
+    Raises:
+        AssertionError: the driver failed, or the commands ran past ``timeout`` seconds (all of them are then killed;
+            the message lists those that had not finished).
+    """
     workers = workers or max(1, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory() as tmp:
         jobs = Path(tmp) / "jobs.json"
         jobs.write_text(json.dumps(commands))
-        driver = subprocess.run([sys.executable, "-c", _DRIVER, module, str(jobs), tmp, str(workers)], cwd=ROOT,
-                                env=env, capture_output=True, text=True, timeout=timeout)
-        assert driver.returncode == 0, driver.stderr[-3000:]
+        # its own session, so that a timeout ends the driver and every command it forked (no orphans left running)
+        with subprocess.Popen([sys.executable, "-c", _DRIVER, module, str(jobs), tmp, str(workers)], cwd=ROOT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True) as proc:
+            try:
+                _, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+                done = sorted(int(q.stem) for q in Path(tmp).glob("*.rc"))
+                raise AssertionError(f"python -m {module}: the commands took over {timeout} s; still running: "
+                                     f"{[c for i, c in enumerate(commands) if i not in done]}") from None
+        assert proc.returncode == 0, stderr[-3000:]
+        driver = subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
         out = []
         for i, argv in enumerate(commands):
             rc = Path(tmp, f"{i}.rc")

@@ -2,6 +2,8 @@
 and a clean fallback to the Hugging Face forward for models it does not cover."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -543,3 +545,77 @@ def test_frozen_weights_refuses_a_non_model_and_registers_nothing():
         with frozen_weights(model, None):
             pass
     assert model not in fl._frozen and model not in fl._frozen_plans
+
+
+@pytest.fixture
+def row_layout():
+    """Set decode.fast_llama's several-row layout for one test; back to ``auto`` after it."""
+    import decode.fast_llama as fl
+
+    yield fl.set_row_layout
+    fl.set_row_layout("auto")
+
+
+@pytest.mark.parametrize("layout", ["weight_left", "activation_left"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
+def test_both_row_layouts_give_the_hf_logits_and_the_same_greedy_decoding(row_layout, layout, family):
+    """Whichever layout several-row products use (the measured choice differs between machines), the lean forward's
+    block logits are the Hugging Face forward's to fp32 rounding (fused q/k/v and gate/up, biases, Gemma's head
+    soft-cap included), and chain and tree speculative greedy decoding equal target-only greedy decoding."""
+    from tinymodels import tiny_family
+
+    from decode import TokenTree
+
+    row_layout(layout)
+    model = (_llama(seed=3, num_key_value_heads=2) if family == "llama" else
+             tiny_family(family, vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4))
+    ids, mask = left_pad(random_prompts([9, 4, 7], 64, seed=2))
+    with torch.inference_mode():
+        state = FastKVState(model, 3, torch.device("cpu"), packed=True)
+        assert (state.rows_w is not None) == (layout == "weight_left")  # the set layout is the one used
+        got = state.forward(ids, mask, logits_to_keep=0)
+    assert (got - _hf_logits(model, ids, mask))[mask.bool()].abs().max().item() < 1e-4
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    prompt = random_prompts([6], 64, seed=5)[0][None]
+    ref = autoregressive_generate(model, prompt, max_new_tokens=16).sequences
+    for kw in ({"num_draft_tokens": 4}, {"draft_tree": TokenTree(branching=(2, 2, 1))}):
+        assert torch.equal(speculative_generate(model, draft, prompt, max_new_tokens=16, **kw).sequences, ref), kw
+
+
+def test_auto_row_layout_is_measured_once_per_shape_and_thread_count(row_layout, monkeypatch):
+    """``auto`` times the two forms on the model's own projections (one layer's four and the head) and keeps the
+    faster, once per shapes / dtype / threads (recorded for reports); a set layout measures nothing; anything else
+    is refused with the accepted values."""
+    import decode.fast_llama as fl
+
+    calls = []
+    real = fl._measure_row_layout
+
+    def spy(pairs, threads, rounds=9):
+        calls.append(([tuple(w.shape) for w, _ in pairs], threads))
+        return real(pairs, threads, rounds=3)
+
+    monkeypatch.setattr(fl, "_measure_row_layout", spy)
+    monkeypatch.setattr(fl, "_row_layout_measured", {})
+    model = _llama(seed=5)
+    with torch.inference_mode():
+        states = [FastKVState(model, 1, torch.device("cpu"), packed=True) for _ in range(3)]
+    assert len(calls) == 1  # measured once for these shapes and threads
+    shapes, threads = calls[0]
+    assert shapes == [(48, 144), (48, 48), (48, 192), (96, 48), (48, 80)]  # (in, out): qkv, o, gate-up, down, head
+    record = fl.row_layout_record()
+    assert record["setting"] == "auto" and len(record["measured"]) == 1
+    m = record["measured"][0]
+    faster = "weight_left" if m["weight_left_us"] < m["activation_left_us"] else "activation_left"
+    assert m["chosen"] == faster and m["threads"] == threads
+    assert all((s.rows_w is not None) == (faster == "weight_left") for s in states)
+    row_layout("activation_left")
+    monkeypatch.setattr(fl, "_row_layout_measured", {})
+    with torch.inference_mode():
+        FastKVState(_llama(seed=6, hidden_size=60, intermediate_size=128), 1, torch.device("cpu"), packed=True)
+    assert len(calls) == 1  # a set layout: nothing measured
+    with pytest.raises(ValueError, match="row layout must be one of auto, weight_left, activation_left"):
+        fl.set_row_layout("columns")

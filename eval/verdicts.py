@@ -15,7 +15,8 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
 3. The settings whose interval overlaps ``best``'s (upper end >= ``best``'s lower end) are *tied* with it: the
    measurement cannot order them. Without ties ``best`` is chosen on the measured speedup. With ties the choice
    among ``best`` and the tied settings measured at least 1x (only those whose interval lies wholly above 1, when
-   there are any: measured clearly faster than the target alone) is the highest expected speedup of the
+   there are any: measured clearly faster than the target alone; unless settings beat that choice on both the
+   measured and the expected speedup, then among those: :func:`tie_scope`) is the highest expected speedup of the
    measured cost model, ``tau / (mean(k c + v_k) + o)`` over the setting's verify steps
    (:func:`decode.stats.expected_speedup_from_costs`: its measured mean accepted length tau, the measured cost
    ratio c, the measured verify cost ratio v_k of a k-token block and the loop's measured own work per step o, in
@@ -30,6 +31,11 @@ Decision rule of a domain (:func:`decide`), over every measured setting (draft x
    (then the higher tau). A later ``distill_med`` run: medical gamma 3 expected 1.46x and gamma 4 1.44x, a 1.4 %
    margin, where the model missed the five gammas' measurements by 4 % (median); measured, gamma 4 gave 1.48x and
    gamma 3 1.38x.
+
+The interval filter gives way because prompt-to-prompt spread widens a long draft's interval more than a short
+one's: on the AVX-512 Xeon a ``distill_med`` re-evaluation (medical, 5 prompts) measured gamma 1 1.20x [1.02,
+1.50] and gamma 4 1.32x [0.89, 1.90] (expected 1.30x and 1.56x); the filter alone recommended gamma 1, the setting
+both the measurement and the model call slower.
 
 So no decision recommends a setting measured slower than the target alone (speedup below 1).
 
@@ -149,6 +155,32 @@ def model_near_top(pool: list[dict], cands: list[dict], field: str) -> tuple[lis
     return [c for c, v in zip(pool, vals) if v > 0 and math.log(top / v) <= tol + 1e-12], err
 
 
+def _tie_pick_order(c: dict) -> tuple:
+    """Among settings the cost model cannot tell apart: the highest measured speedup, then tau, then
+    :func:`_fastest_order`."""
+    return _num(c["measured_speedup"]), _key(c.get("mean_accepted_length")), _fastest_order(c)
+
+
+def tie_scope(valid: list[dict], best: dict, tied: list[dict]) -> tuple[list[dict], str, list[dict], dict | None]:
+    """The settings a tie is decided among (rule 3 of the module docstring), the cost model's field, the tied
+    settings whose interval lies wholly above 1 and the setting those alone would give when others displace it.
+
+    ``pool`` = ``best`` and the ``tied`` settings measured at least 1x. When some of them are measured clearly
+    faster than the target alone (interval above 1: ``above``), the tie is decided among those, unless settings of
+    the pool beat that pick (the model's choice among ``above``) on both the measured speedup and the expected one:
+    then among those settings (the narrower interval of a short draft is no reason to deploy what both the
+    measurement and the model call slower). Returns ``(scope, field, above, displaced or None)``."""
+    pool = [best] + [c for c in tied if _num(c["measured_speedup"]) >= 1.0]  # never one measured below 1
+    above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
+    field = model_field(pool)
+    if not above:
+        return pool, field, above, None
+    pick = max(model_near_top(above, valid, field)[0], key=_tie_pick_order)
+    faster = [c for c in pool if _num(c["measured_speedup"]) > _num(pick["measured_speedup"])
+              and _num(c.get(field)) > _num(pick.get(field)) > 0]
+    return (faster, field, above, pick) if faster else (above, field, above, None)
+
+
 def decide(cands: list[dict]) -> dict:
     """The decision for one domain from its measured settings (rule in the module docstring).
 
@@ -168,7 +200,6 @@ def decide(cands: list[dict]) -> dict:
                 "num_draft_tokens": None, "tied_with": [], "best_measured": None,
                 "reason": "no finite measured speedup"}
     best = max(valid, key=_fastest_order)
-    order = _fastest_order
     lo, hi = interval(best)
     best_view = {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens", "measured_speedup",
                                           "measured_speedup_ci")}
@@ -186,12 +217,9 @@ def decide(cands: list[dict]) -> dict:
         chosen, basis = best, "measured"
         reason = "its measured speedup interval lies above every other setting's"
     else:
-        pool = [best] + [c for c in tied if _num(c["measured_speedup"]) >= 1.0]  # never one measured below 1
-        above = [c for c in pool if interval(c)[0] >= 1.0]  # measured clearly faster than the target alone
-        field = model_field(above or pool)
-        near, err = model_near_top(above or pool, valid, field)
-        chosen = max(near, key=lambda c: (_num(c["measured_speedup"]), _key(c.get("mean_accepted_length")),
-                                          order(c)))
+        scope, field, above, displaced = tie_scope(valid, best, tied)
+        near, err = model_near_top(scope, valid, field)
+        chosen = max(near, key=_tie_pick_order)
         basis = "tie"
         how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c, verify cost ratio v_k of each "
                f"k-token block and loop overhead per step o" if field == "expected_speedup_components"
@@ -206,9 +234,13 @@ def decide(cands: list[dict]) -> dict:
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
                   f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
-                  + (" among those whose interval lies above 1" if above else
-                     " among those measured at least as fast as the target alone" if len(pool) < len(tied) + 1
-                     else "") + pick)
+                  + (f" among the settings that both the measurement and the model rate faster than "
+                     f"{_named(displaced)} ({_fmt(displaced['measured_speedup'])}x, expected "
+                     f"{_fmt(displaced.get(field))}x), the pick among those whose interval lies above 1"
+                     if displaced is not None else
+                     " among those whose interval lies above 1" if above else
+                     " among those measured at least as fast as the target alone"
+                     if any(_num(c["measured_speedup"]) < 1.0 for c in tied) else "") + pick)
     return {"action": SPECULATE, "basis": basis, **chosen, "best_measured": best_view,
             "tied_with": [f"{c['draft']}:{label(c)}" for c in tied], "reason": reason}
 
@@ -240,11 +272,14 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
         assert interval(c)[1] >= interval(b)[0], "tie pick does not overlap the fastest setting"
         pool = [o for o in valid
                 if o is b or (interval(o)[1] >= interval(b)[0] and _num(o["measured_speedup"]) >= 1.0)]
-        above = [o for o in pool if interval(o)[0] >= 1.0]
-        assert any(o is c for o in (above or pool)), "tie pick not among the tied settings measured above 1"
-        pool = above or pool
-        field = model_field(pool)
-        near, _ = model_near_top(pool, valid, field)
+        assert any(o is c for o in pool), "tie pick not among the tied settings measured at least 1x"
+        scope, field, above, displaced = tie_scope(valid, b, [o for o in pool if o is not b])
+        if above and displaced is None:
+            assert interval(c)[0] >= 1.0, "tie pick not among the tied settings measured above 1"
+        if displaced is not None:  # the interval filter gave way: the pick beats its pick on both numbers
+            assert _num(c["measured_speedup"]) > _num(displaced["measured_speedup"]) and \
+                _num(c.get(field)) > _num(displaced.get(field)), "the interval filter gave way to a setting no faster"
+        near, _ = model_near_top(scope, valid, field)
         assert any(o is c for o in near), "tie not broken by the cost model (the pick is outside the model's error " \
             "of its best)"
         assert _num(c["measured_speedup"]) == max(_num(o["measured_speedup"]) for o in near), \

@@ -88,6 +88,36 @@ def load_record(before, after, own_cores: float | None = None, other_cores: floa
             "other_load": other, "overloaded": other > OTHER_LOAD_LIMIT}
 
 
+class LoadMeter:
+    """The machine's load over a timed measurement (the evaluation's domains, ``scripts/bench_decode.py``):
+    ``meter = LoadMeter().start()`` ... ``meter.stop()`` (or ``with LoadMeter() as meter:``) sets ``meter.record``
+    to :func:`load_record` over that interval (``meter.seconds``: its wall seconds), this process's busy cores from its CPU time and every other
+    process's from ``/proc/stat``."""
+
+    record: dict | None = None
+
+    def start(self) -> "LoadMeter":
+        self._t, self._cpu, self._busy = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+        self._load = os.getloadavg()
+        return self
+
+    def stop(self) -> dict:
+        wall, own = time.perf_counter() - self._t, time.process_time() - self._cpu
+        busy = busy_cpu_seconds()
+        self.seconds = wall
+        self.record = load_record(self._load, os.getloadavg(), own / wall if wall > 0 else None,
+                                  (busy - self._busy - own) / wall if wall > 0 and None not in (self._busy, busy)
+                                  else None)
+        return self.record
+
+    def __enter__(self) -> "LoadMeter":
+        return self.start()
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
+
 def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20) -> dict[str, dict]:
     """Verify cost ratio v per draft length k: ``{str(k): {"verify_cost_ratio", "verify_forward_s",
     "target_forward_s"}}`` = (k + 1)-position target forward / one-position forward (medians of ``trials``, the
@@ -280,9 +310,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         load: dict[str, dict] = {}
         target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
         for domain, prompts in prompts_by_domain.items():
-            t_domain, cpu_domain, busy_domain = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+            meter = LoadMeter().start()
             tgt_tokens, tgt_time = 0, 0.0
-            load_before = os.getloadavg()
             bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
                        dynamic_ncols=True)
             run = _Runner(target, max_new_tokens, eos, pad, decode_kwargs, device, bar)
@@ -298,17 +327,12 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                         rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
                                          t_spec[(k, name)], ref, t_ref, compare))
             bar.close()
-            wall_domain, own_s, busy_end = time.perf_counter() - t_domain, time.process_time() - cpu_domain, \
-                busy_cpu_seconds()
-            load[domain] = load_record(
-                load_before, os.getloadavg(), own_s / wall_domain if wall_domain > 0 else None,
-                (busy_end - busy_domain - own_s) / wall_domain
-                if wall_domain > 0 and None not in (busy_domain, busy_end) else None)
+            load[domain] = meter.stop()
             target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
                                    "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
             if events:
                 events("eval_domain_done", domain=domain, prompts=len(prompts),
-                       seconds=time.perf_counter() - t_domain, machine_load=load[domain])
+                       seconds=meter.seconds, machine_load=load[domain])
         # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4 new
         # tokens drafts at most 4): the verdicts' cost model weighs each step by it
         verify = measure_verify_cost_ratio(target, probe, verified_lengths(rows), cost_ratio_trials)

@@ -7,7 +7,9 @@ tied settings; a domain where even the fastest setting measured below 1x (its in
 routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers behind the choice: for every candidate draft its measured
 speedup (with interval), mean accepted length, acceptance rate and expected speedup at its best gamma.
 ``default`` (the fallback for a domain without a route) is the draft with the highest geometric mean of measured
-speedup over the domains it was measured on, among the drafts measured on every domain.
+speedup over the domains it was measured on, among the drafts measured on every domain; the target alone when that
+mean is below 1 (the draft is slower than the target on average where it was measured) or no domain routes to a
+draft.
 """
 from __future__ import annotations
 
@@ -69,7 +71,9 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
 
         best = max(full, key=lambda n: (geo(n), n == doc["recommendation"][domains[0]]["draft"]))
         g = geo(best)
-        if all(r["draft"] is None for r in routes.values()):  # no draft pays anywhere: nor for other domains
+        # no draft pays anywhere, or the best one is slower than the target alone on (geometric) average over the
+        # measured domains: a domain nobody measured is decoded with the target alone too
+        if all(r["draft"] is None for r in routes.values()) or not g >= 0.0:
             default = {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup":
                        math.exp(g) if math.isfinite(g) else None, "over_domains": domains}
     if default is None and full and domains:

@@ -28,7 +28,11 @@ forwards and everything else (``AcceptanceStats.prefill_time_s / draft_time_s / 
 *loop efficiency* (time in model forwards / wall); the *verify cost ratio* v = (gamma + 1)-position target forward /
 one-position target forward (medians, :func:`decode.block_forward_times_s`; also per step in the loop against the
 target-only decoder's per-token time); and the expected speedup from these measured components,
-``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))``, beside Leviathan's (v = 1).
+``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))``, beside Leviathan's (v = 1). The first row is the
+machine's load while timing (other processes' busy cores, :class:`eval.evaluate.LoadMeter`): above a quarter of a
+core the run is marked DISTURBED, as the evaluation marks a domain noisy. ``--row-layout`` sets how ours multiplies
+several rows (``auto``: measured per model; the table names the choice and both timings), ``--row-layout-peer``
+times ours with another layout in the same alternation.
 ``--family NAME`` benchmarks a tiny random model of that family (draft = the target's first layer) on random ids;
 ``--target-dtype`` / ``--draft-dtype`` run the two models in different dtypes (e.g. a bf16 target, fp32 draft).
 Generation ignores EOS by default (fixed-length outputs make the three comparable); ``--stop-at-eos`` uses the
@@ -430,6 +434,9 @@ def _run(args) -> dict:
         spec_stats: list[AcceptanceStats] = []
         ar_stats: list[AcceptanceStats] = []
         mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
+        from eval.evaluate import LoadMeter
+
+        meter = LoadMeter().start()  # other processes' load while timing: a disturbed run says so
         for _ in range(args.repeats):
             for p in prompts:
                 outputs = {}
@@ -453,6 +460,7 @@ def _run(args) -> dict:
                     if n != "target_only":
                         mismatches[n] += int(o.shape != ref.shape or not torch.equal(o, ref))
 
+        load = meter.stop()
         stats = AcceptanceStats.pool(spec_stats)
         ar = AcceptanceStats.pool(ar_stats)
         tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
@@ -548,6 +556,7 @@ def _run(args) -> dict:
                                                      if compiled else None)},
             "row_layout": {**row_layout_record(), "setting": args.row_layout, "peer": args.row_layout_peer,
                            "ours_over_peer": tps["ours_speculative"] / tps[peer_layout] if peer_layout else None},
+            "load": load,
             "stats": stats.to_dict(),
             "chain_vs_tree": compare,
         }
@@ -559,7 +568,13 @@ def format_table(r: dict) -> str:
     bd, il = r["time_breakdown"]["ours_speculative"], r["in_loop"]
     wall = bd["wall_s"] or float("nan")
     peer = r["row_layout"]["peer"]
+    load = r["load"]
+    other = load.get("other_load")
     rows = [
+        ("machine load while timing (other processes' busy cores)",
+         ("unknown" if other is None else f"{other:.2f} of {load['cores']}")
+         + (": DISTURBED, other processes kept more than a quarter of a core busy; re-run on a quiet machine "
+            "before trusting these timings" if load.get("overloaded") else "")),
         ("model family (tiny random, --family)", r["family"] or "-"),
         ("device / dtype (target, draft) / threads (one-token, block)",
          f"{r['device']} / {r['target_dtype']}, {r['draft_dtype']} / {r['num_threads']}, "
@@ -604,10 +619,10 @@ def format_table(r: dict) -> str:
         *([("ours compiled / uncompiled (tokens/s)", f"{r['compile']['compiled_over_uncompiled']:.2f}x"),
            ("ours uncompiled: outputs differing from target-only",
             f"{r['greedy_output_mismatches']['ours_speculative_uncompiled']}")] if r["compile"]["compiled"] else []),
-        ("ours: several-row products (setting: chosen, us weight-left / activation-left)",
-         f"{r['row_layout']['setting']}: " + ("; ".join(
-             f"{m['chosen']} ({m['weight_left_us']:.0f} / {m['activation_left_us']:.0f})"
-             for m in r["row_layout"]["measured"]) or r["row_layout"]["setting"])),
+        ("ours: several-row products (row layout; auto: per model, the timed set of its products)",
+         f"{r['row_layout']['setting']}" + ("".join(
+             f"; hidden {m['shapes'][0][0]}: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
+             f"activation-left {m['activation_left_us']:.0f} us)" for m in r["row_layout"]["measured"]))),
         *([(f"ours / ours with row layout {peer} (tokens/s; its mismatches)",
             f"{r['row_layout']['ours_over_peer']:.2f}x; "
             f"{r['greedy_output_mismatches'][f'ours_speculative_row_layout_{peer}']}")] if peer else []),

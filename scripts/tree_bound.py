@@ -190,9 +190,11 @@ def main(argv=None) -> None:
                 mark = " (first to reach +25 %)" if nodes == first_reach else ""
                 even = t / rate[gbest] - d * c - args.overhead  # the verify cost at which this tree ties the chain
                 print(f"| {d} | {chains[d]:.2f} | {need:.2f} | {nodes}{mark} | {t:.2f} | {cost:.2f} | "
-                      f"{t / cost:.3f} | {t / cost / rate[gbest]:.2f}x | {v(nodes + 1):.2f} / {even:.2f} |")
+                      f"{t / cost:.3f} | {t / cost / rate[gbest]:.2f}x | {v(nodes + 1):.2f} / "
+                      f"{f'{even:.2f}' if even > 0 else 'none (its draft levels alone cost more)'} |")
         if first_reach is None:
-            print(f"| {d} | {chains[d]:.2f} | {need:.2f} | none up to {args.max_nodes} | {tau(args.max_nodes, d):.2f} "
+            print(f"| {d} | {chains[d]:.2f} | {need:.2f} | no tree of up to {args.max_nodes} nodes reaches it (best tau "
+                  f"at {args.max_nodes} nodes:) | {tau(args.max_nodes, d):.2f} "
                   f"| | | | |")
 
 

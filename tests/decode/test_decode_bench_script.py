@@ -38,8 +38,10 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
     for needle in ("tokens/s ours speculative", "ours / transformers", "cost ratio c", "expected speedup",
                    "measured / expected", "mean accepted length tau", "cpu / float32, float32 / 1", "auto (yes, yes)",
                    "verify cost ratio v", "loop efficiency", "expected speedup (measured c and v)",
-                   "prefill / draft / verify / other"):
+                   "prefill / draft / verify / other", "machine load while timing (other processes' busy cores)",
+                   "several-row products (row layout; auto"):
         assert needle in table
+    assert result["load"]["cores"] >= 1 and set(result["load"]) >= {"other_load", "overloaded", "own_cores"}
     # all agree, also target-only with every forward at the block thread count (timed as a second peer)
     assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0,
                                                   "target_only_block_threads": 0}

@@ -46,7 +46,8 @@ def _doc(rng: random.Random, drafts, domains, gammas=(2, 4)):
     return metrics_document(results, {"target": "t"}, primary_num_draft_tokens=4, bootstrap_samples=0)
 
 
-@pytest.mark.parametrize("seed", range(6))
+# seeds 14 and 47: some domains route to a draft whose geometric-mean speedup is still below 1 (fallback: target alone)
+@pytest.mark.parametrize("seed", [*range(6), 14, 47])
 def test_each_domain_routes_to_the_draft_with_the_best_measured_speedup(tmp_path, seed):
     rng = random.Random(seed)
     drafts, domains = ["a", "b", "c"][: rng.randint(1, 3)], ["medical", "code", "chat"]
@@ -68,14 +69,17 @@ def test_each_domain_routes_to_the_draft_with_the_best_measured_speedup(tmp_path
         d: str(paths[table["routes"][d]["draft"]].resolve()) if table["routes"][d]["draft"] else None
         for d in domains}
     assert all(loaded.draft_for(d).target_only == (table["routes"][d]["draft"] is None) for d in domains)
-    if all(r["draft"] is None for r in table["routes"].values()):  # the fallback is the target alone too
-        assert loaded.default.target_only
-        return
-    # the fallback is the draft with the best geometric-mean speedup over the domains
     import math
 
     geo = {dr: sum(math.log(routing_table(doc, paths)["routes"][d]["candidates"][dr]["measured_speedup"])
                    for d in domains) for dr in drafts}
+    # the target alone too when no domain routes to a draft, or the best draft is slower than the target on
+    # geometric average over the measured domains (a default that slows unmeasured domains down is the slower path)
+    if all(r["draft"] is None for r in table["routes"].values()) or max(geo.values()) < 0:
+        assert loaded.default.target_only and table[DEFAULT_KEY]["draft"] is None
+        assert loaded.draft_for("math").target_only
+        return
+    # else the fallback is the draft with the best geometric-mean speedup over the domains
     assert loaded.default.draft == max(geo, key=geo.get)
     assert loaded.draft_for("math") == loaded.default  # unrouted domain -> default
 

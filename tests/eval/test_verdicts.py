@@ -412,6 +412,15 @@ def test_an_evaluation_on_every_core_is_not_noisy_by_its_own_load(monkeypatch):
     quiet = ev.load_record([2.4, 1, 1], [2.1, 1, 1], own_cores=1.0, other_cores=0.02)
     assert not quiet["overloaded"]
     assert ev.busy_cpu_seconds() is None or ev.busy_cpu_seconds() > 0
+    # LoadMeter: this process's busy cores from its CPU time, the others' from the machine's busy CPU seconds
+    monkeypatch.setattr(ev, "busy_cpu_seconds", iter([100.0, 100.0 + 3.0]).__next__)  # 3 busy CPU-s in all
+    monkeypatch.setattr(ev.time, "process_time", iter([10.0, 11.0]).__next__)  # 1 of them this process's
+    monkeypatch.setattr(ev.time, "perf_counter", iter([0.0, 2.0]).__next__)  # over 2 wall seconds
+    with ev.LoadMeter() as meter:
+        pass
+    assert meter.seconds == 2.0 and meter.record["own_cores"] == 0.5 and meter.record["other_load"] == 1.0
+    assert meter.record["overloaded"]
+    monkeypatch.undo()
     from eval.verdicts import noisy_reasons
 
     doc = {"timing": {"machine_load": {"x": busy}}}

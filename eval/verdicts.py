@@ -40,7 +40,8 @@ both the measurement and the model call slower.
 So no decision recommends a setting measured slower than the target alone (speedup below 1).
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
-times its point estimate, or other processes kept more than a quarter of a core busy while the domain was timed
+times its point estimate, its measured speedup exceeds its mean accepted length tau by more than 10 % (physically
+out of reach: each verify step costs at least about one target forward and yields tau tokens), or other processes kept more than a quarter of a core busy while the domain was timed
 (the machine's busy CPU time minus the evaluation's own; ``eval.evaluate.load_record``).
 """
 from __future__ import annotations
@@ -58,6 +59,8 @@ TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
 FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
 COMPONENTS_FORMULA = "tau / (mean(k c + v_k) + o)"  # decode.stats.expected_speedup_from_costs
+# speedup <= tau t_1 / t_verify with t_verify about t_1 or more: 10 % above tau allows a verify block on more threads
+IMPLAUSIBLE_OVER_TAU = 1.1
 
 
 def _num(x) -> float:
@@ -379,6 +382,10 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
     if not math.isnan(s) and s > 0 and (hi - lo) / s > max_relative_width:
         out.append(f"speedup interval [{_fmt(lo)}, {_fmt(hi)}] is wider than {max_relative_width:g} x the "
                    f"estimate (eval.noisy_relative_width)")
+    tau = _num(decision.get("mean_accepted_length"))
+    if not math.isnan(s) and tau > 0 and s > IMPLAUSIBLE_OVER_TAU * tau:
+        out.append(f"measured speedup {_fmt(s)}x exceeds the mean accepted length {_fmt(tau)}: a verify step emits "
+                   f"tau tokens on average for at least one target forward, so the speedup cannot be much above tau")
     load = (doc.get("timing") or {}).get("machine_load", {}).get(domain)
     if load and load.get("overloaded"):
         peak = max(load["loadavg_before"][0], load["loadavg_after"][0])

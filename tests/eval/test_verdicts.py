@@ -455,3 +455,15 @@ def test_a_setting_clearly_above_1_gives_way_to_one_both_measurement_and_model_r
     r = decide(cands)
     check_consistent(r, cands)
     assert r["num_draft_tokens"] == 1 and "among those whose interval lies above 1" in r["reason"]
+
+
+def test_a_speedup_above_tau_is_marked_noisy():
+    """A smoke re-evaluation under heavy load measured 1.69x [0.64, 2.51] at tau 1.04: no step can yield more than
+    tau tokens per target forward, so the timing was disturbed and the verdict says so (and not for 1.1x at 1.04)."""
+    from eval.verdicts import noisy_reasons
+
+    d = {"measured_speedup": 1.69, "measured_speedup_ci": [1.6, 1.8], "mean_accepted_length": 1.04}
+    assert noisy_reasons({}, "code", d, 0.5) == [
+        "measured speedup 1.69x exceeds the mean accepted length 1.04: a verify step emits tau tokens on average for "
+        "at least one target forward, so the speedup cannot be much above tau"]
+    assert noisy_reasons({}, "code", {**d, "measured_speedup": 1.1, "measured_speedup_ci": [1.05, 1.15]}, 0.5) == []

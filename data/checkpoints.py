@@ -64,6 +64,13 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
             except OSError as e:
                 raise CheckpointError(f"{role} checkpoint file {p / n} is not readable ({e.strerror}); fix its "
                                       f"permissions or point {key} elsewhere.") from None
+    try:  # a damaged config.json would otherwise surface later as a tokenizer or model error
+        import json
+
+        json.loads((p / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{role} checkpoint {p}: config.json is not valid JSON ({e}); it may be a partial or "
+                              f"damaged save: re-run the stage that produced it or point {key} elsewhere.") from None
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model", key: str | None = None):
@@ -161,13 +168,14 @@ def check_vocab_covers_tokenizer(model, tokenizer, role: str = "draft") -> None:
         )
 
 
-def check_context_fits(model, tokens: int, role: str, what: str) -> None:
-    """Raise :class:`CheckpointError` when ``tokens`` positions exceed ``model.config.max_position_embeddings``."""
+def check_context_fits(model, tokens: int, role: str, what: str, fix: str | None = None) -> None:
+    """Raise :class:`CheckpointError` when ``tokens`` positions exceed ``model.config.max_position_embeddings``;
+    the message names ``what`` needs them and ``fix`` (default: lower it to the context)."""
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and tokens > limit:
         raise CheckpointError(
             f"{what} needs {tokens} positions but the {role} has a context of {limit} "
-            f"(config.max_position_embeddings); lower it to at most {limit}."
+            f"(config.max_position_embeddings); {fix or f'lower it to at most {limit}'}."
         )
 
 

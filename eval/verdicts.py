@@ -37,6 +37,10 @@ one's: on the AVX-512 Xeon a ``distill_med`` re-evaluation (medical, 5 prompts) 
 1.50] and gamma 4 1.32x [0.89, 1.90] (expected 1.30x and 1.56x); the filter alone recommended gamma 1, the setting
 both the measurement and the model call slower.
 
+5. The measurement overrules a tie-break it contradicts: a tied setting whose whole interval lies above the pick's
+   measured speedup replaces the pick (:func:`surer_than`; the highest measured such one). A model that expects a
+   wide-interval gamma 6 at 1.55x cannot make it (1.20x [1.02, 1.50]) the choice over gamma 2 at 1.40x [1.35, 1.45].
+
 So no decision recommends a setting measured slower than the target alone (speedup below 1).
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
@@ -83,7 +87,7 @@ def interval(c: dict) -> tuple[float, float]:
     ci = c.get("measured_speedup_ci")
     s = _num(c.get("measured_speedup"))
     if ci and len(ci) == 2 and not any(math.isnan(_num(v)) for v in ci):
-        return _num(ci[0]), _num(ci[1])
+        return min(_num(ci[0]), _num(ci[1])), max(_num(ci[0]), _num(ci[1]))
     return s, s
 
 
@@ -184,6 +188,15 @@ def tie_scope(valid: list[dict], best: dict, tied: list[dict]) -> tuple[list[dic
     return (faster, field, above, pick) if faster else (above, field, above, None)
 
 
+def surer_than(pick: dict, pool: list[dict]) -> dict:
+    """``pick``, unless settings of ``pool`` measured at least 1x have their whole interval above ``pick``'s measured
+    speedup (the measurement says they are faster more surely than a tie-break can overturn): then the highest
+    measured of those (whose own interval then lies above every other such one's estimate, so one step suffices)."""
+    surer = [c for c in pool if _num(c["measured_speedup"]) >= 1.0
+             and interval(c)[0] > _num(pick["measured_speedup"])]
+    return max(surer, key=_tie_pick_order) if surer else pick
+
+
 def decide(cands: list[dict]) -> dict:
     """The decision for one domain from its measured settings (rule in the module docstring).
 
@@ -223,6 +236,7 @@ def decide(cands: list[dict]) -> dict:
         scope, field, above, displaced = tie_scope(valid, best, tied)
         near, err = model_near_top(scope, valid, field)
         chosen = max(near, key=_tie_pick_order)
+        model_pick, chosen = chosen, surer_than(chosen, [best] + tied)
         basis = "tie"
         how = (f"{COMPONENTS_FORMULA} from the measured tau, cost ratio c, verify cost ratio v_k of each "
                f"k-token block and loop overhead per step o" if field == "expected_speedup_components"
@@ -234,6 +248,10 @@ def decide(cands: list[dict]) -> dict:
                 f"the measured speedups by {100 * err:.0f}% here, median) {len(near)} settings lie "
                 f"({', '.join(_named(c) for c in near)}): among them the highest measured speedup "
                 f"({_fmt(chosen['measured_speedup'])}x, expected {_fmt(chosen.get(field))}x)")
+        if chosen is not model_pick:
+            pick += (f"; but {_named(chosen)}, measured {_fmt(chosen['measured_speedup'])}x "
+                     f"[{_fmt(interval(chosen)[0])}, {_fmt(interval(chosen)[1])}], lies wholly above that pick's "
+                     f"{_fmt(model_pick['measured_speedup'])}x, so the measurement overrules the model")
         reason = (f"tie: the measured speedup intervals of {len(tied) + 1} settings overlap (fastest measured: "
                   f"`{best['draft']}` with {label(best)}, {_fmt(best['measured_speedup'])}x [{_fmt(lo)}, "
                   f"{_fmt(hi)}]), so the measurement cannot order them; chosen by the cost model"
@@ -281,12 +299,19 @@ def check_consistent(decision: dict, cands: list[dict]) -> None:
             assert interval(c)[0] >= 1.0, "tie pick not among the tied settings measured above 1"
         if displaced is not None:  # the interval filter gave way: the pick beats its pick on both numbers
             assert _num(c["measured_speedup"]) > _num(displaced["measured_speedup"]) and \
-                _num(c.get(field)) > _num(displaced.get(field)), "the interval filter gave way to a setting no faster"
+                (_num(c.get(field)) > _num(displaced.get(field)) or
+                 interval(c)[0] > _num(displaced["measured_speedup"])), \
+                "the interval filter gave way to a setting no faster"
         near, _ = model_near_top(scope, valid, field)
-        assert any(o is c for o in near), "tie not broken by the cost model (the pick is outside the model's error " \
-            "of its best)"
-        assert _num(c["measured_speedup"]) == max(_num(o["measured_speedup"]) for o in near), \
-            "among the settings the cost model cannot tell apart, not the highest measured speedup"
+        assert not any(interval(o)[0] > _num(c["measured_speedup"]) for o in pool), \
+            "a tied setting's whole interval lies above the pick's measured speedup"
+        model_pick = max(near, key=_tie_pick_order)
+        if c is not model_pick:  # only a setting surely faster than the model's pick may replace it
+            assert interval(c)[0] > _num(model_pick["measured_speedup"]), \
+                "tie not broken by the cost model (nor by a setting measured surely faster than its pick)"
+        else:
+            assert _num(c["measured_speedup"]) == max(_num(o["measured_speedup"]) for o in near), \
+                "among the settings the cost model cannot tell apart, not the highest measured speedup"
 
 
 def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:

@@ -204,10 +204,60 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(f"--block-threads: {e}")
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
-                 "num_threads"):
+                 "num_threads", "max_prompts", "family_layers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.family is not None and args.family_hidden % (2 * max(4, args.family_hidden // 64)):
+        ap.error(f"--family-hidden {args.family_hidden}: must be a multiple of twice the head count "
+                 f"(max(4, hidden // 64) heads), e.g. 64, 128, 256")
+    if args.family_window < 1:
+        ap.error("--family-window must be >= 1")
+    if args.row_layout_peer is not None:
+        if args.row_layout_peer == args.row_layout:
+            ap.error(f"--row-layout-peer {args.row_layout_peer} is --row-layout itself: name the other layout")
+        if args.fast_path == "off":
+            ap.error("--row-layout-peer needs the lean forward (--fast-path auto): the Hugging Face forward has no "
+                     "row layout")
+    if args.prompts_file:
+        try:
+            args.prompt_texts = read_prompts_file(args.prompts_file, args.text_field, args.max_prompts)
+        except ValueError as e:
+            ap.error(f"--prompts-file: {e}")
     return args
+
+
+def read_prompts_file(path: str, field: str, limit: int) -> list[str]:
+    """The first ``limit`` non-empty ``field`` strings of a JSONL file.
+
+    Raises:
+        ValueError: the file is missing or unreadable, a line is not a JSON object, lacks ``field`` or holds a
+            non-string or empty text, or no prompt remains; the message names the file, the line and the fix.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (expected JSONL: one JSON object per line)") from None
+    texts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {i}: not JSON ({e.msg}); expected one JSON object per line") from None
+        if not isinstance(row, dict) or field not in row:
+            raise ValueError(f"{path}, line {i}: no field {field!r} (--text-field names the prompt's field)")
+        if not isinstance(row[field], str) or not row[field].strip():
+            raise ValueError(f"{path}, line {i}: field {field!r} must be a non-empty string, got {row[field]!r}")
+        texts.append(row[field])
+        if len(texts) >= limit:
+            break
+    if not texts:
+        raise ValueError(f"{path} holds no prompt (every line is blank)")
+    return texts
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
@@ -282,16 +332,8 @@ def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
 
         texts = [e.prompt for e in eval_prompts(args.domain, max_prompts=args.max_prompts, tokenizer=tokenizer)]
     elif args.prompts_file:
-        texts = []
-        with open(args.prompts_file, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    row = json.loads(line)
-                    if args.text_field not in row:
-                        raise SystemExit(f"{args.prompts_file}: a line has no field {args.text_field!r} (--text-field)")
-                    texts.append(row[args.text_field])
-                if len(texts) >= args.max_prompts:
-                    break
+        texts = getattr(args, "prompt_texts", None) or read_prompts_file(args.prompts_file, args.text_field,
+                                                                         args.max_prompts)
     else:
         texts = BUILTIN_PROMPTS
     return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
@@ -300,16 +342,17 @@ def load_prompts(args, tokenizer, vocab: int) -> list[torch.Tensor]:
 def run(args) -> dict:
     from decode.threads import block_threads_setting, set_block_threads
 
-    from decode.fast_llama import ROW_LAYOUTS, set_row_layout
+    from decode.fast_llama import row_layout_record, set_row_layout
 
     threads_before, block_before = torch.get_num_threads(), block_threads_setting()
+    layout_before = row_layout_record()["setting"]
     torch.set_num_threads(args.num_threads)
     try:
         return _run(args)
     finally:
         torch.set_num_threads(threads_before)
         set_block_threads(block_before)
-        set_row_layout(ROW_LAYOUTS[0])
+        set_row_layout(layout_before)
 
 
 def _run(args) -> dict:
@@ -344,6 +387,23 @@ def _run(args) -> dict:
     if tokenizer is not None:
         shared_vocab = min(shared_vocab, len(tokenizer))
     prompts = [p.to(device) for p in load_prompts(args, tokenizer, shared_vocab)]
+    if not prompts or min(p.shape[1] for p in prompts) < 1:
+        raise SystemExit("error: a prompt tokenizes to no tokens; give prompts with text")
+    from data.checkpoints import check_context_fits
+    from data.errors import CheckpointError
+
+    longest = max(p.shape[1] for p in prompts)
+    block = max([args.num_draft_tokens, *args.chain_gamma, *(t.max_nodes for t in args.trees)]) + 2
+    try:  # the decoders' caches hold prompt + new tokens + one verify block
+        for model, role in ((target, "target"), (draft, "draft")):
+            limit = getattr(model.config, "max_position_embeddings", None) or 0
+            check_context_fits(model, longest + args.max_new_tokens + block, role,
+                               f"the longest prompt ({longest} tokens) + --max-new-tokens ({args.max_new_tokens}) + "
+                               f"the largest verify block ({block})",
+                               fix=f"lower --max-new-tokens to at most {limit - longest - block}"
+                               if limit > longest + block else "use shorter prompts or a smaller draft tree")
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     gamma, n_new = args.num_draft_tokens, args.max_new_tokens
     eos = target.generation_config.eos_token_id if args.stop_at_eos else None
     pad = target.generation_config.pad_token_id

@@ -27,7 +27,6 @@ Example (distill_med's draft, medical)::
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from pathlib import Path
@@ -59,22 +58,28 @@ def rank_distribution(target, draft, prompts, max_new_tokens: int, top: int) -> 
 
 
 def best_tree(p: list[float], max_nodes: int, max_depth: int):
-    """``tau(n, d)`` (Sequoia's DP, module docstring) for n = 0..max_nodes, d = 0..max_depth."""
+    """``tau(n, d)`` (Sequoia's DP, module docstring) for n = 0..max_nodes, d = 0..max_depth, as a function.
 
-    @functools.lru_cache(maxsize=None)
-    def f(n: int, d: int) -> float:  # best expected accepted tokens below a node: n nodes, depth <= d
-        return 0.0 if n == 0 or d == 0 else g(0, n, d)
-
-    @functools.lru_cache(maxsize=None)
-    def g(k: int, n: int, d: int) -> float:  # children of rank >= k + 1 with n nodes in all
-        if n == 0 or k >= len(p):
-            return 0.0
-        best = g(k + 1, n, d)  # no child of this rank
-        for m in range(1, n + 1):
-            best = max(best, p[k] * (1.0 + f(m - 1, d - 1)) + g(k + 1, n - m, d))
-        return best
-
-    return lambda n, d: 1.0 + f(n, d)
+    Bottom-up (no recursion, so any depth and rank count work): ``F[d][n]`` = the best expected accepted tokens
+    below a node with ``n`` nodes and depth ``<= d``; per depth, ``G[k][n]`` = the best over children of rank
+    ``>= k + 1`` using ``n`` nodes, ``G[k][n] = max(G[k + 1][n], max_m p_k (1 + F[d - 1][m - 1]) + G[k + 1][n - m])``.
+    O(max_depth x len(p) x max_nodes^2) steps."""
+    top = len(p)
+    f_prev = [0.0] * (max_nodes + 1)  # depth 0: nothing below
+    table = [f_prev]
+    for _ in range(max_depth):
+        g_next = [0.0] * (max_nodes + 1)  # k = top: no more ranks
+        for k in range(top - 1, -1, -1):
+            g = g_next[:]  # no child of rank k + 1
+            for n in range(1, max_nodes + 1):
+                best = g[n]
+                for m in range(1, n + 1):
+                    best = max(best, p[k] * (1.0 + f_prev[m - 1]) + g_next[n - m])
+                g[n] = best
+            g_next = g
+        f_prev = g_next
+        table.append(f_prev)
+    return lambda n, d: 1.0 + table[d][n]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -140,8 +145,11 @@ def main(argv=None) -> None:
             raise ValueError(f"domain {args.domain!r} has no evaluation prompts; choose another --domain")
         longest = max(x.shape[1] for x in prompts)
         for model, role in ((target, "target"), (draft, "draft")):
+            limit = getattr(model.config, "max_position_embeddings", None)
             check_context_fits(model, longest + max(args.max_new_tokens, args.max_nodes + 1), role,
-                               f"the longest prompt ({longest}) + max(--max-new-tokens, --max-nodes + 1)")
+                               f"the longest prompt ({longest} tokens) + max(--max-new-tokens, --max-nodes + 1)",
+                               fix=f"lower --max-new-tokens and --max-nodes + 1 to at most {limit - longest} each"
+                               if limit and limit > longest else "use a domain with shorter prompts")
     except ValueError as e:  # CheckpointError, TokenizerMismatchError, data errors: one line, exit 1
         raise SystemExit(f"error: {e}") from None
     p, n = rank_distribution(target, draft, prompts, args.max_new_tokens, args.top)

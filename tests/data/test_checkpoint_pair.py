@@ -43,13 +43,16 @@ def dirs(tmp_path_factory):
     tok_a = _tokenizer(["the patient was given aspirin and the pain went away"] * 3)
     tok_b = _tokenizer(["import numpy as np; np.zeros((3, 3)) is a matrix of zeros"] * 3)
     n = len(tok_a)
-    return {
+    out = {
         "target": _save(root / "target", n, tok_a),
         "draft": _save(root / "draft", n, tok_a, seed=1),
         "draft_no_tok": _save(root / "draft_no_tok", n, seed=2),
         "draft_other_tok": _save(root / "draft_other_tok", max(n, len(tok_b)), tok_b, seed=3),
         "draft_small": _save(root / "draft_small", n - 10, seed=4),
+        "draft_bad_config": _save(root / "draft_bad_config", n, tok_a, seed=5),
     }
+    (out["draft_bad_config"] / "config.json").write_text('{"model_type": "llama", ')  # a save cut short
+    return out
 
 
 def test_loads_a_pair_and_a_draft_without_tokenizer_files(dirs):
@@ -68,6 +71,7 @@ def test_loads_a_pair_and_a_draft_without_tokenizer_files(dirs):
     ("target", "missing", CheckpointError, ("--draft", "does not exist")),
     ("target", "draft_other_tok", TokenizerMismatchError, ("--draft", "vocab")),
     ("target", "draft_small", CheckpointError, ("--draft", "output embedding rows", "resize_token_embeddings")),
+    ("target", "draft_bad_config", CheckpointError, ("--draft", "config.json is not valid JSON")),
 ])
 def test_errors_name_the_flag_and_the_fix(dirs, tmp_path, target, draft, error, needles):
     path = {**dirs, "missing": tmp_path / "nope"}

@@ -168,3 +168,37 @@ def test_domain_prompts_and_argument_errors(capsys):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--target", ref, "--draft", ref, *argv])
         assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_bad_prompt_files_and_numbers_are_one_line_usage_errors(tmp_path, capsys):
+    """--prompts-file problems (missing, blank, not JSON, no field, a non-string or empty text), --max-prompts /
+    --family-layers below 1, an impossible --family-hidden and a --row-layout-peer equal to --row-layout (or without
+    the lean forward) stop before anything loads, with exit 2 and no traceback."""
+    bench = _load_script()
+    ref = str(Path(__file__).resolve().parents[2] / "distill" / "reference_target")
+    files = {"blank.jsonl": "\n \n", "bad.jsonl": '{"text": "a"}\n{oops\n', "nofield.jsonl": '{"prompt": "a"}\n',
+             "number.jsonl": '{"text": 5}\n', "empty.jsonl": '{"text": "  "}\n'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    cases = [(["--prompts-file", str(tmp_path / "missing.jsonl")], "cannot read"),
+             (["--prompts-file", str(tmp_path / "blank.jsonl")], "holds no prompt"),
+             (["--prompts-file", str(tmp_path / "bad.jsonl")], "line 2: not JSON"),
+             (["--prompts-file", str(tmp_path / "nofield.jsonl")], "line 1: no field 'text'"),
+             (["--prompts-file", str(tmp_path / "number.jsonl")], "must be a non-empty string, got 5"),
+             (["--prompts-file", str(tmp_path / "empty.jsonl")], "must be a non-empty string"),
+             (["--domain", "medical", "--max-prompts", "0"], "--max-prompts must be >= 1"),
+             (["--row-layout-peer", "auto"], "is --row-layout itself"),
+             (["--row-layout-peer", "weight_left", "--fast-path", "off"], "needs the lean forward")]
+    for argv, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--target", ref, "--draft", ref, *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "Traceback" not in err, (argv, err)
+    for argv, needle in ((["--family-layers", "0"], "--family-layers must be >= 1"),
+                         (["--family-hidden", "10"], "--family-hidden 10: must be a multiple")):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--family", "llama", *argv])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    args = bench.parse_args(["--target", ref, "--draft", ref, "--prompts-file", str(tmp_path / "bad.jsonl"),
+                             "--max-prompts", "1"])  # stops reading at --max-prompts: the bad line is never read
+    assert args.prompt_texts == ["a"]

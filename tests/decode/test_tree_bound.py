@@ -91,3 +91,12 @@ def test_bad_arguments_are_one_line_usage_errors(tb, capsys, argv, needle):
         tb.parse_args(["--target", ref, "--draft", ref, *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and needle in err and "Traceback" not in err
+
+
+def test_the_programme_runs_at_any_depth_and_rank_count(tb):
+    """Bottom-up, not recursive: depth 100 with 100 nodes and 64 ranks (a RecursionError before) gives a tau
+    between the chain's and the node budget's."""
+    p = [0.6, 0.2] + [0.1 / 62] * 62
+    tau = tb.best_tree(p, 100, 100)
+    chain = sum(0.6 ** i for i in range(101))
+    assert chain <= tau(100, 100) <= 101 and tau(100, 100) >= tau(50, 100) >= tau(50, 10)

@@ -467,3 +467,25 @@ def test_a_speedup_above_tau_is_marked_noisy():
         "measured speedup 1.69x exceeds the mean accepted length 1.04: a verify step emits tau tokens on average for "
         "at least one target forward, so the speedup cannot be much above tau"]
     assert noisy_reasons({}, "code", {**d, "measured_speedup": 1.1, "measured_speedup_ci": [1.05, 1.15]}, 0.5) == []
+
+
+def test_the_measurement_overrules_a_tie_break_it_contradicts():
+    """An adversarial table: gamma 6 measured 1.20x [1.02, 1.50] overlaps the fastest, gamma 2 at 1.40x [1.35,
+    1.45], and the cost model (which misses gamma 6 by 26 % but the domain's median setting by 2 %) rates gamma 6
+    highest. Gamma 2's whole interval lies above 1.20: the measurement says it is faster more surely than the
+    tie-break can overturn, so gamma 2 is chosen. Reversed interval ends are read as an interval."""
+    def s(g, m, ci, model):
+        return {"draft": "d", "draft_length_policy": "fixed", "num_draft_tokens": g, "measured_speedup": m,
+                "measured_speedup_ci": ci, "expected_speedup": model, "expected_speedup_components": model,
+                "mean_accepted_length": 1.0 + g / 3}
+
+    cands = [s(1, 1.15, [1.12, 1.18], 1.15), s(2, 1.40, [1.35, 1.45], 1.40), s(3, 1.32, [1.29, 1.34], 1.35),
+             s(4, 1.30, [1.27, 1.33], 1.60), s(6, 1.20, [1.02, 1.50], 1.55)]
+    r = decide(cands)
+    check_consistent(r, cands)
+    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 2)
+    assert "lies wholly above that pick's 1.20x, so the measurement overrules the model" in r["reason"]
+    with pytest.raises(AssertionError, match="whole interval lies above the pick's measured speedup"):
+        check_consistent({**r, "num_draft_tokens": 6}, cands)
+    cands[4]["measured_speedup_ci"] = [1.50, 1.02]  # ends reversed: the same interval
+    assert decide(cands)["num_draft_tokens"] == 2

@@ -1,6 +1,7 @@
 """Loading Hugging Face causal-LM checkpoints (target and drafts) with clear errors."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -65,8 +66,6 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
                 raise CheckpointError(f"{role} checkpoint file {p / n} is not readable ({e.strerror}); fix its "
                                       f"permissions or point {key} elsewhere.") from None
     try:  # a damaged config.json would otherwise surface later as a tokenizer or model error
-        import json
-
         json.loads((p / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{role} checkpoint {p}: config.json is not valid JSON ({e}); it may be a partial or "
@@ -80,9 +79,14 @@ def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model", key: st
     Raises:
         CheckpointError: as :func:`check_checkpoint_dir`, or the tokenizer files cannot be parsed.
     """
+    check_checkpoint_dir(name_or_path, role, key)
+    return _read_tokenizer(name_or_path, role)
+
+
+def _read_tokenizer(name_or_path: str | os.PathLike, role: str):
+    """The tokenizer of an already checked checkpoint (:func:`load_tokenizer` without the directory checks)."""
     from transformers import AutoTokenizer
 
-    check_checkpoint_dir(name_or_path, role, key)
     src = str(Path(str(name_or_path)).expanduser()) if _looks_local(name_or_path) else str(name_or_path)
     try:
         return AutoTokenizer.from_pretrained(src)
@@ -126,7 +130,7 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
     src = str(Path(str(name_or_path)).expanduser()) if local else name_or_path
     check_checkpoint_dir(name_or_path, role, key, need_tokenizer)
     has_tok = not local or bool({q.name for q in Path(src).iterdir()} & {"tokenizer.json", "tokenizer_config.json"})
-    tok = load_tokenizer(name_or_path, role, key) if need_tokenizer or has_tok else None
+    tok = _read_tokenizer(name_or_path, role) if need_tokenizer or has_tok else None  # checked just above
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype)
     except Exception as e:

@@ -91,8 +91,8 @@ def load_record(before, after, own_cores: float | None = None, other_cores: floa
 class LoadMeter:
     """The machine's load over a timed measurement (the evaluation's domains, ``scripts/bench_decode.py``):
     ``meter = LoadMeter().start()`` ... ``meter.stop()`` (or ``with LoadMeter() as meter:``) sets ``meter.record``
-    to :func:`load_record` over that interval (``meter.seconds``: its wall seconds), this process's busy cores from its CPU time and every other
-    process's from ``/proc/stat``."""
+    to :func:`load_record` over that interval (``meter.seconds``: its wall seconds), this process's busy cores from
+    its CPU time and every other process's from ``/proc/stat``."""
 
     record: dict | None = None
 

@@ -4,8 +4,9 @@
 Route of a domain = the evaluation's decision ``recommendation.<domain>`` (:mod:`eval.verdicts`): the draft and
 setting with the highest **measured speedup** where the intervals separate, else the cost model's pick among the
 tied settings; a domain where even the fastest setting measured below 1x (its interval wholly below 1 or not) is
-routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers behind the choice: for every candidate draft its measured
-speedup (with interval), mean accepted length, acceptance rate and expected speedup at its best gamma.
+routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers
+behind the choice: for every candidate draft its measured speedup (with interval), mean accepted length, acceptance
+rate and expected speedup at its best gamma.
 ``default`` (the fallback for a domain without a route) is the draft with the highest geometric mean of measured
 speedup over the domains it was measured on, among the drafts measured on every domain; the target alone when that
 mean is below 1 (the draft is slower than the target on average where it was measured) or no domain routes to a

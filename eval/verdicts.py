@@ -45,8 +45,9 @@ So no decision recommends a setting measured slower than the target alone (speed
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
 times its point estimate, its measured speedup exceeds its mean accepted length tau by more than 10 % (physically
-out of reach: each verify step costs at least about one target forward and yields tau tokens), or other processes kept more than a quarter of a core busy while the domain was timed
-(the machine's busy CPU time minus the evaluation's own; ``eval.evaluate.load_record``).
+out of reach: each verify step costs at least about one target forward and yields tau tokens), or other processes
+kept more than a quarter of a core busy while the domain was timed (the machine's busy CPU time minus the
+evaluation's own; ``eval.evaluate.load_record``).
 """
 from __future__ import annotations
 

@@ -27,7 +27,6 @@ Example (distill_med's draft, medical)::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -183,7 +182,8 @@ def main(argv=None) -> None:
     print(f"chains (expected tau, rate): " + ", ".join(f"gamma {g}: {chains[g]:.2f}, {rate[g]:.3f}" for g in chains))
     print(f"best chain: gamma {gbest}, rate {rate[gbest]:.3f} tokens per one-position target forward")
     print()
-    print("| depth | chain tau | tau needed (+25 %) | nodes | best tree tau | step cost (lower bound) | rate | vs best chain "
+    print("| depth | chain tau | tau needed (+25 %) | nodes | best tree tau | step cost (lower bound) | rate "
+          "| vs best chain "
           "| v(nodes + 1) measured / to break even |")
     print("|---|---|---|---|---|---|---|---|---|")
     for d in depths:
@@ -201,8 +201,8 @@ def main(argv=None) -> None:
                       f"{t / cost:.3f} | {t / cost / rate[gbest]:.2f}x | {v(nodes + 1):.2f} / "
                       f"{f'{even:.2f}' if even > 0 else 'none (its draft levels alone cost more)'} |")
         if first_reach is None:
-            print(f"| {d} | {chains[d]:.2f} | {need:.2f} | no tree of up to {args.max_nodes} nodes reaches it (best tau "
-                  f"at {args.max_nodes} nodes:) | {tau(args.max_nodes, d):.2f} "
+            print(f"| {d} | {chains[d]:.2f} | {need:.2f} | no tree of up to {args.max_nodes} nodes reaches it "
+                  f"(best tau at {args.max_nodes} nodes:) | {tau(args.max_nodes, d):.2f} "
                   f"| | | | |")
 
 

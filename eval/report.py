@@ -200,7 +200,7 @@ def _header_lines(doc: dict) -> list[str]:
     ctx, drafts, swept = doc["context"], list(doc["drafts"]), doc["num_draft_tokens_swept"]
     level = int(round(100 * doc["confidence"]))
     lines = [f"# specdraft acceptance report: {ctx.get('experiment_name', '')}", ""]
-    lines += [f"- target: `{ctx.get('target')}`",
+    lines += [f"- target: `{ctx.get('target')}`" + _target_words(ctx.get("target_model")),
               "- drafts: " + ", ".join(f"`{k}` (`{ctx.get('drafts', {}).get(k, '')}`)" for k in drafts),
               f"- decoding: {doc['decoding']}" + (f" {doc['sampling']}" if doc["decoding"] == "sampling" else "")
               + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
@@ -210,13 +210,44 @@ def _header_lines(doc: dict) -> list[str]:
               f"- intervals: {level}% percentile bootstrap over prompts ({doc['bootstrap_samples']} resamples, "
               f"pooled ratio recomputed per resample, seed {ctx.get('seed')})",
               f"- lossless (speculative greedy output equals target-only greedy output on every prompt): "
-              f"{_fmt(doc['lossless_all'])}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")]
+              f"{_fmt(doc['lossless_all'])}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")
+              + _tie_words(doc)]
     if doc.get("truncated_prompts"):
         lines.append(f"- {doc['truncated_prompts']} prompt(s) were truncated from the left to eval.max_prompt_tokens")
     for name, c in doc["cost_ratio"].items():
         lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward "
                      f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
     return lines
+
+
+def _tie_words(doc: dict) -> str:
+    """`` (N decodes parted from target-only at a numerical tie ...)`` or ``""``."""
+    entries = [e for by_domain in doc["drafts"].values() for d in by_domain.values()
+               for e in [*d["sweep"].values(), *d.get("policies", {}).values()]]
+    n = sum(int(e.get("numerical_ties") or 0) for e in entries)
+    if not n:
+        return ""
+    gap = max(e["numerical_tie_max_gap"] for e in entries if e.get("numerical_tie_max_gap") is not None)
+    return (f"; {n} decode(s) parted from target-only at a numerical tie: at the first differing position the "
+            f"emitted token's logit is within {gap:.1e} of the target's top logit in an independent full forward, "
+            f"a rounding difference between a verify block and a one-token forward, not a decoder fault "
+            f"(per_prompt.csv numerical_tie_gap)")
+
+
+def _target_words(m: dict | None) -> str:
+    """`` (<gguf file> from the package ...; llama, 30 layers, ...; chat template used)``: the target's shape from
+    ``context.target_model`` (:func:`eval.pipeline.target_description`)."""
+    if not m:
+        return ""
+    src = m.get("converted_from") or {}
+    name = (f"{src['gguf_file']} from the package {src.get('package')} {src.get('package_version') or ''}".strip()
+            + "; ") if src.get("gguf_file") else ""
+    vocab = m.get("vocab_size")
+    vocab = f"{vocab:,}" if isinstance(vocab, int) else str(vocab)
+    chat = "chat template used" if m.get("chat_template") else "no chat template"
+    return (f" ({name}{m.get('model_type')}, {m.get('num_layers')} layers, hidden {m.get('hidden_size')}, "
+            f"{m.get('num_heads')} query / {m.get('num_kv_heads')} key-value heads, vocabulary {vocab}, "
+            f"{(m.get('parameters') or 0) / 1e6:.1f}M parameters, context {m.get('max_position_embeddings')}; {chat})")
 
 
 def _baseline_lines(doc: dict) -> list[str]:

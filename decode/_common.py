@@ -90,6 +90,17 @@ class Timer:
         return self._seconds
 
 
+def default_eos(target):
+    """The EOS id(s) ``generate`` would stop at for ``target``: its ``generation_config.eos_token_id``, else its
+    ``config.eos_token_id``, else None (transformers' rule; an instruct model's end-of-turn token, e.g. SmolLM2's
+    ``<|im_end|>``, is there)."""
+    gen = getattr(target, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if eos is None:
+        eos = getattr(getattr(target, "config", None), "eos_token_id", None)
+    return eos
+
+
 def normalize_eos(eos_token_id) -> list[int]:
     if eos_token_id is None:
         return []
@@ -313,7 +324,7 @@ def setup_decoding(models: Sequence[torch.nn.Module], input_ids, attention_mask,
     """
     device = model_device(models[0])
     input_ids, attention_mask = prepare_inputs(input_ids, attention_mask, max_new_tokens, device)
-    eos = normalize_eos(eos_token_id)
+    eos = normalize_eos(default_eos(models[0]) if eos_token_id is None else eos_token_id)
     vocab = min(output_vocab_size(m) for m in models)
     if vocab_size is not None:
         if vocab_size < 1:

@@ -74,7 +74,10 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
         g = geo(best)
         # no draft pays anywhere, or the best one is slower than the target alone on (geometric) average over the
         # measured domains: a domain nobody measured is decoded with the target alone too
-        if all(r["draft"] is None for r in routes.values()) or not g >= 0.0:
+        # so is the case where the best draft on average is routed nowhere (its settings could not pay for
+        # themselves in any measured domain: eval.min_mean_accepted_length)
+        if all(r["draft"] is None for r in routes.values()) or not g >= 0.0 \
+                or best not in {r["draft"] for r in routes.values()}:
             default = {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup":
                        math.exp(g) if math.isfinite(g) else None, "over_domains": domains}
     if default is None and full and domains:

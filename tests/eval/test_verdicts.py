@@ -489,3 +489,59 @@ def test_the_measurement_overrules_a_tie_break_it_contradicts():
         check_consistent({**r, "num_draft_tokens": 6}, cands)
     cands[4]["measured_speedup_ci"] = [1.50, 1.02]  # ends reversed: the same interval
     assert decide(cands)["num_draft_tokens"] == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(cands=tables(), min_tau=st.sampled_from([1.0, 1.5, 2.5]))
+def test_a_setting_that_cannot_pay_for_itself_is_never_recommended(cands, min_tau):
+    """Settings with tau below eval.min_mean_accepted_length, or measured faster than 1.1 tau (out of physical reach),
+    are set aside before the rule; when none is left the domain goes to the target alone (basis low_tau)."""
+    from eval.verdicts import add_decisions
+
+    doc = {"context": {"min_mean_accepted_length": min_tau}, "drafts": {}}
+    for c in cands:
+        e = doc["drafts"].setdefault(c["draft"], {}).setdefault("d", {"sweep": {}, "policies": {}})
+        entry = {k: c[k] for k in ("num_draft_tokens", "measured_speedup", "measured_speedup_ci", "expected_speedup",
+                                   "expected_speedup_components", "mean_accepted_length")}
+        if c["draft_length_policy"] == "fixed":
+            e["sweep"][str(c["num_draft_tokens"])] = entry
+        else:
+            e["policies"][c["draft_length_policy"]] = entry
+    add_decisions(doc)
+    r = doc["recommendation"]["d"]
+    payable = [c for c in cands if c["mean_accepted_length"] >= min_tau
+               and c["measured_speedup"] <= 1.1 * c["mean_accepted_length"]]
+    if r["action"] == SPECULATE:
+        chosen = next(c for c in cands if (c["draft"], c["draft_length_policy"], c["num_draft_tokens"]) ==
+                      (r["draft"], r["draft_length_policy"], r["num_draft_tokens"]))
+        assert chosen in payable and chosen["mean_accepted_length"] >= min_tau
+        assert r == {**decide(payable), "set_aside": r["set_aside"], "noisy": r["noisy"],
+                     "noisy_reasons": r["noisy_reasons"], "reason": r["reason"]}
+    if not payable:
+        assert r["action"] == TARGET_ONLY and r["basis"] == "low_tau" and r["draft"] is None
+    assert len(r["set_aside"]) == len(cands) - len(payable)
+
+
+def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
+    """A loaded SmolLM2 smoke run recommended drafts at tau 1.00 and 1.04 (measured 1.10x and 1.84x) and wrote them
+    into routing.json and serving.json: now both domains go to the target alone and the default route too."""
+    from eval.report import write_report
+    from eval.routing import write_routing
+    from eval.serving import recommended_settings
+
+    rows = _rows("a", "medical", 2, 1.1, emitted=4, steps=4) + _rows("a", "code", 2, 1.84, emitted=4, steps=4)
+    results = {"rows": rows, "cost_ratio": {"a": {"cost_ratio": 0.2, "draft_forward_s": 2e-4,
+                                                  "target_forward_s": 1e-3}},
+               "num_draft_tokens": [2], "max_new_tokens": 16, "sampling": {}, "truncated_prompts": 0,
+               "timing_trials": 2, "machine_load": {}}
+    doc = write_report(tmp_path, results, {"experiment_name": "t", "seed": 0, "min_mean_accepted_length": 1.5},
+                       primary_num_draft_tokens=2, bootstrap_samples=100, plots=False)
+    for d in ("medical", "code"):
+        r = doc["recommendation"][d]
+        assert doc["drafts"]["a"][d]["mean_accepted_length"] == 1.0
+        assert (r["action"], r["basis"], r["draft"]) == (TARGET_ONLY, "low_tau", None), r
+        assert "no setting can pay for itself" in doc["verdicts"][d]
+        assert recommended_settings(doc)[d]["draft"] is None
+    (tmp_path / "drafts" / "a").mkdir(parents=True)
+    table = write_routing(tmp_path / "routing.json", doc, {"a": tmp_path / "drafts" / "a"})
+    assert all(r["target_only"] for r in table["routes"].values()) and table["default"]["draft"] is None

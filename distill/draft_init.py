@@ -70,8 +70,9 @@ def load_pretrained_draft(name_or_path: str, target, tokenizer):
 
 
 def _search_score_fn(rc, opts, target, tokenizer):
-    """Mean accepted length of greedy speculative decoding on ``draft.layers.search.prompts`` validation prompts
-    of ``data.domain`` (the score the layer search maximises)."""
+    """The score the layer search maximises on ``draft.layers.search.prompts`` validation prompts of
+    ``data.domain``: the mean accepted length of greedy speculative decoding, or (``metric=expected_acceptance``)
+    :func:`expected_acceptance_score`."""
     from data.tokenization import encode_prompt
     from decode._common import output_vocab_size
 
@@ -80,12 +81,48 @@ def _search_score_fn(rc, opts, target, tokenizer):
 
     s = rc.draft.layers.search
     texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts, tokenizer)
+    prompts = [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts]
+    if s.metric == "expected_acceptance":
+        return expected_acceptance_score(target, prompts, s.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     evaluate = make_acceptance_eval(
-        target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],
-        num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=s.max_new_tokens,
+        target, prompts, num_draft_tokens=rc.decode.num_draft_tokens, max_new_tokens=s.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         vocab_size=output_vocab_size(target))
     return lambda draft: evaluate(draft)["mean_accepted_length"]
+
+
+@torch.inference_mode()
+def expected_acceptance_score(target, prompts: list[torch.Tensor], max_new_tokens: int, pad_token_id=None):
+    """A scorer ``f(draft) -> float`` in [0, 1]: the expected per-token acceptance rate of ``draft`` along the
+    target's own greedy continuations of ``prompts`` (each ``(1, P)``).
+
+    The continuations (``max_new_tokens`` each, stopping at the target's EOS) and the target's next-token
+    distributions p over their positions are computed once; a draft is scored by one teacher-forced forward per
+    prompt: the mean over the generated positions of ``sum_v min(p_v, q_v) = 1 - TVD(p, q)``, the probability that
+    speculative sampling accepts the draft's token there (Leviathan et al. 2023, Sec. 3.1, beta = 1 - D_LK).
+    """
+    from decode import autoregressive_generate
+
+    seqs, starts, ps = [], [], []
+    for ids in prompts:
+        out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, pad_token_id=pad_token_id)
+        n = int(out.num_new_tokens[0])
+        seq = out.sequences[:, : ids.size(1) + n]  # (1, P + n)
+        # positions P - 1 .. P + n - 2 predict the n generated tokens
+        p = torch.softmax(target(seq).logits[0, ids.size(1) - 1 : -1].float(), -1)  # (n, V)
+        seqs.append(seq), starts.append(ids.size(1) - 1), ps.append(p)
+    total = sum(p.size(0) for p in ps)
+
+    @torch.inference_mode()
+    def score(draft) -> float:
+        acc = 0.0
+        for seq, start, p in zip(seqs, starts, ps):
+            q = torch.softmax(draft(seq).logits[0, start : start + p.size(0)].float(), -1)  # (n, V')
+            v = min(p.size(-1), q.size(-1))
+            acc += float(torch.minimum(p[:, :v], q[:, :v]).sum())
+        return acc / max(total, 1)
+
+    return score
 
 
 def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch.nn.Module, dict]:
@@ -101,7 +138,13 @@ def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch
 
     init = rc.draft.init
     if init == "config":
-        return build_llama(rc.draft.arch, tokenizer, seed=rc.seed), {"init": "config"}
+        from .models import describe_shape_warnings
+
+        draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
+        warnings = describe_shape_warnings(draft, target)
+        for w in warnings:
+            log.warning("draft.arch: %s", w)
+        return draft, {"init": "config", **({"shape_warnings": warnings} if warnings else {})}
     if init == "pretrained":
         draft, _ = load_pretrained_draft(rc.draft.name_or_path, target, tokenizer)
         return draft, {"init": "pretrained", "pretrained_from": str(rc.draft.name_or_path)}
@@ -116,7 +159,7 @@ def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch
         info["layer_search"] = {**found, "strategy": choice.search.strategy, "beam_width": choice.search.width,
                                 "max_evaluations": choice.search.max_evaluations, "prompts": choice.search.prompts,
                                 "max_new_tokens": choice.search.max_new_tokens, "split": "validation",
-                                "metric": "mean_accepted_length",
+                                "metric": choice.search.metric,
                                 "source": "Draft & Verify (Zhang et al., ACL 2024), greedy/beam variant"}
     else:
         layers = resolve_layers(choice, n)

@@ -54,3 +54,25 @@ def build_llama(arch: LlamaArch, tokenizer, seed: int = 0, vocab_size: int | Non
 def count_parameters(model) -> int:
     """Unique parameters (tied embeddings counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def describe_shape_warnings(draft, target) -> list[str]:
+    """What a user should know about a config-built draft's shape against ``target``: most of its parameters in
+    the vocabulary (embedding and output head), or a context shorter than the target's. Empty when neither."""
+    out = []
+    emb = draft.get_input_embeddings().weight
+    vocab_params = emb.numel() * (1 if draft.config.tie_word_embeddings else 2)
+    total = count_parameters(draft)
+    if vocab_params > 0.5 * total:
+        out.append(f"the draft is {100 * vocab_params / total:.0f}% vocabulary: its {emb.size(0):,} x {emb.size(1)} "
+                   f"embedding{'' if draft.config.tie_word_embeddings else ' and output head'} hold "
+                   f"{vocab_params / 1e6:.2f}M of its {total / 1e6:.2f}M parameters, so its layers learn little and "
+                   f"its head sets its cost; at a real vocabulary start from the target instead (draft=layer_pruned: "
+                   f"some of its layers with its embeddings and head)")
+    mine = getattr(draft.config, "max_position_embeddings", None)
+    theirs = getattr(target.config, "max_position_embeddings", None)
+    if mine and theirs and mine < theirs:
+        out.append(f"the draft's context is {mine:,} positions against the target's {theirs:,}: prompts plus "
+                   f"generation beyond {mine:,} tokens cannot be drafted (raise draft.arch.max_position_embeddings)")
+    return out
+

@@ -148,7 +148,18 @@ def _initial_draft(rc, opts, run_dir, target, tokenizer, events):
     """``draft.init``: a config-built draft, or the saved layer-pruned / pretrained draft (:mod:`distill.draft_init`)."""
     from .draft_init import initial_draft
 
-    return initial_draft(rc, opts, run_dir, target, tokenizer, events)
+    draft, info = initial_draft(rc, opts, run_dir, target, tokenizer, events)
+    if not rc.draft.train_embeddings:
+        freeze_embeddings(draft)
+    return draft, info
+
+
+def freeze_embeddings(model) -> None:
+    """Keep ``model``'s input embeddings and its output head (when tied to them, as in SmolLM2) out of training."""
+    model.get_input_embeddings().weight.requires_grad_(False)
+    out = model.get_output_embeddings()
+    if out is not None and out.weight is model.get_input_embeddings().weight:
+        out.weight.requires_grad_(False)
 
 
 def _fresh_small_draft(rc, opts, run_dir, target, tokenizer, events):

@@ -33,6 +33,7 @@ __all__ = ["LayerChoice", "LayerSearchConfig", "SUPPORTED_MODEL_TYPES", "resolve
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_METHODS = ("first_k", "every_nth", "list", "search")
 SEARCH_STRATEGIES = ("greedy", "beam")
+SEARCH_METRICS = ("mean_accepted_length", "expected_acceptance")
 
 
 @dataclass
@@ -44,8 +45,18 @@ class LayerSearchConfig:
     max_evaluations: int = 24  # step budget: candidate subsets measured at most (checked before any model loads)
     prompts: int = 4  # validation prompts of data.domain decoded per candidate
     max_new_tokens: int = 24  # tokens generated per prompt per candidate (greedy, decode.num_draft_tokens)
+    # what a candidate is scored by: mean_accepted_length (speculative greedy decoding of the prompts with the
+    # candidate) | expected_acceptance (one teacher-forced forward over the target's own greedy continuations of the
+    # prompts, generated once: the mean over their positions of sum_v min(p, q) = 1 - TVD(p, q), the per-token
+    # acceptance rate of speculative sampling, Leviathan et al. 2023, Sec. 3.1). On a 30-layer target every
+    # untrained 2-layer candidate decodes at tau 1.00-1.14, which cannot rank them; expected_acceptance is
+    # continuous and costs one short forward per candidate
+    metric: str = "expected_acceptance"
 
     def __post_init__(self):
+        if self.metric not in SEARCH_METRICS:
+            raise ValueError(f"draft.layers.search.metric must be one of {', '.join(SEARCH_METRICS)}, "
+                             f"got {self.metric!r}")
         if self.strategy not in SEARCH_STRATEGIES:
             raise ValueError(f"draft.layers.search.strategy must be one of {', '.join(SEARCH_STRATEGIES)}, "
                              f"got {self.strategy!r}")

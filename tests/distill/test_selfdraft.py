@@ -170,3 +170,28 @@ def test_search_with_measured_acceptance_on_tiny_models():
     assert len(found["layers"]) == 2 and found["evaluations"] == 9
     assert found["score"] == max(t["score"] for t in found["trace"] if len(t["layers"]) == 2)
     assert 1.0 <= found["score"] <= 4.0
+
+
+def test_expected_acceptance_is_one_minus_tvd_along_the_targets_own_continuations():
+    """The search's default score: 1 for the target itself, the mean of sum_v min(p, q) over the generated positions
+    for another draft (checked against a direct computation), and continuous, so it ranks drafts whose decoded tau
+    would all be 1."""
+    from decode import autoregressive_generate
+    from distill.draft_init import expected_acceptance_score
+
+    prompts = [torch.tensor([[3, 8, 1, 9]]), torch.tensor([[7, 7, 2]])]
+    score = expected_acceptance_score(TARGET, prompts, max_new_tokens=6)
+    assert score(TARGET) == pytest.approx(1.0, abs=1e-5)
+    draft = build_layer_pruned(TARGET, [0, 4])
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for ids in prompts:
+            seq = autoregressive_generate(TARGET, ids, max_new_tokens=6).sequences
+            p = torch.softmax(TARGET(seq).logits[0, ids.size(1) - 1: -1], -1)
+            q = torch.softmax(draft(seq).logits[0, ids.size(1) - 1: -1], -1)
+            total += float(torch.minimum(p, q).sum())
+            n += p.size(0)
+    assert score(draft) == pytest.approx(total / n, rel=1e-5)
+    assert 0.0 < score(draft) < 1.0
+    found = search_layers(TARGET, score, 2, LayerSearchConfig(max_evaluations=9))
+    assert found["score"] == max(e["score"] for e in found["trace"] if len(e["layers"]) == 2)

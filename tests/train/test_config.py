@@ -105,7 +105,10 @@ def _compose_raw(overrides: list[str]):
 def _overridden_groups(experiment: str) -> set[str]:
     """Groups an experiment picks itself (``override /draft: layer_pruned`` in its defaults list)."""
     defaults = OmegaConf.to_container(OmegaConf.load(CONF / "experiment" / f"{experiment}.yaml")).get("defaults", [])
-    return {k.split("/")[-1] for d in defaults if isinstance(d, dict) for k in d if k.startswith("override /")}
+    inherited = set().union(*(_overridden_groups(d) for d in defaults  # an experiment built on another one
+                              if isinstance(d, str) and (CONF / "experiment" / f"{d}.yaml").is_file()))
+    return inherited | {k.split("/")[-1] for d in defaults if isinstance(d, dict) for k in d
+                        if k.startswith("override /")}
 
 
 # Each group option composed with PAIRINGS experiments (rotating, so every experiment meets several options):

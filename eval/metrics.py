@@ -26,15 +26,18 @@ PER_PROMPT_COLUMNS = (
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
     "accepted_length_histogram", "draft_length_policy", "draft_lengths", "speculative_trial_times_s",
-    "target_trial_times_s", "prefill_time_s", "nodes_verified",
+    "target_trial_times_s", "prefill_time_s", "nodes_verified", "numerical_tie_gap",
 )
 LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
 # columns added after the first files were written: their value in an older per_prompt.csv / row
 COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": [], "speculative_trial_times_s": [],
-                   "target_trial_times_s": [], "prefill_time_s": None, "nodes_verified": None}
+                   "target_trial_times_s": [], "prefill_time_s": None, "nodes_verified": None,
+                   "numerical_tie_gap": None}
 # per-trial wall times (seconds, one per timing trial; space-separated in the CSV)
 FLOAT_LIST_COLUMNS = ("speculative_trial_times_s", "target_trial_times_s")
-OPTIONAL_FLOAT_COLUMNS = ("prefill_time_s",)  # None when unknown (an older file)
+# numerical_tie_gap: where greedy_equal is false because the target's top logits tie at the first differing
+# position (eval.evaluate.divergence), the gap there in logit units; empty otherwise
+OPTIONAL_FLOAT_COLUMNS = ("prefill_time_s", "numerical_tie_gap")  # None when unknown (an older file)
 OPTIONAL_INT_COLUMNS = ("nodes_verified",)
 FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
@@ -195,7 +198,10 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     components = expected_speedup_from_costs(  # a tree priced as a chain
         tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None, step_overhead) \
         if known and rows else float("nan")
-    equal = [r["greedy_equal"] for r in rows if r["greedy_equal"] is not None]
+    # a numerical tie of the target's own logits is not a decoder fault: lossless, and counted apart
+    equal = [r["greedy_equal"] or r.get("numerical_tie_gap") is not None for r in rows
+             if r["greedy_equal"] is not None]
+    ties = [r["numerical_tie_gap"] for r in rows if r.get("numerical_tie_gap") is not None]
     boot = dict(samples=bootstrap_samples, confidence=confidence)
     key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
     if draft_length_policy != FIXED:
@@ -230,6 +236,8 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
         "cost_ratio": c,
         "num_prompts": len(rows),
         "lossless": (all(equal) if equal else None) if check_lossless else None,
+        "numerical_ties": len(ties),
+        "numerical_tie_max_gap": max(ties) if ties else None,
         "stats": {
             "verify_steps": int(steps.sum()), "drafted_tokens": int(drafted.sum()),
             "accepted_tokens": int(accepted.sum()), "emitted_tokens": int(emitted.sum()),

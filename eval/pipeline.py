@@ -42,18 +42,63 @@ def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int,
     name -> registry name / :class:`data.registry.Domain`. ``caps``: a per-domain cap replacing ``max_prompts``
     (``None``: every prompt), used for the user files of ``eval.extra_domains``, whose count is logged.
     ``tokenizer``: the target's; chat records are rendered in its chat template (:class:`data.chat.Renderer`)."""
+    from data.chat import Renderer
+
     items = domains.items() if isinstance(domains, dict) else ((d, d) for d in domains)
     caps = caps or {}
+    fmt = Renderer(tokenizer).format_of if tokenizer is not None else (lambda m: "plain" if m else "raw")
     out = {}
     for name, dom in items:
         if name in caps:
             every = eval_prompts(dom, opts, None, tokenizer)
-            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in every[:caps[name]]]
+            out[name] = [Prompt(name, ex.id, ex.prompt, fmt(ex.messages)) for ex in every[:caps[name]]]
             log.info("eval domain %r (%s): %d of its %d records are evaluation prompts%s", name,
                      getattr(dom, "description", name), len(out[name]), len(every),
                      "" if len(out[name]) == len(every) else f" (eval.extra_domains max_prompts={caps[name]})")
         else:
-            out[name] = [Prompt(name, ex.id, ex.prompt) for ex in eval_prompts(dom, opts, max_prompts, tokenizer)]
+            out[name] = [Prompt(name, ex.id, ex.prompt, fmt(ex.messages))
+                         for ex in eval_prompts(dom, opts, max_prompts, tokenizer)]
+    return out
+
+
+_FORMAT_WORDS = {
+    "chat_template": "conversations in the target's chat template (`apply_chat_template`, generation prompt added)",
+    "chat_template_user_turn": "the record's prompt (without its answer cue) as a user turn of the target's chat "
+                               "template",
+    "plain": "conversations in the plain `User: ...\\nAssistant:` format (the target tokenizer has no chat template)",
+    "raw": "the record's text as it is (completion style; the reference target was trained on it)",
+}
+
+
+def prompt_format_section(formats: dict[str, list[str]]) -> str:
+    """The report's "Prompt format" section: how each domain's prompts reached the target (``formats``: domain ->
+    the :data:`data.chat.FORMATS` its prompts used)."""
+    rows = ["## Prompt format", "", "| domain | prompts sent as |", "|---|---|"]
+    rows += [f"| {d} | {'; '.join(_FORMAT_WORDS.get(f, f) for f in fs)} |" for d, fs in formats.items()]
+    return "\n".join(rows)
+
+
+def target_description(target, tokenizer) -> dict:
+    """What the report says of the target: architecture, layers, hidden size, heads, vocabulary, parameters, context,
+    whether its tokenizer has a chat template, and where a converted target came from (its ``specdraft.json``)."""
+    from data.chat import chat_template_of
+
+    c = target.config
+    out = {"model_type": getattr(c, "model_type", None), "num_layers": getattr(c, "num_hidden_layers", None),
+           "hidden_size": getattr(c, "hidden_size", None), "num_heads": getattr(c, "num_attention_heads", None),
+           "num_kv_heads": getattr(c, "num_key_value_heads", None), "vocab_size": getattr(c, "vocab_size", None),
+           "parameters": sum(int(p.numel()) for p in target.parameters()),
+           "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+           "chat_template": chat_template_of(tokenizer) is not None}
+    path = getattr(c, "_name_or_path", None)
+    meta = Path(str(path)) / "specdraft.json" if path else None
+    if meta is not None and meta.is_file():
+        try:
+            src = json.loads(meta.read_text(encoding="utf-8")).get("source")
+        except (OSError, ValueError):
+            src = None
+        if isinstance(src, dict):
+            out["converted_from"] = src
     return out
 
 
@@ -179,6 +224,7 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
     from data.checkpoints import check_checkpoint_dir, load_tokenizer
+    from data.gguf_target import resolve_target
     from data.tokenizer_check import check_tokenizers_compatible
 
     try:
@@ -191,6 +237,7 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         run_drafts = (Path(run_dir) / "drafts").resolve()
         paths = {n: p for n, p in paths.items() if p.exists() or run_drafts not in p.resolve().parents}
     domains = _domain_objects(rc)  # user files are checked before any model loads
+    resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
     for n, path in paths.items():
         check_checkpoint_dir(path, role=f"draft {n!r}")
@@ -265,6 +312,9 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
     results, runtime = _measure(rc, target, tokenizer, drafts, prompts, routed, device, dtype, ev)
     context = {"experiment_name": rc.experiment_name, "target": rc.target.name_or_path, "seed": rc.seed,
+               "target_model": target_description(target, tokenizer),
+               "min_mean_accepted_length": rc.eval.min_mean_accepted_length,
+               "prompt_formats": {d: sorted({p.format for p in ps}) for d, ps in prompts.items()},
                "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
                                   "compile_time_s": compile_seconds() - compile_s0},
                "decode_block_threads": {"setting": rc.decode.block_threads, "threads": runtime["block_threads"]},
@@ -387,11 +437,7 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
         sections.append(AdaptationSection(saved, draft_paths))
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
-    sections.append("## Prompt format\n\nChat records (conversations) were rendered with "
-                    + ("the target tokenizer's chat template (`apply_chat_template`, generation prompt added)."
-                       if prompt_format == "chat_template" else
-                       "the plain `User: ...\\nAssistant:` format: the target tokenizer has no chat template.")
-                    + " Completion-style records (code, QA, text) are sent as they are.")
+    sections.append(prompt_format_section(context.get("prompt_formats") or {}))
     serving = ServingSection(draft_paths, str(rc.target.name_or_path))
     sections.append(serving)
     return sections, serving

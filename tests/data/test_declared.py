@@ -139,8 +139,13 @@ def test_messages_render_exactly_as_apply_chat_template_multi_turn(ref_tokenizer
         assert c == f"{conv[-1][1]}<|im_end|>\n"
     # a conversation ending with a user turn is a prompt only
     assert render("x", "", [("user", "hi")]) == ("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "")
-    # records without messages (code, QA, text) pass unchanged
-    assert render("def f():", " return 1", None) == ("def f():", " return 1")
+    # records without messages (code, QA, text) become a user turn of a chat model (an instruct model sent the raw
+    # text answers its end-of-turn token at once); the reference target, trained on the raw text, gets them unchanged
+    assert render("def f():", " return 1", None) == (
+        "<|im_start|>user\ndef f():<|im_end|>\n<|im_start|>assistant\n", "return 1<|im_end|>\n")
+    assert render("Question: Why?\nAnswer:", "", None) == (
+        "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n", "")
+    assert Renderer(ref_tokenizer)("def f():", " return 1", None) == ("def f():", " return 1")
 
 
 def test_training_text_and_teacher_prompts_are_what_the_target_sees(ref_tokenizer, tmp_path, monkeypatch):

@@ -386,7 +386,9 @@ def test_modules_to_save_trains_the_head_in_full_and_merged_equals_adapted(tmp_p
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
     assert reloaded.config.tie_word_embeddings is False
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+        # W + BA in one matrix adds the float32 products in another order than Wx + B(Ax): up to 2e-5 apart on the
+        # 2-core AMD EPYC (1e-5 held on the Xeon), so the tolerance is float32 rounding, not a looser check
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, adapted, atol=1e-4, rtol=1e-4)
 
 
 def test_modules_to_save_errors_name_the_key():

@@ -465,7 +465,7 @@ def test_a_speedup_above_tau_is_marked_noisy():
     d = {"measured_speedup": 1.69, "measured_speedup_ci": [1.6, 1.8], "mean_accepted_length": 1.04}
     assert noisy_reasons({}, "code", d, 0.5) == [
         "measured speedup 1.69x exceeds the mean accepted length 1.04: a verify step emits tau tokens on average for "
-        "at least one target forward, so the speedup cannot be much above tau"]
+        "one verify forward, so the speedup cannot be much above that"]
     assert noisy_reasons({}, "code", {**d, "measured_speedup": 1.1, "measured_speedup_ci": [1.05, 1.15]}, 0.5) == []
 
 
@@ -515,8 +515,8 @@ def test_a_setting_that_cannot_pay_for_itself_is_never_recommended(cands, min_ta
         chosen = next(c for c in cands if (c["draft"], c["draft_length_policy"], c["num_draft_tokens"]) ==
                       (r["draft"], r["draft_length_policy"], r["num_draft_tokens"]))
         assert chosen in payable and chosen["mean_accepted_length"] >= min_tau
-        assert r == {**decide(payable), "set_aside": r["set_aside"], "noisy": r["noisy"],
-                     "noisy_reasons": r["noisy_reasons"], "reason": r["reason"]}
+        same = ("action", "basis", "draft", "draft_length_policy", "num_draft_tokens", "measured_speedup")
+        assert {k: r[k] for k in same} == {k: decide(payable)[k] for k in same}
     if not payable:
         assert r["action"] == TARGET_ONLY and r["basis"] == "low_tau" and r["draft"] is None
     assert len(r["set_aside"]) == len(cands) - len(payable)
@@ -545,3 +545,18 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
     (tmp_path / "drafts" / "a").mkdir(parents=True)
     table = write_routing(tmp_path / "routing.json", doc, {"a": tmp_path / "drafts" / "a"})
     assert all(r["target_only"] for r in table["routes"].values()) and table["default"]["draft"] is None
+
+
+def test_the_speedup_bound_follows_the_measured_verify_cost():
+    """speedup <= tau / v: on SmolLM2 on a 2-core EPYC a 2-position verify forward cost 0.65 of the decoder's
+    one-token forward, and gamma 1 measured 1.38x at tau 1.34: real, not disturbed timing."""
+    from eval.verdicts import paying_settings, speedup_bound
+
+    c = {"draft": "d", "draft_length_policy": "fixed", "num_draft_tokens": 1, "mean_accepted_length": 1.6,
+         "measured_speedup": 1.9}
+    v = {"1": {"verify_cost_ratio": 0.65}, "3": {"verify_cost_ratio": 1.3}}
+    assert speedup_bound(c, v) == pytest.approx(1.6 / 0.65)
+    assert speedup_bound({**c, "num_draft_tokens": 3}, v) == pytest.approx(1.6)  # v above 1: tau itself
+    assert paying_settings([c], 1.5, v) == ([c], [])
+    kept, dropped = paying_settings([c], 1.5, None)  # no measured v: the bound is tau
+    assert kept == [] and "disturbed timing" in dropped[0]

@@ -113,7 +113,8 @@ def _assert_merged_equals_adapted(peft_model, base, vocab: int = 64):
         adapted, before = peft_model(input_ids=ids).logits, base(input_ids=ids).logits
         merged = merge_lora(peft_model)
         assert not any("lora" in n for n, _ in merged.named_modules())
-        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-5, rtol=1e-5)
+        # merging adds the float32 products in another order (W + BA vs Wx + B(Ax)): up to 2e-5 apart on the AMD EPYC
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-4, rtol=1e-4)
     assert (adapted - before).abs().max() > 1e-2  # the adapters did change the draft
     return merged
 

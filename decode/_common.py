@@ -102,16 +102,36 @@ def default_eos(target):
 
 
 def normalize_eos(eos_token_id) -> list[int]:
+    """``eos_token_id`` (None, an int, a list / tuple of ints, an integer tensor) as a list of non-negative ids.
+
+    Raises:
+        ValueError: a string (a token's text is not its id: ``tokenizer.convert_tokens_to_ids``), a float, a
+            negative id, or anything else that is not an integer id.
+    """
+    import numbers
+
     if eos_token_id is None:
         return []
-    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        return [eos_token_id]
     if isinstance(eos_token_id, torch.Tensor):
-        return [int(x) for x in eos_token_id.flatten().tolist()]
-    try:
-        ids = [int(x) for x in eos_token_id]
-    except TypeError:
-        raise ValueError(f"eos_token_id must be None, an int or a list of ints (got {eos_token_id!r}).") from None
+        if eos_token_id.is_floating_point() or eos_token_id.is_complex():
+            raise ValueError(f"eos_token_id must hold integer token ids (got a {eos_token_id.dtype} tensor).")
+        items = eos_token_id.flatten().tolist()
+    elif isinstance(eos_token_id, (str, bytes)):
+        raise ValueError(f"eos_token_id must be a token id, not text (got {eos_token_id!r}); convert it with "
+                         f"tokenizer.convert_tokens_to_ids.")
+    elif isinstance(eos_token_id, numbers.Integral) and not isinstance(eos_token_id, bool):
+        items = [eos_token_id]
+    else:
+        try:
+            items = list(eos_token_id)
+        except TypeError:
+            raise ValueError(f"eos_token_id must be None, an int or a list of ints (got {eos_token_id!r}).") from None
+    ids = []
+    for x in items:
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or int(x) < 0:
+            raise ValueError(f"eos_token_id must be None, an int or a list of non-negative ints (got "
+                             f"{eos_token_id!r}).")
+        ids.append(int(x))
     return ids
 
 

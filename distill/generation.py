@@ -228,7 +228,7 @@ class OnPolicyHook:
         g = torch.Generator(device=device).manual_seed(derived_seed(self.seed, "on_policy_sample", step, micro))
         was_training = student.training
         student.eval()
-        out = autoregressive_generate(student, batch.input_ids[:k, : T - n], max_new_tokens=n, eos_token_id=None,
+        out = autoregressive_generate(student, batch.input_ids[:k, : T - n], max_new_tokens=n, eos_token_id=[],
                                       generator=g, vocab_size=self.vocab_size, **self.gen.sampling_kwargs())
         student.train(was_training)
         ids = batch.input_ids.clone()  # (B, T); a normal tensor (inference-mode outputs cannot be saved for grad)

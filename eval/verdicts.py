@@ -462,7 +462,9 @@ def paying_settings(cands: list[dict], min_mean_accepted_length: float,
     for c in cands:
         tau, s = _num(c.get("mean_accepted_length")), _num(c.get("measured_speedup"))
         bound = speedup_bound(c, verify_cost_ratio)
-        if not math.isnan(tau) and tau < min_mean_accepted_length:
+        if math.isnan(tau) and min_mean_accepted_length > 0:  # no measured tau: nothing says it pays
+            dropped.append(f"{_named(c)} (no measured tau)")
+        elif tau < min_mean_accepted_length:
             dropped.append(f"{_named(c)} (tau {_fmt(tau)} < {min_mean_accepted_length:g})")
         elif not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
             dropped.append(f"{_named(c)} (measured {_fmt(s)}x above what its tau {_fmt(tau)} allows, "
@@ -491,7 +493,8 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
     from .metrics import domains_of
 
     rec = {}
-    min_tau = float((doc.get("context") or {}).get("min_mean_accepted_length") or MIN_MEAN_ACCEPTED_LENGTH)
+    min_tau = (doc.get("context") or {}).get("min_mean_accepted_length")
+    min_tau = float(MIN_MEAN_ACCEPTED_LENGTH if min_tau is None else min_tau)  # 0 is a setting (let every draft in)
     doc["min_mean_accepted_length"] = min_tau
     for d in domains_of(doc):
         every = candidates(doc, d)

@@ -408,6 +408,7 @@ def _run(args) -> dict:
     eos = target.generation_config.eos_token_id if args.stop_at_eos else None
     pad = target.generation_config.pad_token_id
     pad = pad if pad is not None else (eos if isinstance(eos, int) else (eos[0] if eos else 0))
+    ours_eos = eos if eos is not None else []  # our decoders: [] never stops (None would take the target's EOS)
     # weights never change during the benchmark: decode calls reuse what they read from the models, as a server
     # (decode.frozen_weights; transformers' generate re-reads nothing per call either)
     with frozen_weights(target, draft):
@@ -429,19 +430,19 @@ def _run(args) -> dict:
             return out[:, p.shape[1]:]
 
         def ours_ar(p):
-            out = autoregressive_generate(target, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
+            out = autoregressive_generate(target, p, max_new_tokens=n_new, eos_token_id=ours_eos, pad_token_id=pad,
                                           vocab_size=shared_vocab, fast_path=fast_path)
             return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
         def ours_spec(p):
-            out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=eos,
+            out = speculative_generate(target, draft, p, max_new_tokens=n_new, num_draft_tokens=gamma, eos_token_id=ours_eos,
                                        pad_token_id=pad, vocab_size=shared_vocab, fast_path=fast_path,
                                        draft_length_policy=args.policy_config.make_policy())
             return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
 
         def spec_fn(**setting):  # one more speculative setting: num_draft_tokens=G (a chain) or draft_tree=T
             def fn(p):
-                out = speculative_generate(target, draft, p, max_new_tokens=n_new, eos_token_id=eos, pad_token_id=pad,
+                out = speculative_generate(target, draft, p, max_new_tokens=n_new, eos_token_id=ours_eos, pad_token_id=pad,
                                            vocab_size=shared_vocab, fast_path=fast_path, **setting)
                 return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
             return fn

@@ -42,7 +42,8 @@ def rank_distribution(target, draft, prompts, max_new_tokens: int, top: int) -> 
     counts = [0] * (top + 1)  # last: rank > top
     n = 0
     for ids in prompts:
-        out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, do_sample=False).sequences
+        out = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=[]).sequences  # every position counts (no EOS stop)
         new = out.shape[1] - ids.shape[1]
         if new < 1:
             continue

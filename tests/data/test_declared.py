@@ -146,6 +146,7 @@ def test_messages_render_exactly_as_apply_chat_template_multi_turn(ref_tokenizer
     assert render("Question: Why?\nAnswer:", "", None) == (
         "<|im_start|>user\nWhy?<|im_end|>\n<|im_start|>assistant\n", "")
     assert Renderer(ref_tokenizer)("def f():", " return 1", None) == ("def f():", " return 1")
+    assert render("Question:\nAnswer:", "", None)[0] == "<|im_start|>user\nQuestion:<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_training_text_and_teacher_prompts_are_what_the_target_sees(ref_tokenizer, tmp_path, monkeypatch):

@@ -201,7 +201,9 @@ def check_tokenizers_compatible(
     if not problems:
         return
     lines = "\n".join(f"  - {p}" for p in problems)
-    source = "<target dir or hub id>" if na == "target" else repr(na)
+    # a name such as "--target distill/reference_target" (a script's flag and its value): the path alone
+    name = na.split(" ", 1)[1] if na.startswith("-") and " " in na else na
+    source = "<target dir or hub id>" if na == "target" else repr(name)
     raise TokenizerMismatchError(
         f"the {nb} tokenizer is not compatible with the {na} tokenizer; speculative decoding needs both to map "
         f"every token to the same id:\n{lines}\n"

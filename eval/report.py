@@ -200,7 +200,7 @@ def _header_lines(doc: dict) -> list[str]:
     ctx, drafts, swept = doc["context"], list(doc["drafts"]), doc["num_draft_tokens_swept"]
     level = int(round(100 * doc["confidence"]))
     lines = [f"# specdraft acceptance report: {ctx.get('experiment_name', '')}", ""]
-    lines += [f"- target: `{ctx.get('target')}`" + _target_words(ctx.get("target_model")),
+    lines += [f"- target: `{ctx.get('target')}`" + _target_words(ctx.get("target_model"), ctx.get("prompt_formats")),
               "- drafts: " + ", ".join(f"`{k}` (`{ctx.get('drafts', {}).get(k, '')}`)" for k in drafts),
               f"- decoding: {doc['decoding']}" + (f" {doc['sampling']}" if doc["decoding"] == "sampling" else "")
               + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
@@ -234,7 +234,7 @@ def _tie_words(doc: dict) -> str:
             f"(per_prompt.csv numerical_tie_gap)")
 
 
-def _target_words(m: dict | None) -> str:
+def _target_words(m: dict | None, formats: dict | None = None) -> str:
     """`` (<gguf file> from the package ...; llama, 30 layers, ...; chat template used)``: the target's shape from
     ``context.target_model`` (:func:`eval.pipeline.target_description`)."""
     if not m:
@@ -244,7 +244,10 @@ def _target_words(m: dict | None) -> str:
             + "; ") if src.get("gguf_file") else ""
     vocab = m.get("vocab_size")
     vocab = f"{vocab:,}" if isinstance(vocab, int) else str(vocab)
-    chat = "chat template used" if m.get("chat_template") else "no chat template"
+    used = any(str(f).startswith("chat_template") for fs in (formats or {}).values() for f in fs) \
+        if formats else m.get("chat_template")
+    chat = ("chat template used" if used else "chat template not used: see Prompt format") if m.get("chat_template") \
+        else "no chat template"
     return (f" ({name}{m.get('model_type')}, {m.get('num_layers')} layers, hidden {m.get('hidden_size')}, "
             f"{m.get('num_heads')} query / {m.get('num_kv_heads')} key-value heads, vocabulary {vocab}, "
             f"{(m.get('parameters') or 0) / 1e6:.1f}M parameters, context {m.get('max_position_embeddings')}; {chat})")

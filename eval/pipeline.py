@@ -237,10 +237,10 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         run_drafts = (Path(run_dir) / "drafts").resolve()
         paths = {n: p for n, p in paths.items() if p.exists() or run_drafts not in p.resolve().parents}
     domains = _domain_objects(rc)  # user files are checked before any model loads
+    for n, path in paths.items():  # before a GGUF target's conversion: a typo costs no minute
+        check_checkpoint_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
-    for n, path in paths.items():
-        check_checkpoint_dir(path, role=f"draft {n!r}")
     tokenizer = load_tokenizer(rc.target.name_or_path, role="target")
     for n, path in paths.items():
         check_tokenizers_compatible(tokenizer, load_tokenizer(path, role=f"draft {n!r}"), draft_name=f"draft {n!r}")

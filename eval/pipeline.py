@@ -90,15 +90,16 @@ def target_description(target, tokenizer) -> dict:
            "parameters": sum(int(p.numel()) for p in target.parameters()),
            "max_position_embeddings": getattr(c, "max_position_embeddings", None),
            "chat_template": chat_template_of(tokenizer) is not None}
+    from data.checkpoints import read_specdraft_meta
+    from data.errors import CheckpointError
+
     path = getattr(c, "_name_or_path", None)
-    meta = Path(str(path)) / "specdraft.json" if path else None
-    if meta is not None and meta.is_file():
-        try:
-            src = json.loads(meta.read_text(encoding="utf-8")).get("source")
-        except (OSError, ValueError):
-            src = None
-        if isinstance(src, dict):
-            out["converted_from"] = src
+    try:
+        src = read_specdraft_meta(path).extra.get("source") if path and Path(str(path)).is_dir() else None
+    except CheckpointError:  # a damaged specdraft.json only loses this line of the report
+        src = None
+    if isinstance(src, dict):
+        out["converted_from"] = src
     return out
 
 

@@ -242,17 +242,13 @@ def decide(cands: list[dict]) -> dict:
                 "reason": "no finite measured speedup"}
     best = max(valid, key=_fastest_order)
     lo, hi = interval(best)
-    best_view = {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens", "measured_speedup",
-                                          "measured_speedup_ci")}
+    best_view = _view(best)
     if _num(best["measured_speedup"]) < 1.0:
         why = ("its whole interval lies below 1" if hi < 1.0 else
                "slower than the target alone on the measurement (its interval reaches 1, so not clearly slower, but "
                "no setting was measured faster and the target alone needs no draft)")
-        return {"action": TARGET_ONLY, "basis": "below_one", "draft": None, "draft_length_policy": None,
-                "num_draft_tokens": None, "measured_speedup": best["measured_speedup"],
-                "measured_speedup_ci": best.get("measured_speedup_ci"), "tied_with": [], "best_measured": best_view,
-                "reason": f"the fastest setting (`{best['draft']}` with {label(best)}) measured "
-                          f"{_fmt(best['measured_speedup'])}x [{_fmt(lo)}, {_fmt(hi)}]: {why}"}
+        return _target_only(best, "below_one", f"the fastest setting (`{best['draft']}` with {label(best)}) measured "
+                                               f"{_fmt(best['measured_speedup'])}x [{_fmt(lo)}, {_fmt(hi)}]: {why}")
     tied = [c for c in valid if c is not best and interval(c)[1] >= lo]
     if not tied:
         chosen, basis = best, "measured"
@@ -474,16 +470,25 @@ def paying_settings(cands: list[dict], min_mean_accepted_length: float,
     return kept, dropped
 
 
-def _none_pay(cands: list[dict], dropped: list[str], min_tau: float) -> dict:
-    best = max(cands, key=_fastest_order)
-    shown = "; ".join(dropped[:4]) + (f"; and {len(dropped) - 4} more" if len(dropped) > 4 else "")
-    return {"action": TARGET_ONLY, "basis": "low_tau", "draft": None, "draft_length_policy": None,
+def _view(c: dict) -> dict:
+    """A setting as a decision's ``best_measured`` names it."""
+    return {k: c.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens", "measured_speedup",
+                                  "measured_speedup_ci")}
+
+
+def _target_only(best: dict, basis: str, reason: str) -> dict:
+    """A decision for the target alone (``best``: the fastest setting measured, which it refuses)."""
+    return {"action": TARGET_ONLY, "basis": basis, "draft": None, "draft_length_policy": None,
             "num_draft_tokens": None, "measured_speedup": best["measured_speedup"],
-            "measured_speedup_ci": best.get("measured_speedup_ci"), "tied_with": [],
-            "best_measured": {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens",
-                                                       "measured_speedup", "measured_speedup_ci")},
-            "reason": f"no setting can pay for itself (tau at least {min_tau:g}, a measured speedup within "
-                      f"{IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)): {shown}"}
+            "measured_speedup_ci": best.get("measured_speedup_ci"), "tied_with": [], "best_measured": _view(best),
+            "reason": reason}
+
+
+def _none_pay(cands: list[dict], dropped: list[str], min_tau: float) -> dict:
+    shown = "; ".join(dropped[:4]) + (f"; and {len(dropped) - 4} more" if len(dropped) > 4 else "")
+    return _target_only(max(cands, key=_fastest_order), "low_tau",
+                        f"no setting can pay for itself (tau at least {min_tau:g}, a measured speedup within "
+                        f"{IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)): {shown}")
 
 
 def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:

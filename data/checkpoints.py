@@ -139,6 +139,13 @@ def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: 
             f"complete Hugging Face causal-LM checkpoint (or that the hub is reachable for a hub id)."
         ) from e
     check_finite_weights(model, name_or_path, role)
+    if local and (Path(src) / "specdraft.json").is_file():  # a trimmed draft saved as its full-vocabulary export
+        from .draft_vocab import apply_saved_draft_vocab
+
+        try:
+            apply_saved_draft_vocab(model, read_specdraft_meta(src).draft_vocab, f"{role} {name_or_path}")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
     if device is not None and torch.device(device) != torch.device("cpu"):
         model.to(device)
     return model.eval(), tok

@@ -146,8 +146,10 @@ def save_hf_atomic(model, tokenizer, out_dir: str | os.PathLike, extra: Any = No
     """
     from .specdraft_meta import as_meta
 
+    from .draft_vocab import full_vocab_head
+
     meta = as_meta(extra) if extra is not None else None
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp, full_vocab_head(model):  # a trimmed head is saved as its full-vocabulary export
         model.save_pretrained(tmp, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

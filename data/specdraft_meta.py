@@ -33,7 +33,9 @@ The fields, by what they describe (absent = ``None``):
   ``merge_time_s``;
 * measured acceptance: ``domain_mean_accepted_length`` (domain -> ``{mean_accepted_length,
   mean_accepted_length_ci, num_draft_tokens, num_prompts}``, written by the ``domain_tau`` stage);
-* quantization: ``quantize`` (``none`` / ``int8``), ``fp32_draft``.
+* quantization: ``quantize`` (``none`` / ``int8``), ``fp32_draft``;
+* trimmed output vocabulary: ``draft_vocab`` (``size``, ``target_vocab_size``, the ``draft_to_target`` id map, how
+  the ids were counted and what share of the counted tokens they cover; :mod:`data.draft_vocab`).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ class SpecdraftMeta:
     domain_mean_accepted_length: Optional[dict] = None
     quantize: Optional[str] = None
     fp32_draft: Optional[str] = None
+    draft_vocab: Optional[dict] = None
     extra: dict = field(default_factory=dict)  # fields this schema does not know (kept and written back)
     present: tuple = ()  # the known fields the file holds, in its order (a null field is kept as null)
 

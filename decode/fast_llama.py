@@ -107,9 +107,11 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "layer count differs from the config"
     if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
         return "Gemma embedding without its embed_scale"
-    if type(model.lm_head) is not torch.nn.Linear:  # e.g. int8 dynamic Linear (decode/quantize.py): HF forward
+    from data.draft_vocab import TrimmedLMHead
+
+    if type(model.lm_head) not in (torch.nn.Linear, TrimmedLMHead):  # e.g. int8 dynamic Linear: HF forward
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
-    if model.lm_head.bias is not None:
+    if getattr(model.lm_head, "bias", None) is not None:
         return "lm_head has a bias"
     qkv_bias = family == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
     norm_names = ("input_layernorm", "post_attention_layernorm") + (
@@ -570,6 +572,9 @@ class FastKVState:
         self.fused_norm = self.dtype == torch.float32 if fused_norm is None else fused_norm
         self.packed = packed
         self.layers, self.lm_w, self.rows_all = _layer_weights(model, self.packed)
+        # a trimmed draft head (data/draft_vocab.py): N rows, scattered to the full vocabulary with -inf elsewhere
+        kept = getattr(model.lm_head, "draft_to_target", None)
+        self.vocab_map = (kept.to(device), int(model.lm_head.out_features)) if kept is not None else None
         self.rows_w = None  # the (out, in) copies when several-row products use them (set per state in __init__)
         self.inter = (self.layers[0][7].shape[0] if self.packed else self.layers[0][7].shape[1])
         norm_w = self._norm_weight
@@ -827,6 +832,9 @@ class FastKVState:
             logits = torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
         if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.vocab_map is not None:  # (B, T', N) -> (B, T', V), -inf outside the kept ids
+            logits = logits.new_full((*logits.shape[:-1], self.vocab_map[1]), float("-inf")).index_copy_(
+                -1, self.vocab_map[0], logits)
         return logits
 
     def _softcapped_attention(self, q: torch.Tensor, key: torch.Tensor, val: torch.Tensor,

@@ -8,14 +8,22 @@ target, 100 cached tokens, the two settings interleaved in one process, medians 
 3.75 ms at 1 thread and 3.60 ms at 2; five-token forward 6.87 ms at 1 thread and 5.16 ms at 2, so the verify cost
 ratio v (five-token / one-token forward) falls from 1.83 to 1.38.
 
-The decoders' KV states (:class:`decode._common.KVState`, :class:`decode.fast_llama.FastKVState`) run every
-forward whose ``batch x positions > 1`` on CPU with :func:`block_thread_count` threads and restore the caller's
-``torch.get_num_threads()`` afterwards; one-token forwards (draft steps, target-only decoding) keep the caller's
-setting (``eval.num_threads`` / ``trainer.num_threads``). Target-only decoding gets the same rule (its prefill, and
-every step of a batch), so the comparison stays like for like. Lossless either way: the same ops, only the
-matrix products are split over threads. The distillation's one-off teacher passes follow the same setting (their
-batched generation goes through these states; the top-k cache's batched forward uses :class:`BlockThreads`), while
-training steps keep ``trainer.num_threads``.
+The setting (``decode.block_threads``):
+
+* ``auto`` (default): the caller's ``torch.get_num_threads()`` for every forward, capped at the cores this process
+  may use. The decoder never raises the thread count on its own: a user who set 1 thread because another job holds
+  the other core gets 1 thread in verify blocks and prefills too. Measured on the 2-core EPYC machine with
+  SmolLM2-135M-Instruct, a caller at 1 thread and a busy loop on the other core: when ``auto`` still meant "every
+  core", verify blocks and prefills ran 6-17x and 8x slower per call than at the caller's 1 thread (two threads
+  fighting one free core), and target-only decoding fell below transformers' ``generate``.
+* a thread count ``n``: forwards whose ``batch x positions > 1`` run with ``n`` threads (at most the cores), and
+  one-token forwards (draft steps, target-only decoding) keep the caller's; the caller's count is restored
+  afterwards. For an idle machine where the caller keeps one-token forwards on fewer threads.
+* ``off``: the caller's count, uncapped.
+
+Lossless either way: the same ops, only the matrix products are split over threads. The decoders' KV states
+(:class:`decode._common.KVState`, :class:`decode.fast_llama.FastKVState`), the distillation's one-off teacher
+passes and the top-k cache's batched forward follow the setting; training steps keep ``trainer.num_threads``.
 """
 from __future__ import annotations
 
@@ -59,8 +67,8 @@ def parse_block_threads(value) -> str | int:
 
 
 def set_block_threads(value) -> None:
-    """Set ``decode.block_threads`` for forwards from now on: ``"auto"`` (every core the process may use),
-    ``"off"`` (keep the caller's ``torch.get_num_threads()``) or a thread count (at most the cores the process may
+    """Set ``decode.block_threads`` for forwards from now on: ``"auto"`` (the caller's ``torch.get_num_threads()``,
+    capped at the cores the process may use), ``"off"`` (the caller's, uncapped) or a thread count (at most the cores the process may
     use: more threads than cores only contend for them, so a larger count is capped, with a warning). Raises
     ``ValueError`` otherwise."""
     global _setting, _threads
@@ -69,7 +77,7 @@ def set_block_threads(value) -> None:
     if isinstance(_setting, int) and _setting > cores:
         log.warning("decode.block_threads=%d exceeds the %d CPU cores this process may use: using %d", _setting,
                     cores, cores)
-    _threads = None if _setting == "off" else cores if _setting == "auto" else min(_setting, cores)
+    _threads = None if _setting in ("off", "auto") else min(_setting, cores)
 
 
 def block_threads_setting() -> str | int:
@@ -79,7 +87,7 @@ def block_threads_setting() -> str | int:
 
 def resolved_block_threads(device) -> int | None:
     """Threads that forwards over more than one token on ``device`` use under the current setting; ``None``: the
-    caller's (not a CPU, or ``off``). For records (metrics.json ``context.decode_block_threads``)."""
+    caller's (not a CPU, ``auto`` or ``off``). For records (metrics.json ``context.decode_block_threads``)."""
     if _threads is None or torch.device(device).type != "cpu":
         return None
     return _threads
@@ -88,6 +96,9 @@ def resolved_block_threads(device) -> int | None:
 def block_thread_count(device) -> int | None:
     """Threads to switch to for a forward over more than one token on ``device``; ``None``: keep the current setting
     (not a CPU, ``off``, or already that many)."""
+    if _setting == "auto" and torch.device(device).type == "cpu":  # the caller's count, never above the cores
+        cores = available_cores()
+        return cores if torch.get_num_threads() > cores else None
     n = resolved_block_threads(device)
     return None if n is None or n == torch.get_num_threads() else n
 

@@ -7,7 +7,7 @@ import torch
 
 from ._common import Timer, new_kv_state
 
-__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s"]
+__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s", "head_share", "memory_bound_s"]
 
 
 @torch.inference_mode()
@@ -56,3 +56,51 @@ def block_forward_times_s(model, prompt: torch.Tensor, widths, steps: int, fast_
             times[w].append(timer)
             state.truncate(base, None, 0)
     return {w: statistics.median(t.seconds for t in ts[2:]) for w, ts in times.items()}  # first two: warm-up
+
+
+@torch.inference_mode()
+def head_share(model, steps: int = 50) -> dict[str, float]:
+    """The output head's part of a one-token forward: median seconds of the head's product for one position
+    (``(1, E) x (E, N)``, N = the kept rows of a trimmed head, else the vocabulary; the faster of the two weight
+    layouts, as the decoder's forward picks) over ``steps`` calls, as
+    ``{"head_forward_s", "head_rows"}``; divide by the model's one-token forward (:func:`forward_times_s`) for the
+    share."""
+    head = model.get_output_embeddings()
+    w = head.weight
+    x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
+    packed = w.t().contiguous()  # the (in, out) copy the lean CPU forward multiplies with (decode/fast_llama.py)
+    times = {"rows": [], "packed": []}
+    for _ in range(steps + 2):  # both layouts alternated; the faster one is what the decoder's forward uses
+        with Timer(w.device) as timer:
+            torch.nn.functional.linear(x, w)
+        times["rows"].append(timer)
+        with Timer(w.device) as timer:
+            torch.matmul(x, packed)
+        times["packed"].append(timer)
+    best = min(statistics.median(t.seconds for t in ts[2:]) for ts in times.values())
+    return {"head_forward_s": best, "head_rows": int(w.shape[0])}
+
+
+@torch.inference_mode()
+def memory_bound_s(model, repeats: int = 5) -> dict[str, float]:
+    """The memory bound of one forward of ``model`` on this machine: the bytes a forward must read (every parameter
+    except the input embedding, of which it reads a few rows; a head tied to it is counted once) divided by the
+    read bandwidth measured here (a sum over a copy of the largest weights, best of ``repeats``). Returns
+    ``{"weight_bytes", "bandwidth_gb_s", "bound_s"}``. A forward over a few positions reads the same weights, so its
+    time over this bound is how far it is from memory speed."""
+    emb = model.get_input_embeddings().weight
+    seen, total = {emb.data_ptr()}, 0
+    head = model.get_output_embeddings()
+    for p in model.parameters():
+        if p.data_ptr() in seen and not (head is not None and p is head.weight):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    probe = torch.empty(max(total, 1 << 26) // 4, dtype=torch.float32, device=emb.device).fill_(1.0)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        with Timer(emb.device) as timer:
+            probe.sum()
+        best = min(best, timer.seconds)
+    bandwidth = probe.numel() * 4 / best
+    return {"weight_bytes": float(total), "bandwidth_gb_s": bandwidth / 1e9, "bound_s": total / bandwidth}

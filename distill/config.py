@@ -23,9 +23,18 @@ class DraftConfig:
     # vocabulary (49,152 x 576 for SmolLM2) they are most of a self-draft's weights, and freezing them halves the
     # step time (2-layer self-draft of SmolLM2, 8 x 128 tokens: 1.4 s vs 2.5 s per step on 2 cores)
     train_embeddings: bool = True
+    # a trimmed output head over the N ids the target emits most often in the training answers (null: the full
+    # vocabulary); saved as a full-vocabulary export with the id map in specdraft.json (data/draft_vocab.py)
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         from decode.quantize import QUANTIZE_MODES
+
+        if self.draft_vocab_size is not None and (isinstance(self.draft_vocab_size, bool)
+                                                  or not isinstance(self.draft_vocab_size, int)
+                                                  or self.draft_vocab_size < 1):
+            raise ValueError(f"draft.draft_vocab_size must be a positive number of kept token ids or null (the "
+                             f"full vocabulary), got {self.draft_vocab_size!r}")
 
         if self.init not in DRAFT_INITS:
             raise ValueError(f"draft.init must be one of {', '.join(DRAFT_INITS)}, got {self.init!r}")

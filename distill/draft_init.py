@@ -37,6 +37,7 @@ def _init_settings(rc) -> dict:
     """What determines the initial draft (compared before reusing a saved one)."""
     d = asdict(rc.draft)
     d.pop("quantize", None)
+    d.pop("draft_vocab_size", None)  # applied when training starts (distill/pipeline.py), not to the initial draft
     if rc.draft.init != "config":
         d.pop("arch", None)
     if rc.draft.init != "layer_pruned":

@@ -534,7 +534,7 @@ def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str,
         if lc.data_source == "dataset" else None
     val_blocks = domain_blocks(domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
     tcfg = how.trainer_config(rc)
-    step, teacher, train_blocks, passes = teacher_signal_data(
+    step, teacher, train_blocks, passes, _ = teacher_signal_data(
         rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=pair.shared,
         cut=pair.cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
         tcfg=tcfg, run_dir=run_dir, dist=distributed_state())

@@ -69,6 +69,10 @@ def matched_wall_clock_budget(run_dir: Path) -> dict:
 
 def check_draft_config(rc) -> None:
     """Cross-section checks that no single section can make (before any model loads)."""
+    if rc.draft.draft_vocab_size and rc.distill.data_source == "on_policy":
+        raise ValueError("draft.draft_vocab_size (a trimmed draft head) does not support distill.data_source="
+                         "on_policy yet: the target scores the draft's own rows over its full vocabulary. Use "
+                         "data_source=teacher or dataset, or set draft.draft_vocab_size=null")
     if rc.distill.data_source == "on_policy" and rc.trainer.strategy == "deepspeed_zero3":
         raise ValueError("distill.data_source=on_policy cannot run under trainer=deepspeed_zero3: each process "
                          "generates from its own micro-batches, but ZeRO-3 forwards are collective. Use "
@@ -113,6 +117,7 @@ class Signal:
     hook: Any = None
     passes: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
+    answer_counts: torch.Tensor | None = None  # (V,) ids in the target's generated answers (teacher data only)
 
 
 def load_pair(rc, opts: DataOptions, run_dir: Path, build_draft: Callable, events=None) -> Pair:
@@ -183,8 +188,10 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
     stays where training runs, on every process).
 
     Returns:
-        (step, teacher, blocks (N, T), passes) where ``passes`` holds the ``teacher_data`` / ``teacher_cache``
-        records (path, reused / computed shard counts, ``time_s``) of the passes that ran.
+        (step, teacher, blocks (N, T), passes, answer_counts) where ``passes`` holds the ``teacher_data`` /
+        ``teacher_cache`` records (path, reused / computed shard counts, ``time_s``) of the passes that ran and
+        ``answer_counts`` is ``(V,)`` float64: how often each id occurs in the target's generated answers (the
+        sequences minus their prompts; ``None`` without teacher data), what a trimmed draft vocabulary is counted on.
     """
     from .generation import generate_teacher_sequences, pack_sequences
     from .teacher import build_teacher_cache, make_cached_distill_step
@@ -199,6 +206,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
             and dist.is_main_process:
         target.to(dist.device)  # the passes run where training will, on the main process only
     passes: dict = {}
+    answer_counts = None
     if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
         dist.wait_for_everyone()
     if data_source == "teacher":
@@ -209,6 +217,8 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
             target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
         blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
+        answer_counts = (torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=shared)
+                         - torch.bincount(torch.tensor([t for q in prompts for t in q]), minlength=shared)).double()
     if teacher_signal == "cached":
         blocks = blocks_this_run_uses(blocks, tcfg, rc.seed, dist.num_processes)
         teacher, passes["teacher_cache"] = build_teacher_cache(
@@ -220,7 +230,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
     if dist.is_main_process:
         dist.wait_for_everyone()
-    return step, teacher, blocks, passes
+    return step, teacher, blocks, passes, answer_counts
 
 
 def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
@@ -232,7 +242,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
     from .generation import OnPolicyHook
 
     dc = rc.distill
-    step, teacher, blocks, passes = teacher_signal_data(
+    step, teacher, blocks, passes, answer_counts = teacher_signal_data(
         rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
         shared=pair.shared, cut=pair.cut, data_source="teacher" if dc.uses_teacher_data else "dataset",
         teacher_signal=dc.teacher_signal, max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir,
@@ -245,7 +255,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
             "teacher_signal": dc.teacher_signal, "distilled": True,
             "on_policy_fraction": dc.on_policy_fraction if hook is not None else None,
             "off_policy_data": dc.off_policy_data if hook is not None else None}
-    return Signal(step, teacher, blocks, hook, passes, meta)
+    return Signal(step, teacher, blocks, hook, passes, meta, answer_counts)
 
 
 def cross_entropy_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
@@ -348,6 +358,70 @@ def _step_logger(sig: "Signal", name: str, events):
     return on_step if (events or sig.hook is not None) else None
 
 
+def forced_ids(tokenizer, target) -> list[int]:
+    """Ids a trimmed draft vocabulary always keeps: the tokenizer's special tokens (chat-template markers, BOS,
+    padding) and every EOS id of the target's generation config, so the draft can propose the end of an answer."""
+    from decode._common import default_eos
+
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    eos = default_eos(target)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return sorted(i for i in ids if i is not None and i >= 0)
+
+
+def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
+    """``draft.draft_vocab_size = N``: give ``pair.draft`` a :class:`data.draft_vocab.TrimmedLMHead` over the ``N``
+    ids most frequent in what this draft learns from (the target's generated answers with teacher data, else the
+    training blocks), special tokens always kept, and map the learning signal to those ids: labels outside the
+    kept set are ignored, the teacher (cached top-k or online logits) is conditioned on the kept set (its mass
+    outside is dropped and the rest renormalised; docs/drafts.md). Returns the ``draft_vocab`` record for
+    ``specdraft.json``.
+
+    Raises:
+        ValueError: ``N`` larger than the vocabulary or smaller than the special tokens; a draft whose vocabulary
+            differs from the target's (padded rows) or an on-policy signal, which a trimmed head does not support.
+    """
+    from data.draft_vocab import RemappedTeacher, draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
+
+    from .teacher import TeacherCache
+
+    if pair.cut is not None:
+        raise ValueError("draft.draft_vocab_size needs a draft with the target's vocabulary size (this draft's "
+                         "embedding is padded differently); drop draft.draft_vocab_size or rebuild the draft")
+    if sig.answer_counts is not None:
+        counts, on = sig.answer_counts, "target_answers"
+    else:
+        counts, on = torch.bincount(sig.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
+    kept = kept_token_ids(counts[: pair.shared], rc.draft.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
+    head = install_trimmed_head(pair.draft, kept)
+    head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows
+    pair.draft_parameters = count_parameters(pair.draft)
+    if isinstance(sig.teacher, TeacherCache):
+        sig.teacher = TrimmedTeacherCache(sig.teacher, head)
+    elif isinstance(sig.teacher, torch.nn.Module):
+        sig.teacher = RemappedTeacher(sig.teacher, head)
+    return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),
+                              counted_share_kept=kept_mass(counts, kept), distinct_counted=int((counts > 0).sum()))
+
+
+class TrimmedTeacherCache:
+    """A :class:`distill.teacher.TeacherCache` read over a trimmed draft's kept ids (:func:`data.draft_vocab.remap_topk`:
+    top-k entries outside the kept set get ``-inf``, so the renormalised top-k is conditioned on the kept set)."""
+
+    def __init__(self, cache, head):
+        self.cache, self.head, self.vocab_size = cache, head, head.num_kept
+
+    @property
+    def top_k(self) -> int:
+        return self.cache.top_k
+
+    def lookup(self, block_index: torch.Tensor, device="cpu"):
+        from data.draft_vocab import remap_topk
+
+        values, indices = self.cache.lookup(block_index, device)
+        return remap_topk(self.head, values, indices)
+
+
 def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, build_draft: Callable,
                    signal: Callable, budget: Callable, quantize: str) -> dict:
     """The recipe every draft-training stage shares: load the pair, get the learning signal and the budget, train
@@ -372,6 +446,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, b
     with torch_threads(rc.trainer.num_threads):
         pair = load_pair(rc, opts, run_dir, build_draft, events)
         sig = signal(rc, opts, pair, run_dir)
+        vocab = trim_draft_vocab(rc, pair, sig) if rc.draft.draft_vocab_size else None
         tcfg, budget_info = budget(rc, run_dir)
         log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", name, pair.draft_parameters,
                  pair.target_parameters, sig.blocks.size(0), rc.data.block_size)
@@ -381,6 +456,8 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, b
                       on_step=_step_logger(sig, name, events),
                       on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
         meta = draft_meta(rc, opts, name, pair, sig, stats, tcfg, budget_info)
+        if vocab is not None:
+            meta["draft_vocab"] = vocab
     written: dict = {}
     if pair.dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
         written = save_draft(pair.draft, pair.tokenizer, out, meta, quantize)

@@ -177,6 +177,8 @@ def make_cached_distill_step(loss_name: str, temperature: float, online_teacher:
         if bool(off.any()):
             s_off, keep_off = (s_logits, keep) if not bool(gen.any()) else (s_logits[off], keep[off])
             values, indices = cache.lookup(batch.block_index[off.to(batch.block_index.device)], s_logits.device)
+            # a trimmed draft vocabulary can miss every top-k id of a position (-inf values): nothing to learn there
+            keep_off = keep_off & torch.isfinite(values).any(-1).to(keep_off.device)
             if dense is None:
                 loss = loss + topk_forward_kl(s_off, values, indices, keep_off, temperature=temperature,
                                               reduction="sum")

@@ -215,13 +215,20 @@ def cosine_with_warmup(step: int, warmup: int, total: int, min_ratio: float, tim
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def causal_lm_loss_sum(student_logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def causal_lm_loss_sum(student_logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+                       model: torch.nn.Module | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy. student_logits (B,T,V), input_ids (B,T), mask (B,T) -> scalar.
 
-    Position t predicts token t+1; the last position has no label and is dropped.
+    Position t predicts token t+1; the last position has no label and is dropped. ``model`` with a trimmed draft
+    vocabulary (:mod:`data.draft_vocab`): ``student_logits`` are its ``(B, T, N)`` kept logits, labels are mapped to
+    them and labels outside the kept set are not counted.
     """
+    from data.draft_vocab import draft_labels
+
     logits = student_logits[:, :-1].float()  # (B, T-1, V)
     labels = input_ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)  # (B, T-1)
+    if model is not None:
+        labels = draft_labels(model, labels)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
 
 
@@ -271,11 +278,14 @@ EvalFn = Callable[[torch.nn.Module], dict]
 
 
 def cross_entropy_step(student, teacher, batch: MicroBatch):
-    """Summed next-token cross-entropy over positions t with ``counted()[t]`` and a real label at t+1."""
+    """Summed next-token cross-entropy over positions t with ``counted()[t]`` and a real label at t+1 (a trimmed
+    draft vocabulary: labels outside the kept set add nothing, :func:`data.draft_vocab.draft_labels`)."""
+    from data.draft_vocab import draft_labels
+
     out = student(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     logits = out.logits[:, :-1].float()  # (B, T-1, V)
     keep = batch.counted()[:, :-1] & batch.attention_mask[:, 1:].bool()  # (B, T-1)
-    labels = batch.input_ids[:, 1:].masked_fill(~keep, -100)  # (B, T-1)
+    labels = draft_labels(student, batch.input_ids[:, 1:].masked_fill(~keep, -100))  # (B, T-1); trimmed: kept ids
     loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum")
     return loss, int(keep.sum())
 
@@ -957,13 +967,18 @@ def save_checkpoint(accelerator, ckpt: Path, state: dict, best_weights: dict[str
 
 @torch.no_grad()
 def evaluate_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 16) -> float:
-    """Mean next-token cross-entropy (nats per token) of ``model`` over ``blocks`` (N, T)."""
+    """Mean next-token cross-entropy (nats per token) of ``model`` over ``blocks`` (N, T). A draft with a trimmed
+    vocabulary (:mod:`data.draft_vocab`) is scored over the labels inside its kept set only (it gives the others
+    probability 0)."""
+    from data.draft_vocab import draft_labels, trimmed_logits
+
     model.eval()
     total, count = 0.0, 0
     device = next(model.parameters()).device
-    for i in range(0, blocks.size(0), batch_size):
-        x = blocks[i : i + batch_size].to(device)
-        m = torch.ones_like(x)
-        total += causal_lm_loss_sum(model(input_ids=x, attention_mask=m).logits, x, m).item()
-        count += int(m[:, 1:].sum())
+    with trimmed_logits(model):
+        for i in range(0, blocks.size(0), batch_size):
+            x = blocks[i : i + batch_size].to(device)
+            m = torch.ones_like(x)
+            total += causal_lm_loss_sum(model(input_ids=x, attention_mask=m).logits, x, m, model).item()
+            count += int((draft_labels(model, x[:, 1:]) >= 0).sum())
     return total / max(1, count)

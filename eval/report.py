@@ -214,10 +214,18 @@ def _header_lines(doc: dict) -> list[str]:
               + _tie_words(doc)]
     if doc.get("truncated_prompts"):
         lines.append(f"- {doc['truncated_prompts']} prompt(s) were truncated from the left to eval.max_prompt_tokens")
+    for name, v in ctx.get("draft_vocab", {}).items():
+        lines.append(f"- draft vocabulary of `{name}`: {v['size']:,} of the target's {v['target_vocab_size']:,} ids "
+                     f"(the most frequent in its {_COUNTED_ON.get(v.get('counted_on'), 'training text')}, which they "
+                     f"cover {100 * v.get('counted_share_kept', float('nan')):.1f} %); other ids only come from the "
+                     f"target's correction or bonus token")
     for name, c in doc["cost_ratio"].items():
         lines.append(f"- cost ratio c of `{name}`: {c['cost_ratio']:.3f} (draft forward "
                      f"{c['draft_forward_s'] * 1e3:.2f} ms, target forward {c['target_forward_s'] * 1e3:.2f} ms)")
     return lines
+
+
+_COUNTED_ON = {"target_answers": "target's generated training answers", "training_blocks": "training text"}
 
 
 def _tie_words(doc: dict) -> str:

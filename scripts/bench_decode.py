@@ -74,7 +74,7 @@ from decode import (  # noqa: E402
 from data.devices import runtime_record, torch_threads  # noqa: E402
 from decode.stats import expected_speedup_mixture  # noqa: E402
 from decode._common import sync  # noqa: E402
-from decode.timing import block_forward_times_s, forward_times_s  # noqa: E402
+from decode.timing import block_forward_times_s, forward_times_s, head_share, memory_bound_s  # noqa: E402
 
 BUILTIN_PROMPTS = [
     "The patient was admitted to the hospital with",
@@ -125,7 +125,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "when on, ours also runs uncompiled in the same alternation (compiled / uncompiled)")
     ap.add_argument("--block-threads", default="auto",
                     help="decode.block_threads: CPU threads for forwards over more than one token (verify blocks, "
-                         "prefills): auto (every core) | off | N; target-only is also timed with every forward at "
+                         "prefills): auto (the caller's threads, never above the cores) | off | N; target-only is also timed with every forward at "
                          "that many threads, and the faster target-only is the speedup's denominator")
     ap.add_argument("--json-out", help="also write the results as JSON here")
     ap.add_argument("--draft-length-policy", choices=("fixed", "adaptive", "confidence"), default="fixed",
@@ -447,7 +447,12 @@ def _run(args) -> dict:
                 return out.sequences[:, p.shape[1]: p.shape[1] + int(out.num_new_tokens[0])], out.stats
             return fn
 
-        methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "ours_speculative": ours_spec}
+        def hf_target_only(p):  # transformers' own generate, no assistant: the peer's target-only decoding
+            out = target.generate(p, attention_mask=torch.ones_like(p), generation_config=gen_cfg)
+            return out[:, p.shape[1]:]
+
+        methods = {"target_only": ours_ar, "hf_assisted": hf_assisted, "hf_target_only": hf_target_only,
+                   "ours_speculative": ours_spec}
         block_threads = resolved_block_threads(device)
         if block_threads is not None and block_threads != torch.get_num_threads():
 
@@ -457,7 +462,7 @@ def _run(args) -> dict:
 
             methods["target_only_block_threads"] = target_only_block_threads
         if args.no_hf:
-            del methods["hf_assisted"]
+            del methods["hf_assisted"], methods["hf_target_only"]
         extra = {f"chain {g}": spec_fn(num_draft_tokens=g) for g in sorted(set(args.chain_gamma) - {gamma})}
         extra.update({f"tree {t.spec()}": spec_fn(draft_tree=t) for t in args.trees})
         methods.update(extra)
@@ -525,8 +530,9 @@ def _run(args) -> dict:
         stats = AcceptanceStats.pool(spec_stats)
         ar = AcceptanceStats.pool(ar_stats)
         tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else float("nan") for m in methods}
-        tps.setdefault("hf_assisted", float("nan"))
-        mismatches.setdefault("hf_assisted", 0)
+        for peer in ("hf_assisted", "hf_target_only"):
+            tps.setdefault(peer, float("nan"))
+            mismatches.setdefault(peer, 0)
         # against the faster target-only: one-token forwards at --num-threads, or every forward at the block threads
         best_target_only = max(tps["target_only"], tps.get("target_only_block_threads", float("-inf")))
         compare = {}
@@ -547,6 +553,8 @@ def _run(args) -> dict:
         blocks = block_forward_times_s(target, prompts[0], [1, gamma + 1], args.cost_steps, fast_path)
         cost_ratio = t_draft / t_target
         verify_ratio = blocks[gamma + 1] / blocks[1]
+        head = head_share(draft, args.cost_steps)
+        bound = memory_bound_s(target)
         alpha = stats.acceptance_rate
         token_alpha, expected = leviathan_expectation(stats, gamma, cost_ratio)
         nan = float("nan")
@@ -595,6 +603,10 @@ def _run(args) -> dict:
             "max_new_tokens": n_new,
             "tokens_per_s": tps,
             "ours_over_transformers": tps["ours_speculative"] / tps["hf_assisted"],
+            "ours_over_transformers_target_only": tps["ours_speculative"] / tps["hf_target_only"],
+            "draft_head": {**head, "share_of_draft_forward": head["head_forward_s"] / t_draft},
+            "target_memory_bound": {**bound, "verify_over_bound": blocks[gamma + 1] / bound["bound_s"],
+                                    "one_token_over_bound": blocks[1] / bound["bound_s"]},
             "ours_over_target_only": measured,
             "acceptance_rate": alpha,
             "token_acceptance_rate": token_alpha,
@@ -654,7 +666,11 @@ def format_table(r: dict) -> str:
         (f"tokens/s transformers assisted (num_assistant_tokens {r['num_draft_tokens']}, constant)",
          f"{tps['hf_assisted']:.1f}" if hf_ran else "skipped (--no-hf)"),
         ("tokens/s ours speculative", f"{tps['ours_speculative']:.1f}"),
+        ("tokens/s transformers generate (target only)", f"{tps['hf_target_only']:.1f}" if hf_ran
+         else "skipped (--no-hf)"),
         ("ours / transformers", f"{r['ours_over_transformers']:.2f}x" if hf_ran else "skipped (--no-hf)"),
+        ("ours / transformers generate (target only)", f"{r['ours_over_transformers_target_only']:.2f}x" if hf_ran
+         else "skipped (--no-hf)"),
         ("ours / target-only (measured speedup; the faster target-only)", f"{r['ours_over_target_only']:.2f}x"),
         ("acceptance rate (accepted / drafted)", f"{r['acceptance_rate']:.3f}"),
         ("per-token acceptance alpha (accepted / tested)", f"{r['token_acceptance_rate']:.3f}"),
@@ -662,6 +678,13 @@ def format_table(r: dict) -> str:
         ("one-position forward ms (target, draft)", f"{1e3 * r['target_forward_s']:.3f}, {1e3 * r['draft_forward_s']:.3f}"),
         ("verify forward ms (gamma + 1 positions)", f"{1e3 * r['target_verify_forward_s']:.3f}"),
         ("cost ratio c (draft / target forward)", f"{r['cost_ratio']:.3f} (in loop {il['cost_ratio']:.3f})"),
+        ("draft head: rows, ms per position, share of the draft forward",
+         f"{r['draft_head']['head_rows']}, {1e3 * r['draft_head']['head_forward_s']:.3f}, "
+         f"{r['draft_head']['share_of_draft_forward']:.0%}"),
+        ("target memory bound: MB read / GB/s measured / bound ms; verify and 1-pos forward over it",
+         f"{r['target_memory_bound']['weight_bytes'] / 1e6:.0f} / {r['target_memory_bound']['bandwidth_gb_s']:.1f} / "
+         f"{1e3 * r['target_memory_bound']['bound_s']:.2f}; {r['target_memory_bound']['verify_over_bound']:.2f}x, "
+         f"{r['target_memory_bound']['one_token_over_bound']:.2f}x"),
         ("verify cost ratio v (verify / 1-pos forward)",
          f"{r['verify_cost_ratio']:.2f} (in loop {il['verify_cost_ratio']:.2f})"),
         ("spec wall: prefill / draft / verify / other",

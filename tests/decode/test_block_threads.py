@@ -73,20 +73,31 @@ def test_multi_token_forwards_use_block_threads_and_one_token_forwards_the_calle
     assert set(multi) == {3} and set(single) == {1}
 
 
-def test_off_keeps_the_callers_threads_and_auto_uses_every_core(monkeypatch, block_threads):
+def test_off_and_auto_keep_the_callers_threads(monkeypatch, block_threads):
+    """A caller at 1 thread (another job holds a core) gets 1 thread in every forward: auto never raises it."""
     target, _ = make_pair(seed=4, noise=0.3)
     ids, mask = left_pad(random_prompts([6, 4], 64, seed=3))  # batch 2: every forward has more than one token
     seen = _record_threads(monkeypatch, FastKVState)
-    torch.set_num_threads(1)
-    block_threads("off")
-    autoregressive_generate(target, ids, mask, max_new_tokens=4)
-    assert {n for _, n in seen} == {1}
-    seen.clear()
-    block_threads("auto")
-    autoregressive_generate(target, ids, mask, max_new_tokens=4)
-    assert {n for _, n in seen} == {block.available_cores()}
-    assert block.resolved_block_threads("cpu") == block.available_cores()
+    monkeypatch.setattr(block, "available_cores", lambda: 8)
+    for setting in ("off", "auto"):
+        torch.set_num_threads(1)
+        block_threads(setting)
+        seen.clear()
+        autoregressive_generate(target, ids, mask, max_new_tokens=4)
+        assert {n for _, n in seen} == {1}, setting
+        assert block.resolved_block_threads("cpu") is None
     assert block.resolved_block_threads("meta") is None  # not a CPU: the caller's setting
+
+
+def test_auto_caps_a_caller_above_the_cores(monkeypatch, block_threads):
+    monkeypatch.setattr(block, "available_cores", lambda: 1)
+    torch.set_num_threads(2)
+    block_threads("auto")
+    with block.BlockThreads("cpu", tokens=5):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
+    with block.BlockThreads("cpu", tokens=1):  # one-token forwards: the caller's setting
+        assert torch.get_num_threads() == 2
 
 
 def test_threads_are_restored_after_an_error(block_threads):

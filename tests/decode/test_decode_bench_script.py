@@ -39,12 +39,17 @@ def test_bench_decode_runs_on_tiny_models(tmp_path, capsys):
                    "measured / expected", "mean accepted length tau", "cpu / float32, float32 / 1", "auto (yes, yes)",
                    "verify cost ratio v", "loop efficiency", "expected speedup (measured c and v)",
                    "prefill / draft / verify / other", "machine load while timing (other processes' busy cores)",
-                   "several-row products (row layout; auto"):
+                   "several-row products (row layout; auto", "draft head: rows, ms per position",
+                   "target memory bound", "ours / transformers generate (target only)"):
         assert needle in table
     assert result["load"]["cores"] >= 1 and set(result["load"]) >= {"other_load", "overloaded", "own_cores"}
     # all agree, also target-only with every forward at the block thread count (timed as a second peer)
-    assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0,
+    assert result["greedy_output_mismatches"] == {"ours_speculative": 0, "hf_assisted": 0, "hf_target_only": 0,
                                                   "target_only_block_threads": 0}
+    assert result["ours_over_transformers_target_only"] == tps_ratio(result, "hf_target_only")
+    head, bound = result["draft_head"], result["target_memory_bound"]
+    assert head["head_rows"] > 0 and 0 < head["share_of_draft_forward"]
+    assert bound["weight_bytes"] > 0 and bound["bandwidth_gb_s"] > 0 and bound["verify_over_bound"] > 0
     assert result["block_threads"] == {"setting": "2", "threads": 2} and "cpu / float32, float32 / 1, 2" in table
     tps = result["tokens_per_s"]  # the speedup is over the faster of the two target-only runs
     assert result["ours_over_target_only"] == tps["ours_speculative"] / max(tps["target_only"],
@@ -202,3 +207,7 @@ def test_bad_prompt_files_and_numbers_are_one_line_usage_errors(tmp_path, capsys
     args = bench.parse_args(["--target", ref, "--draft", ref, "--prompts-file", str(tmp_path / "bad.jsonl"),
                              "--max-prompts", "1"])  # stops reading at --max-prompts: the bad line is never read
     assert args.prompt_texts == ["a"]
+
+
+def tps_ratio(result: dict, peer: str) -> float:
+    return result["tokens_per_s"]["ours_speculative"] / result["tokens_per_s"][peer]

@@ -175,3 +175,50 @@ def test_wall_clock_baseline_without_a_distill_stage_is_refused_before_loading(t
         check_stage_inputs(rc, tmp_path)
     rc.stages = ["distill", "baseline", "eval"]
     check_stage_inputs(rc, tmp_path)  # distill writes drafts/distilled first: fine
+
+
+@pytest.mark.parametrize("signal", ["cached", "online"])
+def test_trimmed_draft_vocab_distill_and_baseline(tiny_target, tmp_path, signal):
+    """draft.draft_vocab_size: the draft trains over N kept ids counted on the target's own answers (the baseline:
+    on its training text), is saved as a full-vocabulary export with the id map, and reloads as the trimmed draft."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from data.checkpoints import load_causal_lm
+    from data.draft_vocab import TrimmedLMHead
+    from decode import speculative_generate
+
+    rc = _rc(tiny_target, data_source="teacher", teacher_signal=signal, cache_top_k=8, cache_shard_blocks=16,
+             generation={"max_new_tokens": 24, "max_prompts": 40, "batch_size": 20, "max_prompt_tokens": 24})
+    rc.draft.draft_vocab_size = 120
+    distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
+    baseline_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
+    target, tok = load_causal_lm(tiny_target, role="target")
+    for kind, counted_on in (("distilled", "target_answers"), ("baseline", "training_blocks")):
+        meta = _check_saved(tmp_path, kind)
+        dv = meta["draft_vocab"]
+        assert dv["size"] == 120 and len(dv["draft_to_target"]) == 120 and dv["counted_on"] == counted_on
+        assert dv["target_vocab_size"] == target.config.vocab_size and 0 < dv["counted_share_kept"] <= 1
+        assert set(tok.all_special_ids) <= set(dv["draft_to_target"])
+        export = AutoModelForCausalLM.from_pretrained(tmp_path / "drafts" / kind)
+        assert export.lm_head.weight.shape[0] == target.config.vocab_size
+        draft, _ = load_causal_lm(tmp_path / "drafts" / kind, role="draft")
+        head = draft.get_output_embeddings()
+        assert isinstance(head, TrimmedLMHead) and head.draft_to_target.tolist() == dv["draft_to_target"]
+        prompt = torch.tensor([tok("def add(a, b):")["input_ids"]])
+        ref = speculative_generate(target, target, prompt, max_new_tokens=16, num_draft_tokens=1)
+        out = speculative_generate(target, draft, prompt, max_new_tokens=16, num_draft_tokens=3)
+        assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_trimmed_draft_vocab_config_errors(tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        validate({"target": {"name_or_path": str(tiny_target)}, "draft": {"draft_vocab_size": 0}})
+    rc = _rc(tiny_target, data_source="on_policy", on_policy_fraction=0.5, generation={"max_new_tokens": 8})
+    rc.draft.draft_vocab_size = 100
+    with pytest.raises(ValueError, match="on_policy"):
+        distill_stage(rc, rc.data.options(), tmp_path)
+    rc = _rc(tiny_target, data_source="dataset")
+    rc.draft.draft_vocab_size = 10_000
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, "):
+        distill_stage(rc, rc.data.options(), tmp_path)

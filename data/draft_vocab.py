@@ -162,7 +162,6 @@ def install_trimmed_head(model: nn.Module, kept_ids: torch.Tensor | Iterable[int
     if hasattr(model.config, "get_text_config"):
         model.config.get_text_config().tie_word_embeddings = False
     model.set_output_embeddings(head)
-    model.config.draft_vocab_size = head.num_kept
     return head
 
 
@@ -247,7 +246,6 @@ def full_vocab_head(model: nn.Module) -> Iterator[list[int]]:
     outside = (head.target_to_draft < 0).nonzero().flatten().tolist()
     gen = getattr(model, "generation_config", None)
     before = getattr(gen, "suppress_tokens", None) if gen is not None else None
-    draft_size = getattr(model.config, "draft_vocab_size", None)
     model.set_output_embeddings(lin)
     if gen is not None:
         gen.suppress_tokens = outside
@@ -257,7 +255,6 @@ def full_vocab_head(model: nn.Module) -> Iterator[list[int]]:
         model.set_output_embeddings(head)
         if gen is not None:
             gen.suppress_tokens = before
-        model.config.draft_vocab_size = draft_size
 
 
 def apply_saved_draft_vocab(model: nn.Module, record: dict | None, source: str = "draft") -> TrimmedLMHead | None:

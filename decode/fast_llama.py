@@ -402,7 +402,7 @@ def _compiled_core(device):
 
 
 def _rows_times(x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
-    """``x (M, K) @ w_rows^T`` -> ``(M, N)`` contiguous, for ``M >= 2`` rows and ``w_rows (N, K)`` contiguous.
+    """``x (M, K) @ w_rows^T`` -> ``(M, N)`` contiguous, for ``M >= 1`` rows and ``w_rows (N, K)`` contiguous.
 
     Computed as ``(w_rows @ x^T)^T``: with the weight as the left operand MKL streams it once and packs only the
     few rows of ``x``; ``x @ W`` on the ``(K, N)`` copy (the one-row layout) makes it pack the whole weight for
@@ -444,10 +444,13 @@ def set_row_layout(mode: str) -> None:
 
 def row_layout_record() -> dict:
     """What ``auto`` chose so far in this process, for reports: ``{"setting", "measured": [{"shapes", "threads",
-    "chosen", "weight_left_us", "activation_left_us"}, ...]}`` (microseconds for the timed set of products)."""
+    "chosen", "weight_left_us", "activation_left_us"}, ...], "one_row": [... the same for one-row products, with
+    "layers"]}`` (microseconds for the timed set of products)."""
     return {"setting": _row_layout,
             "measured": [{"shapes": [list(s) for s in key[2]], "threads": key[3], "chosen": chosen, **times}
-                         for key, (chosen, times) in _row_layout_measured.items()]}
+                         for key, (chosen, times) in _row_layout_measured.items()],
+            "one_row": [{"shapes": [list(s) for s in key[2]], "layers": key[3], "threads": key[4], "chosen": chosen,
+                         **times} for key, (chosen, times) in _one_row_measured.items()]}
 
 
 @torch.inference_mode()
@@ -495,6 +498,56 @@ def _row_layout_for(layer: tuple, rows: tuple, lm: torch.Tensor, lm_rows: torch.
     return _row_layout_measured[key][0]
 
 
+# One-row products (one-token forwards: target-only decoding, the draft's steps) multiply a vector with every weight
+# of the model once, from memory. On the 2-core AMD EPYC (AVX-512) development machine, SmolLM2-135M-Instruct's
+# one-position forward took 50.6 ms with ``x @ W`` on the (in, out) copies against 36.0 ms for a two-position forward
+# with the weight-left form: the one-row layout read the weights at 10 GB/s, the weight-left one at 15 GB/s (28-31
+# GB/s measured for a plain sum). So under ``auto`` the one-row layout is measured too, over all of the model's
+# products in turn (its whole weight set, so the weights come from memory as in a real forward, not from a cache).
+_one_row_measured: dict[tuple, tuple[str, dict]] = {}
+
+
+@torch.inference_mode()
+def _measure_one_row(pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int, rounds: int = 5) -> tuple:
+    """``("weight_left" | "activation_left", {"weight_left_us", "activation_left_us"})``: the median time of one
+    sweep of one-row products over every ``(W (in, out), W_rows (out, in))`` of ``pairs`` in each form, the forms
+    alternated ``rounds`` times after a warm-up round, with ``threads`` threads."""
+    import statistics
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        xs = [torch.randn(1, w.shape[0], generator=gen).to(w.dtype) for w, _ in pairs]
+        times = {"weight_left": [], "activation_left": []}
+        for _ in range(rounds + 1):
+            for form in times:
+                t0 = time.perf_counter()
+                for (w, w_rows), x in zip(pairs, xs):
+                    _rows_times(x, w_rows) if form == "weight_left" else torch.matmul(x, w)
+                times[form].append(time.perf_counter() - t0)
+        med = {f"{form}_us": round(statistics.median(ts[1:]) * 1e6, 1) for form, ts in times.items()}
+    finally:
+        torch.set_num_threads(prev)
+    return ("weight_left" if med["weight_left_us"] < 0.95 * med["activation_left_us"] else "activation_left"), med
+
+
+def _one_row_layout_for(layers: list, rows_all: list, lm: torch.Tensor, device: torch.device) -> str:
+    """The layout one-row products use: ``activation_left`` unless ``auto`` measured the weight-left form at least
+    5 % faster over the whole model (once per shapes, layer count, dtype and threads)."""
+    if _row_layout != "auto":
+        return "activation_left"
+    pairs = [(layer[j], rows[k]) for layer, rows in zip(layers, rows_all[:-1]) for j, k in ((2, 0), (3, 1), (6, 2),
+                                                                                                (7, 3))]
+    pairs.append((lm, rows_all[-1]))
+    threads = torch.get_num_threads()
+    key = (torch.device(device).type, str(lm.dtype), tuple(tuple(w.shape) for w, _ in pairs[:4]) + (tuple(lm.shape),),
+           len(layers), threads)
+    if key not in _one_row_measured:
+        _one_row_measured[key] = _measure_one_row(pairs, threads)
+    return _one_row_measured[key][0]
+
+
 class FastKVState:
     """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode._common.KVState``.
 
@@ -537,6 +590,8 @@ class FastKVState:
         if self.rows_all is not None:  # several-row products: the measured (or set) layout, see set_row_layout
             self.rows_w = (self.rows_all if _row_layout_for(self.layers[0], self.rows_all[0], self.lm_w,
                                                             self.rows_all[-1], device) == "weight_left" else None)
+            self.rows_one = (self.rows_all if _one_row_layout_for(self.layers, self.rows_all, self.lm_w, device)
+                             == "weight_left" else None)
         self.compiled = compile_enabled(device) if compile is None else bool(compile)
         self._core = self._core_impl if not self.compiled else functools.partial(_compiled_core(device), self)
 
@@ -576,6 +631,7 @@ class FastKVState:
         kept = getattr(model.lm_head, "draft_to_target", None)
         self.vocab_map = (kept.to(device), int(model.lm_head.out_features)) if kept is not None else None
         self.rows_w = None  # the (out, in) copies when several-row products use them (set per state in __init__)
+        self.rows_one = None  # the same for one-row products (one-token forwards), when measured faster
         self.inter = (self.layers[0][7].shape[0] if self.packed else self.layers[0][7].shape[1])
         norm_w = self._norm_weight
         self.norm_w, self.norm_eps = norm_w(base.norm.weight), _eps(base.norm)
@@ -751,7 +807,7 @@ class FastKVState:
         qd, kd, inter, packed = h_q * d, h_kv * d, self.inter, self.packed
         norm, act = self._norm, self.act
         # several rows (verify blocks, trees, prefills, batches): the (out, in) copies (see _rows_times)
-        rows = self.rows_w if packed and bsz * t > 1 else None
+        rows = (self.rows_w if bsz * t > 1 else self.rows_one) if packed else None
         x = F.embedding(tokens, self.embed_w)  # (B, T, E)
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -826,8 +882,9 @@ class FastKVState:
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         hs = norm(x, self.norm_w, self.norm_eps)
-        if packed and self.rows_w is not None and hs.shape[0] * hs.shape[1] > 1:
-            logits = _rows_times(hs.reshape(-1, hs.shape[-1]), self.rows_w[-1]).view(*hs.shape[:2], -1)
+        head_rows = (self.rows_w if hs.shape[0] * hs.shape[1] > 1 else self.rows_one) if packed else None
+        if head_rows is not None:
+            logits = _rows_times(hs.reshape(-1, hs.shape[-1]), head_rows[-1]).view(*hs.shape[:2], -1)
         else:
             logits = torch.matmul(hs, self.lm_w) if packed else F.linear(hs, self.lm_w)  # (B, T', V)
         if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)

@@ -526,7 +526,7 @@ def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str,
     from data.blocks import domain_blocks, domain_prompts
 
     from .generation import selection_eval_from_texts, selection_meta
-    from .pipeline import teacher_signal_data
+    from .pipeline import over_kept_ids, teacher_signal_data
     from .trainer import distributed_state, evaluate_loss, train
 
     lc, dc, target, tokenizer = rc.lora, rc.distill, pair.target, pair.tokenizer
@@ -538,6 +538,7 @@ def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str,
         rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=pair.shared,
         cut=pair.cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
         tcfg=tcfg, run_dir=run_dir, dist=distributed_state())
+    teacher = over_kept_ids(teacher, pair.draft)  # a trimmed base draft learns over its kept ids
     evaluate, base_score = None, None
     if lc.eval_every:
         texts = domain_prompts(domain, "validation", opts, lc.eval_prompts, tokenizer)
@@ -555,7 +556,7 @@ def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str,
                   on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
                   on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
     base_meta = read_specdraft_meta(pair.path)
-    meta = {
+    meta = {**({"draft_vocab": base_meta.draft_vocab} if base_meta.draft_vocab else {}),
         "kind": how.kind, "target": str(rc.target.name_or_path), "base": str(pair.path),
         "domain": domain, "base_kind": base_meta.kind, "base_domain": base_meta.domain,
         "loss": dc.loss, "temperature": dc.temperature, "data_source": lc.data_source,

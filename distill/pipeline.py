@@ -381,9 +381,7 @@ def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
         ValueError: ``N`` larger than the vocabulary or smaller than the special tokens; a draft whose vocabulary
             differs from the target's (padded rows) or an on-policy signal, which a trimmed head does not support.
     """
-    from data.draft_vocab import RemappedTeacher, draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
-
-    from .teacher import TeacherCache
+    from data.draft_vocab import draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
 
     if pair.cut is not None:
         raise ValueError("draft.draft_vocab_size needs a draft with the target's vocabulary size (this draft's "
@@ -396,12 +394,24 @@ def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
     head = install_trimmed_head(pair.draft, kept)
     head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows
     pair.draft_parameters = count_parameters(pair.draft)
-    if isinstance(sig.teacher, TeacherCache):
-        sig.teacher = TrimmedTeacherCache(sig.teacher, head)
-    elif isinstance(sig.teacher, torch.nn.Module):
-        sig.teacher = RemappedTeacher(sig.teacher, head)
+    sig.teacher = over_kept_ids(sig.teacher, pair.draft)
     return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),
                               counted_share_kept=kept_mass(counts, kept), distinct_counted=int((counts > 0).sum()))
+
+
+def over_kept_ids(teacher, draft):
+    """``teacher`` (a :class:`distill.teacher.TeacherCache`, the target, or ``None``) seen over the kept ids of
+    ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set."""
+    from data.draft_vocab import RemappedTeacher, trimmed_head
+
+    from .teacher import TeacherCache
+
+    head = trimmed_head(draft)
+    if head is None:
+        return teacher
+    if isinstance(teacher, TeacherCache):
+        return TrimmedTeacherCache(teacher, head)
+    return RemappedTeacher(teacher, head) if isinstance(teacher, torch.nn.Module) else teacher
 
 
 class TrimmedTeacherCache:

@@ -73,7 +73,7 @@ from decode import (  # noqa: E402
 )
 from data.devices import runtime_record, torch_threads  # noqa: E402
 from decode.stats import expected_speedup_mixture  # noqa: E402
-from decode._common import sync  # noqa: E402
+from decode._common import output_vocab_size, sync  # noqa: E402
 from decode.timing import block_forward_times_s, forward_times_s, head_share, memory_bound_s  # noqa: E402
 
 BUILTIN_PROMPTS = [
@@ -383,7 +383,8 @@ def _run(args) -> dict:
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         tokenizer = None if args.prompt_ids else tokenizer
-    shared_vocab = min(target.get_output_embeddings().weight.shape[0], draft.get_output_embeddings().weight.shape[0])
+    # logits each model produces (a trimmed draft head still scores the whole vocabulary, -inf outside its kept ids)
+    shared_vocab = min(output_vocab_size(target), output_vocab_size(draft))
     if tokenizer is not None:
         shared_vocab = min(shared_vocab, len(tokenizer))
     prompts = [p.to(device) for p in load_prompts(args, tokenizer, shared_vocab)]

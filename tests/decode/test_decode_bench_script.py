@@ -211,3 +211,28 @@ def test_bad_prompt_files_and_numbers_are_one_line_usage_errors(tmp_path, capsys
 
 def tps_ratio(result: dict, peer: str) -> float:
     return result["tokens_per_s"]["ours_speculative"] / result["tokens_per_s"][peer]
+
+
+def test_bench_decode_with_a_trimmed_draft_keeps_the_targets_whole_vocabulary(tmp_path, capsys):
+    """A draft with a trimmed vocabulary (data/draft_vocab.py) has an N-row head but scores every id: the benchmark
+    must decode the target over its whole vocabulary (it once cut both models to the draft's N rows, so every
+    method agreed with each other and none with the target's real greedy output)."""
+    from data.draft_vocab import draft_vocab_record, install_trimmed_head
+    from data.io import save_hf_atomic
+
+    target, draft = make_pair(seed=2, noise=0.3)
+    head = install_trimmed_head(draft, torch.arange(0, 64, 2))  # the even ids: half the target's argmaxes are odd
+    target.save_pretrained(tmp_path / "target")
+    save_hf_atomic(draft, None, tmp_path / "draft", extra={"kind": "distilled",
+                                                           "draft_vocab": draft_vocab_record(head)})
+    bench = _load_script()
+    result = bench.main([
+        "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"), "--prompt-ids",
+        "--num-prompts", "3", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "12",
+        "--repeats", "1", "--cost-steps", "3", "--device", "cpu", "--dtype", "float32",
+    ])
+    capsys.readouterr()
+    # transformers' own greedy generate is the independent reference for the target's output
+    assert result["greedy_output_mismatches"]["hf_target_only"] == 0
+    assert result["greedy_output_mismatches"]["ours_speculative"] == 0
+    assert result["draft_head"]["head_rows"] == 32

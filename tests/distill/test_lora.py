@@ -418,3 +418,33 @@ def test_module_names_are_checked_from_the_base_config_before_any_weights_load(t
     with pytest.raises(LoraError, match=r"target_modules \['qkv'\] match no layer"):
         check_modules_before_loading(str(tmp_path / "base"), tmp_path, LoraSectionConfig(target_modules=["qkv"]))
     check_modules_before_loading("drafts/distilled", tmp_path, LoraSectionConfig(modules_to_save=["nope"]))  # later
+
+
+@pytest.mark.parametrize("signal", ["online", "cached"])
+def test_a_trimmed_base_draft_adapts_over_its_kept_ids(tmp_path, signal):
+    """LoRA on a draft with a trimmed vocabulary (data/draft_vocab.py): the teacher is read over the kept ids, the
+    merged draft keeps the id map (saved as the full-vocabulary export) and reloads trimmed."""
+    from data.checkpoints import load_causal_lm
+    from data.draft_vocab import TrimmedLMHead, draft_vocab_record, install_trimmed_head
+    from data.io import save_hf_atomic
+    from decode import speculative_generate
+    from train.schema import validate
+
+    target, tok = load_causal_lm("distill/reference_target", role="target")
+    draft = tiny_family_lm("llama", vocab_size=target.config.vocab_size, seed=3, max_position_embeddings=256)
+    head = install_trimmed_head(draft, torch.arange(0, target.config.vocab_size, 3))
+    save_hf_atomic(draft, tok, tmp_path / "drafts" / "distilled",
+                   extra={"kind": "distilled", "draft_vocab": draft_vocab_record(head, counted_on="test")})
+    cfg = {"stages": ["lora"], "data": {"block_size": 64, "max_train_blocks": 8}, "trainer": {"num_threads": 1},
+           "lora": {"enabled": True, "rank": 2, "domain": "medical", "max_steps": 2, "micro_batch_size": 2,
+                    "warmup_steps": 0, "save_every": 0, "eval_every": 0, "lr": 0.05, "name": f"trim_{signal}",
+                    "data_source": "dataset", "teacher_signal": signal}}
+    rc = validate(cfg)
+    out = adapt_draft(rc, rc.data.options(), tmp_path)
+    assert out["draft_vocab"]["size"] == head.num_kept
+    merged, _ = load_causal_lm(out["path"], role="draft")
+    assert isinstance(merged.get_output_embeddings(), TrimmedLMHead)
+    ids = tok("The patient was admitted with chest pain", return_tensors="pt").input_ids
+    ref = speculative_generate(target, target, ids, max_new_tokens=12, num_draft_tokens=1)
+    got = speculative_generate(target, merged, ids, max_new_tokens=12, num_draft_tokens=3)
+    assert torch.equal(got.sequences, ref.sequences)

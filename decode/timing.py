@@ -7,7 +7,8 @@ import torch
 
 from ._common import Timer, new_kv_state
 
-__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s", "head_share", "memory_bound_s"]
+__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s", "head_share", "memory_bound_s",
+           "weights_read_per_token"]
 
 
 @torch.inference_mode()
@@ -81,6 +82,23 @@ def head_share(model, steps: int = 50) -> dict[str, float]:
     return {"head_forward_s": best, "head_rows": int(w.shape[0])}
 
 
+def weights_read_per_token(model, in_bytes: bool = False) -> int:
+    """Parameters (or bytes, ``in_bytes``) one forward of ``model`` at batch 1 must read: every parameter once,
+    except the input embedding, of which a forward reads a few rows (an output head tied to it is read whole and
+    counts). For a memory-bound forward its time is proportional to this: a self-draft that keeps the target's
+    49,152 x 576 embedding reads none of it but the rows of its tokens."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_w = getattr(head, "weight", None) if head is not None else None
+    seen, total = {emb.data_ptr()}, 0
+    for p in model.parameters():
+        if p.data_ptr() in seen and not (head_w is not None and p is head_w):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * (p.element_size() if in_bytes else 1)
+    return total
+
+
 @torch.inference_mode()
 def memory_bound_s(model, repeats: int = 5) -> dict[str, float]:
     """The memory bound of one forward of ``model`` on this machine: the bytes a forward must read (every parameter
@@ -89,13 +107,7 @@ def memory_bound_s(model, repeats: int = 5) -> dict[str, float]:
     ``{"weight_bytes", "bandwidth_gb_s", "bound_s"}``. A forward over a few positions reads the same weights, so its
     time over this bound is how far it is from memory speed."""
     emb = model.get_input_embeddings().weight
-    seen, total = {emb.data_ptr()}, 0
-    head = model.get_output_embeddings()
-    for p in model.parameters():
-        if p.data_ptr() in seen and not (head is not None and p is head.weight):
-            continue
-        seen.add(p.data_ptr())
-        total += p.numel() * p.element_size()
+    total = weights_read_per_token(model, in_bytes=True)
     probe = torch.empty(max(total, 1 << 26) // 4, dtype=torch.float32, device=emb.device).fill_(1.0)
     best = float("inf")
     for _ in range(repeats + 1):

@@ -452,9 +452,11 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
     """``eval.deployment``'s cost ratio per draft (None without deployment settings)."""
     if not rc.eval.deployment.enabled():
         return None
+    from decode.timing import weights_read_per_token
+
     from .verdicts import deployment_cost_ratios
 
-    count = lambda m: sum(int(x.numel()) for x in m.parameters())  # noqa: E731
+    count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)
     return deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},
                                   count(target))
 

@@ -374,7 +374,8 @@ def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] |
     ``cost_ratio`` given: that c for every draft. Else ``target_parameters`` and ``draft_parameters`` given: c =
     draft / target parameters (a memory-bound GPU at batch 1 reads every weight once per forward, so forward time
     is proportional to the parameter count). Else ``memory_bound: true``: the same with the evaluated models' own
-    parameter counts (``parameters``: draft -> count, ``target_parameters``).
+    counts of the weights a forward reads (``parameters``: draft -> count, ``target_parameters``; the caller passes
+    :func:`decode.timing.weights_read_per_token`: every parameter except an untied input embedding).
 
     Returns ``{"cost_ratio": {draft: c}, "source": str, "formula": str}`` or None."""
     d = dict(deployment or {})
@@ -389,7 +390,8 @@ def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] |
                   f"{int(d['target_parameters']):,} = {c:.4f}")
     elif d.get("memory_bound") and target_parameters and parameters:
         cr = {n: p / target_parameters for n, p in parameters.items()}
-        source = "memory-bound at batch 1: c = each draft's / the target's parameter count (the evaluated models)"
+        source = ("memory-bound at batch 1: c = each draft's / the target's weights read per token (the evaluated "
+                  "models' parameters, an untied input embedding counted as the few rows a forward reads)")
     else:
         return None
     return {"cost_ratio": cr, "source": source, "formula": f"projected speedup = {FORMULA} (Leviathan et al. "

@@ -204,3 +204,20 @@ def test_full_vocab_export_decodes_like_trimmed(tmp_path, sampling_pair):
     assert torch.equal(assisted, hf_greedy(target, prompt, torch.ones_like(prompt), 20))
     with full_vocab_head(draft) as outside_ids:  # a full-vocabulary draft is saved as it is
         assert outside_ids == []
+
+
+def test_weights_read_per_token_counts_a_lookup_embedding_as_rows_not_as_a_matrix():
+    """The memory-bound deployment c reads these counts: an untied input embedding is a lookup (not read whole), a
+    head tied to it is read whole, a trimmed head counts its kept rows."""
+    from decode.timing import weights_read_per_token
+    from tinymodels import tiny_family_lm
+
+    untied = tiny_llama(vocab_size=V, hidden_size=32, num_layers=1)
+    total = sum(p.numel() for p in untied.parameters())
+    assert weights_read_per_token(untied) == total - V * 32
+    tied = tiny_family_lm("llama", vocab_size=V, tie_word_embeddings=True)
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    assert weights_read_per_token(tied) == sum(p.numel() for p in tied.parameters())
+    d = trimmed(untied, list(range(10)))
+    assert weights_read_per_token(d) == total - 2 * V * 32 + 10 * 32
+    assert weights_read_per_token(d, in_bytes=True) == 4 * weights_read_per_token(d)

@@ -154,7 +154,17 @@ def install_trimmed_head(model: nn.Module, kept_ids: torch.Tensor | Iterable[int
     if isinstance(out, TrimmedLMHead):
         raise ValueError("the draft's output head is already trimmed")
     vocab = int(out.weight.shape[0])
-    ids = torch.as_tensor(list(kept_ids) if not isinstance(kept_ids, torch.Tensor) else kept_ids, dtype=torch.long)
+    if isinstance(kept_ids, torch.Tensor):
+        if kept_ids.is_floating_point() or kept_ids.dtype == torch.bool:
+            raise ValueError(f"kept ids must be integers, got a {kept_ids.dtype} tensor")
+        ids = kept_ids.to(torch.long).flatten().cpu()
+    else:
+        items = list(kept_ids)
+        bad = [i for i in items if isinstance(i, bool) or not isinstance(i, int)]
+        if bad:
+            raise ValueError(f"kept ids must be integers, got {bad[0]!r}")
+        ids = torch.tensor(items, dtype=torch.long)
+    check_kept_ids(ids, vocab)  # before indexing: an id out of range is a clear error, not an IndexError
     with torch.no_grad():
         weight = out.weight.detach()[ids.to(out.weight.device)].clone()
     head = TrimmedLMHead(weight.requires_grad_(True), ids, vocab)
@@ -269,12 +279,13 @@ def apply_saved_draft_vocab(model: nn.Module, record: dict | None, source: str =
     ids = record.get("draft_to_target") if isinstance(record, dict) else None
     out = model.get_output_embeddings()
     vocab = int(out.weight.shape[0])
-    if not isinstance(ids, list) or not ids or record.get("target_vocab_size", vocab) != vocab:
+    if not isinstance(ids, list) or not ids or record.get("target_vocab_size", vocab) != vocab \
+            or record.get("size", len(ids)) != len(ids):
         raise ValueError(f"{source}: specdraft.json's draft_vocab does not fit this checkpoint (vocabulary {vocab}); "
                          f"it was edited or belongs to another model: restore it or remove the draft_vocab field "
                          f"to use the full-vocabulary export as it is")
     try:
-        head = install_trimmed_head(model, torch.tensor(ids, dtype=torch.long))
+        head = install_trimmed_head(model, ids)
     except ValueError as e:
         raise ValueError(f"{source}: specdraft.json's draft_vocab is invalid ({e}); restore it or remove the "
                          f"draft_vocab field to use the full-vocabulary export as it is") from e

@@ -389,7 +389,8 @@ def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
     if sig.answer_counts is not None:
         counts, on = sig.answer_counts, "target_answers"
     else:
-        counts, on = torch.bincount(sig.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
+        # every training block, not only those a short run reads: the distilled and baseline drafts count alike
+        counts, on = torch.bincount(pair.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
     kept = kept_token_ids(counts[: pair.shared], rc.draft.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
     head = install_trimmed_head(pair.draft, kept)
     head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows

@@ -221,3 +221,31 @@ def test_weights_read_per_token_counts_a_lookup_embedding_as_rows_not_as_a_matri
     d = trimmed(untied, list(range(10)))
     assert weights_read_per_token(d) == total - 2 * V * 32 + 10 * 32
     assert weights_read_per_token(d, in_bytes=True) == 4 * weights_read_per_token(d)
+
+
+@pytest.mark.parametrize("edit", [
+    {"draft_to_target": [0, 3, 64]},          # out of range
+    {"draft_to_target": [0, None, 5]},        # not an id
+    {"draft_to_target": [0, "3", 5]},
+    {"draft_to_target": [0, 3.7, 5.2]},      # floats are not ids (never truncated)
+    {"draft_to_target": [False, True]},
+    {"draft_to_target": [5, 3]},              # unsorted
+    {"draft_to_target": [3, 3]},              # repeated
+    {"size": 99},                             # size and list disagree
+    {"target_vocab_size": 1000},
+])
+def test_a_damaged_draft_vocab_record_is_one_clear_error(tmp_path, edit):
+    import json
+
+    from data.checkpoints import CheckpointError, load_causal_lm
+    from data.draft_vocab import draft_vocab_record
+    from data.io import save_hf_atomic
+
+    d = trimmed(tiny_llama(vocab_size=V, hidden_size=32, num_layers=1), [0, 3, 5, 9])
+    save_hf_atomic(d, None, tmp_path / "d", extra={"kind": "distilled",
+                                                   "draft_vocab": draft_vocab_record(d.get_output_embeddings())})
+    meta = json.loads((tmp_path / "d" / "specdraft.json").read_text())
+    meta["draft_vocab"].update(edit)
+    (tmp_path / "d" / "specdraft.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"draft_vocab .*(restore it|remove the draft_vocab field)"):
+        load_causal_lm(tmp_path / "d", role="draft", need_tokenizer=False)

@@ -299,7 +299,7 @@ def test_a_mapping_of_names_on_the_command_line_replaces_the_experiments(experim
                 "eval.deployment={cost_ratio: 0.1}"]
     assert replace_mapping_overrides(sections, RootConfig) == sections
     cfg = validate(cli_compose(sections, CONF)[0])
-    assert (cfg.distill.generation.temperature, cfg.distill.generation.max_prompts) == (0.0, 192)
+    assert (cfg.distill.generation.temperature, cfg.distill.generation.max_prompts) == (0.0, 256)
     assert cfg.eval.deployment["memory_bound"] if isinstance(cfg.eval.deployment, dict) else \
         cfg.eval.deployment.memory_bound
 

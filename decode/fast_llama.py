@@ -31,6 +31,8 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from data.draft_vocab import TrimmedLMHead, scatter_to_vocab
+
 from .threads import BlockThreads
 
 __all__ = ["fast_path_supported", "FastKVState", "frozen_weights"]
@@ -107,8 +109,6 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return "layer count differs from the config"
     if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
         return "Gemma embedding without its embed_scale"
-    from data.draft_vocab import TrimmedLMHead
-
     if type(model.lm_head) not in (torch.nn.Linear, TrimmedLMHead):  # e.g. int8 dynamic Linear: HF forward
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
     if getattr(model.lm_head, "bias", None) is not None:
@@ -890,8 +890,7 @@ class FastKVState:
         if self.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         if self.vocab_map is not None:  # (B, T', N) -> (B, T', V), -inf outside the kept ids
-            logits = logits.new_full((*logits.shape[:-1], self.vocab_map[1]), float("-inf")).index_copy_(
-                -1, self.vocab_map[0], logits)
+            logits = scatter_to_vocab(logits, *self.vocab_map)
         return logits
 
     def _softcapped_attention(self, q: torch.Tensor, key: torch.Tensor, val: torch.Tensor,

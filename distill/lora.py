@@ -526,7 +526,8 @@ def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str,
     from data.blocks import domain_blocks, domain_prompts
 
     from .generation import selection_eval_from_texts, selection_meta
-    from .pipeline import over_kept_ids, teacher_signal_data
+    from .pipeline import teacher_signal_data
+    from .teacher import over_kept_ids
     from .trainer import distributed_state, evaluate_loss, train
 
     lc, dc, target, tokenizer = rc.lora, rc.distill, pair.target, pair.tokenizer

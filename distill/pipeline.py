@@ -395,42 +395,11 @@ def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
     head = install_trimmed_head(pair.draft, kept)
     head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows
     pair.draft_parameters = count_parameters(pair.draft)
+    from .teacher import over_kept_ids
+
     sig.teacher = over_kept_ids(sig.teacher, pair.draft)
     return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),
                               counted_share_kept=kept_mass(counts, kept), distinct_counted=int((counts > 0).sum()))
-
-
-def over_kept_ids(teacher, draft):
-    """``teacher`` (a :class:`distill.teacher.TeacherCache`, the target, or ``None``) seen over the kept ids of
-    ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set."""
-    from data.draft_vocab import RemappedTeacher, trimmed_head
-
-    from .teacher import TeacherCache
-
-    head = trimmed_head(draft)
-    if head is None:
-        return teacher
-    if isinstance(teacher, TeacherCache):
-        return TrimmedTeacherCache(teacher, head)
-    return RemappedTeacher(teacher, head) if isinstance(teacher, torch.nn.Module) else teacher
-
-
-class TrimmedTeacherCache:
-    """A :class:`distill.teacher.TeacherCache` read over a trimmed draft's kept ids (:func:`data.draft_vocab.remap_topk`:
-    top-k entries outside the kept set get ``-inf``, so the renormalised top-k is conditioned on the kept set)."""
-
-    def __init__(self, cache, head):
-        self.cache, self.head, self.vocab_size = cache, head, head.num_kept
-
-    @property
-    def top_k(self) -> int:
-        return self.cache.top_k
-
-    def lookup(self, block_index: torch.Tensor, device="cpu"):
-        from data.draft_vocab import remap_topk
-
-        values, indices = self.cache.lookup(block_index, device)
-        return remap_topk(self.head, values, indices)
 
 
 def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, build_draft: Callable,

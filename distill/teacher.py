@@ -199,3 +199,34 @@ def make_cached_distill_step(loss_name: str, temperature: float, online_teacher:
 
     step.stats = {"online_rows": 0, "online_s": 0.0}
     return step
+
+
+def over_kept_ids(teacher, draft):
+    """``teacher`` (a :class:`distill.teacher.TeacherCache`, the target, or ``None``) seen over the kept ids of
+    ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set."""
+    from data.draft_vocab import RemappedTeacher, trimmed_head
+
+    head = trimmed_head(draft)
+    if head is None:
+        return teacher
+    if isinstance(teacher, TeacherCache):
+        return TrimmedTeacherCache(teacher, head)
+    return RemappedTeacher(teacher, head) if isinstance(teacher, torch.nn.Module) else teacher
+
+
+class TrimmedTeacherCache:
+    """A :class:`distill.teacher.TeacherCache` read over a trimmed draft's kept ids (:func:`data.draft_vocab.remap_topk`:
+    top-k entries outside the kept set get ``-inf``, so the renormalised top-k is conditioned on the kept set)."""
+
+    def __init__(self, cache, head):
+        self.cache, self.head, self.vocab_size = cache, head, head.num_kept
+
+    @property
+    def top_k(self) -> int:
+        return self.cache.top_k
+
+    def lookup(self, block_index: torch.Tensor, device="cpu"):
+        from data.draft_vocab import remap_topk
+
+        values, indices = self.cache.lookup(block_index, device)
+        return remap_topk(self.head, values, indices)

@@ -46,7 +46,7 @@ class TrimmedLMHead(nn.Module):
         weight: ``(N, E)`` float parameter, row ``i`` scores target id ``draft_to_target[i]``.
         draft_to_target: ``(N,)`` int64 buffer, strictly increasing target ids in ``[0, V)``.
         target_to_draft: ``(V,)`` int64 buffer, the draft row of each target id, ``-1`` outside the kept set.
-        out_features: ``V`` (the target's vocabulary: what :func:`decode._common.output_vocab_size` reads).
+        out_features: ``V`` (the target's vocabulary: what :func:`decode.common.output_vocab_size` reads).
         force_trimmed: return ``(..., N)`` even in eval mode (set by :func:`trimmed_logits`).
 
     ``forward(h (..., E))`` returns ``(..., N)`` logits in training mode (or under :func:`trimmed_logits`), else

@@ -12,7 +12,7 @@ Public API::
     TokenTree(branching=(b1, b2, ...), max_nodes=None), DynamicTokenTree(depth, top_k, max_nodes), parse_draft_tree
         (token-tree drafting: speculative_generate(..., draft_tree=...))
 """
-from ._common import CachePolicy, GenerationOutput, cache_policy
+from .common import CachePolicy, GenerationOutput, cache_policy
 from .autoregressive import autoregressive_generate
 from .fast_llama import frozen_weights
 from .policies import (

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from ._common import (
+from .common import (
     GenerationOutput,
     Timer,
     finalize,

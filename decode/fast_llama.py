@@ -549,14 +549,14 @@ def _one_row_layout_for(layers: list, rows_all: list, lm: torch.Tensor, device: 
 
 
 class FastKVState:
-    """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode._common.KVState``.
+    """Lean cached forward for a Llama-family model: the same interface and semantics as ``decode.common.KVState``.
 
     Buffers: per layer ``K, V (B, cap, H_kv, D)``; ``valid (B, cap)`` bool over physical slots (0 = left padding or
     a hole left by a rejected token); ``num_valid (B,)`` = next position id per row. While no row has a hole or
     padding (``dense``, the batch-1 case), positions are the slot indices and no key mask is needed for one-token
     steps, so a step does no index arithmetic at all.
 
-    Per layer, the window (``None`` or W, from :func:`decode._common.cache_policy`: full and sliding layers may
+    Per layer, the window (``None`` or W, from :func:`decode.common.cache_policy`: full and sliding layers may
     alternate, Gemma-2/3) and the rotary table (Gemma-3: one RoPE base per layer type) are looked up; one mask per
     distinct window is built per forward.
 

@@ -1,5 +1,5 @@
 """The decoder's KV-cache policy: which attention patterns it can roll back exactly, and the window each layer
-type uses (shared by the Hugging Face state in :mod:`decode._common` and the lean forward of
+type uses (shared by the Hugging Face state in :mod:`decode.common` and the lean forward of
 :mod:`decode.fast_llama`)."""
 from __future__ import annotations
 

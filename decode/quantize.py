@@ -18,7 +18,7 @@ path in PyTorch core, so :func:`quantize_draft` raises a clear error for a model
 the installed torch and is the library the project uses until torchao is a dependency.
 
 The lean decoder forward (``decode/fast_llama.py``) only handles plain ``nn.Linear`` projections; quantized
-modules make :func:`decode._common.new_kv_state` fall back to the Hugging Face forward, which calls the quantized
+modules make :func:`decode.common.new_kv_state` fall back to the Hugging Face forward, which calls the quantized
 modules (greedy speculative decoding stays lossless: the target alone decides every emitted token).
 """
 from __future__ import annotations

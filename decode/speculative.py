@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import (
+from .common import (
     GenerationOutput,
     Timer,
     finalize,
@@ -296,7 +296,7 @@ def speculative_generate(
         do_sample: False = greedy (argmax of raw logits), True = sampling with temperature / top-k / top-p
             (transformers semantics, shared by p and q; see :func:`decode.sampling.process_logits`).
         eos_token_id: int or list of ints ending a row (the EOS is kept); ``None`` (default) = the target's
-            ``generation_config.eos_token_id`` as ``generate`` does (:func:`decode._common.default_eos`); ``[]`` =
+            ``generation_config.eos_token_id`` as ``generate`` does (:func:`decode.common.default_eos`); ``[]`` =
             never stop early.
         pad_token_id: fill after EOS (default: the first EOS id, else 0).
         generator: ``torch.Generator`` making sampling reproducible (same seed and inputs -> same output).

@@ -22,7 +22,7 @@ The setting (``decode.block_threads``):
 * ``off``: the caller's count, uncapped.
 
 Lossless either way: the same ops, only the matrix products are split over threads. The decoders' KV states
-(:class:`decode._common.KVState`, :class:`decode.fast_llama.FastKVState`), the distillation's one-off teacher
+(:class:`decode.common.KVState`, :class:`decode.fast_llama.FastKVState`), the distillation's one-off teacher
 passes and the top-k cache's batched forward follow the setting; training steps keep ``trainer.num_threads``.
 """
 from __future__ import annotations

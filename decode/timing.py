@@ -5,7 +5,7 @@ import statistics
 
 import torch
 
-from ._common import Timer, new_kv_state
+from .common import Timer, new_kv_state
 
 __all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s", "head_share", "memory_bound_s",
            "weights_read_per_token"]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
+from .common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
                       sync)
 from .sampling import process_logits, sample_tokens, uniform
 from .stats import AcceptanceStats
@@ -439,7 +439,7 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
                   sampling: dict, generator: torch.Generator | None, fast_path: bool | None) -> GenerationOutput:
     """Tree speculative decoding of one prompt (called by :func:`decode.speculative_generate` with
     ``draft_tree``; arguments already validated there): ``io`` holds the ``(1, P)`` prompt, its stop ids, pad id,
-    shared vocabulary and the output buffer (:func:`decode._common.setup_decoding`).
+    shared vocabulary and the output buffer (:func:`decode.common.setup_decoding`).
 
     Stats per verify step: ``draft_length`` = depth of the tree drafted, ``num_accepted`` = accepted path length,
     ``nodes_verified`` = nodes scored by the target (the last emitted token not counted).

@@ -59,7 +59,7 @@ def load_pretrained_draft(name_or_path: str, target, tokenizer):
     """
     from data.checkpoints import check_vocab_covers_tokenizer, load_causal_lm
     from data.tokenizer_check import check_tokenizers_compatible
-    from decode._common import output_vocab_size
+    from decode.common import output_vocab_size
 
     from .vocab import shared_vocab_size
 
@@ -75,7 +75,7 @@ def _search_score_fn(rc, opts, target, tokenizer):
     ``data.domain``: the mean accepted length of greedy speculative decoding, or (``metric=expected_acceptance``)
     :func:`expected_acceptance_score`."""
     from data.tokenization import encode_prompt
-    from decode._common import output_vocab_size
+    from decode.common import output_vocab_size
 
     from .generation import make_acceptance_eval
     from data.blocks import domain_prompts

@@ -361,7 +361,7 @@ def _step_logger(sig: "Signal", name: str, events):
 def forced_ids(tokenizer, target) -> list[int]:
     """Ids a trimmed draft vocabulary always keeps: the tokenizer's special tokens (chat-template markers, BOS,
     padding) and every EOS id of the target's generation config, so the draft can propose the end of an answer."""
-    from decode._common import default_eos
+    from decode.common import default_eos
 
     ids = set(getattr(tokenizer, "all_special_ids", []) or [])
     eos = default_eos(target)

@@ -96,7 +96,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         ValueError: ``k`` outside ``[1, vocab_size]``.
     """
     from data.devices import run_precision
-    from decode._common import output_vocab_size
+    from decode.common import output_vocab_size
     from decode.threads import BlockThreads
 
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode.tree import DraftTree
 from decode import autoregressive_generate, frozen_weights, speculative_generate
-from decode._common import sync
+from decode.common import sync
 from decode.timing import block_forward_times_s, cost_ratio
 
 log = logging.getLogger(__name__)

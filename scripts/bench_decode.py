@@ -73,7 +73,7 @@ from decode import (  # noqa: E402
 )
 from data.devices import runtime_record, torch_threads  # noqa: E402
 from decode.stats import expected_speedup_mixture  # noqa: E402
-from decode._common import output_vocab_size, sync  # noqa: E402
+from decode.common import output_vocab_size, sync  # noqa: E402
 from decode.timing import block_forward_times_s, forward_times_s, head_share, memory_bound_s  # noqa: E402
 
 BUILTIN_PROMPTS = [

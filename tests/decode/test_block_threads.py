@@ -8,7 +8,7 @@ from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
 
 from decode import autoregressive_generate, speculative_generate
 from decode import threads as block
-from decode._common import KVState
+from decode.common import KVState
 from decode.config import DecodeConfig
 from decode.fast_llama import FastKVState
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
 
 from decode import autoregressive_generate, speculative_generate
-from decode._common import KVState, new_kv_state
+from decode.common import KVState, new_kv_state
 from decode.fast_llama import FastKVState, fast_path_supported
 
 

@@ -14,7 +14,7 @@ import torch
 from decode_testutils import left_pad, make_pair, random_prompts
 
 from decode import autoregressive_generate, process_logits, speculative_generate
-from decode._common import new_kv_state
+from decode.common import new_kv_state
 from tinymodels import gpu_test_device, tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -173,7 +173,7 @@ def test_decoding_does_not_synchronize_per_step(monkeypatch):
 
 
 def test_event_timer_agrees_with_a_synchronised_wall_clock():
-    from decode._common import Timer, sync
+    from decode.common import Timer, sync
     import time
 
     x = torch.randn(1024, 1024, device=DEV)

@@ -10,7 +10,7 @@ import torch
 from decode_testutils import hf_greedy, make_pair, random_prompts
 from tinymodels import tiny_family, tiny_llama
 from decode import DynamicTokenTree, TokenTree, parse_draft_tree, process_logits, speculative_generate
-from decode._common import new_kv_state
+from decode.common import new_kv_state
 from decode.tree import _compact, _tree_forward
 
 # ------------------------------------------------------------------------------------------------ tree mask

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from decode._common import default_eos, normalize_eos
+from decode.common import default_eos, normalize_eos
 from tinymodels import tiny_llama
 
 

@@ -4,13 +4,13 @@ Each prompt is decoded in alternation on the same inputs: target-only (the basel
 then speculative decoding with each draft at each swept ``num_draft_tokens`` and under each draft-length policy. This
 module only decodes and times; it returns one row per (draft, domain, prompt, num_draft_tokens or policy) with the
 counts (and the draft length of every verify step) that rebuild every pooled number
-(see :mod:`eval.metrics`).
+(see :mod:`eval.metrics`). The timing (alternated rounds, forward cost ratios, machine load) is
+:mod:`eval.timing`'s, the engine the decoder benchmark (:mod:`eval.bench`) times with too.
 """
 from __future__ import annotations
 
+import functools
 import logging
-import os
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode.tree import DraftTree
 from decode import autoregressive_generate, frozen_weights, speculative_generate
-from decode.common import sync
-from decode.timing import block_forward_times_s, cost_ratio
+
+from .timing import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
 
 log = logging.getLogger(__name__)
 
@@ -33,106 +33,6 @@ class Prompt:
     id: str
     text: str
     format: str = "raw"  # how it reaches the target (data.chat.FORMATS): chat_template, chat_template_user_turn, ...
-
-
-@torch.inference_mode()
-def measure_cost_ratio(target, draft, input_ids: torch.Tensor, trials: int = 20) -> dict[str, float]:
-    """Cost ratio c of ``draft`` against ``target`` on ``input_ids`` (1, T), measured through the decoder's own
-    forward path (see :func:`decode.timing.cost_ratio`)."""
-    device = next(target.parameters()).device
-    return cost_ratio(target, draft, input_ids.to(device), steps=trials)
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on (its affinity set; ``os.cpu_count()`` where that is unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-OTHER_LOAD_LIMIT = 0.25  # cores other processes may keep busy before a domain's timing counts as disturbed
-
-
-def busy_cpu_seconds() -> float | None:
-    """CPU seconds every process on the machine has spent busy since boot (``/proc/stat``'s first line: everything
-    but idle and iowait), or None where there is no ``/proc/stat``."""
-    try:
-        with open("/proc/stat", encoding="ascii") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def load_record(before, after, own_cores: float | None = None, other_cores: float | None = None) -> dict:
-    """The machine's load around a measurement: ``{"loadavg_before": [1, 5, 15 min], "loadavg_after": [...],
-    "cores": n, "own_cores", "other_load", "overloaded": bool}``.
-
-    ``own_cores``: the cores this process kept busy while measuring (its CPU seconds / wall seconds, all threads).
-    ``other_cores``: the cores every other process kept busy over the same interval (the machine's busy CPU
-    seconds from ``/proc/stat`` minus this process's, per wall second): recorded as ``other_load``. Without it,
-    ``other_load`` = the higher 1-minute load average minus ``own_cores`` (the load average counts this process's
-    busy threads too, and lags by about a minute). Overloaded when ``other_load`` exceeds :data:`OTHER_LOAD_LIMIT`
-    (a quarter of a core); without ``own_cores`` either (an older caller) when the load average exceeds the
-    cores."""
-    cores = cpu_cores()
-    before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
-    peak = max(before[0], after[0])
-    if own_cores is None and other_cores is None:
-        return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": None,
-                "other_load": None, "overloaded": peak > cores}
-    own = None if own_cores is None else round(float(own_cores), 2)
-    other = round(max(0.0, float(other_cores) if other_cores is not None else peak - own), 2)
-    return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": own,
-            "other_load": other, "overloaded": other > OTHER_LOAD_LIMIT}
-
-
-class LoadMeter:
-    """The machine's load over a timed measurement (the evaluation's domains, ``scripts/bench_decode.py``):
-    ``meter = LoadMeter().start()`` ... ``meter.stop()`` (or ``with LoadMeter() as meter:``) sets ``meter.record``
-    to :func:`load_record` over that interval (``meter.seconds``: its wall seconds), this process's busy cores from
-    its CPU time and every other process's from ``/proc/stat``."""
-
-    record: dict | None = None
-
-    def start(self) -> "LoadMeter":
-        self._t, self._cpu, self._busy = time.perf_counter(), time.process_time(), busy_cpu_seconds()
-        self._load = os.getloadavg()
-        return self
-
-    def stop(self) -> dict:
-        wall, own = time.perf_counter() - self._t, time.process_time() - self._cpu
-        busy = busy_cpu_seconds()
-        self.seconds = wall
-        self.record = load_record(self._load, os.getloadavg(), own / wall if wall > 0 else None,
-                                  (busy - self._busy - own) / wall if wall > 0 and None not in (self._busy, busy)
-                                  else None)
-        return self.record
-
-    def __enter__(self) -> "LoadMeter":
-        return self.start()
-
-    def __exit__(self, *exc) -> bool:
-        self.stop()
-        return False
-
-
-def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20) -> dict[str, dict]:
-    """Verify cost ratio v per draft length k: ``{str(k): {"verify_cost_ratio", "verify_forward_s",
-    "target_forward_s"}}`` = (k + 1)-position target forward / one-position forward (medians of ``trials``, the
-    decoder's own forward path, widths alternating: :func:`decode.block_forward_times_s`). ``draft_lengths``: every
-    draft length (and token tree's mean node count) the decodes used, :func:`verified_lengths`; 0 is skipped
-    (v_0 = 1)."""
-    device = next(target.parameters()).device
-    ks = sorted({int(k) for k in draft_lengths if int(k) > 0})
-    if not ks:
-        return {}
-    widths = sorted({1, *(k + 1 for k in ks)})
-    t = block_forward_times_s(target, input_ids.to(device), widths, steps=trials)
-    return {str(k): {"verify_cost_ratio": t[k + 1] / t[1], "verify_forward_s": t[k + 1], "target_forward_s": t[1]}
-            for k in ks}
 
 
 def verified_lengths(rows: list[dict]) -> set[int]:
@@ -149,68 +49,6 @@ def verified_lengths(rows: list[dict]) -> set[int]:
             out.update(int(k) for k in r.get("draft_lengths") or [])
     out.update(int(round(n / s)) for n, s in trees.values() if s)
     return out
-
-
-@dataclass
-class _Runner:
-    """One timed decode of a prompt: target-only or speculative, seeded per prompt, synchronised (CUDA) so the
-    wall time holds its device work."""
-
-    target: Any
-    max_new_tokens: int
-    eos: Any
-    pad: Any
-    decode_kwargs: dict
-    device: Any
-    bar: Any
-
-    def target_only(self, ids: torch.Tensor, seed: int):
-        g = torch.Generator(device=self.device).manual_seed(seed)
-        t0 = time.perf_counter()
-        out = autoregressive_generate(self.target, ids, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                      pad_token_id=self.pad, generator=g, **self.decode_kwargs)
-        sync(self.device)  # CUDA: one wait per measured decode, so its queued work counts in it
-        self.bar.update(1)
-        return out, time.perf_counter() - t0
-
-    def speculative(self, ids: torch.Tensor, seed: int, gamma, make, draft):
-        g = torch.Generator(device=self.device).manual_seed(seed)
-        policy = make() if make is not None else None
-        tree = policy if isinstance(policy, DraftTree) else None  # eval.draft_tree: a token tree
-        t0 = time.perf_counter()
-        out = speculative_generate(self.target, draft, ids, max_new_tokens=self.max_new_tokens,
-                                   num_draft_tokens=gamma or 1, draft_length_policy=None if tree is not None else policy,
-                                   eos_token_id=self.eos, pad_token_id=self.pad, generator=g, draft_tree=tree,
-                                   **self.decode_kwargs)
-        sync(self.device)
-        self.bar.update(1)
-        return out, policy, time.perf_counter() - t0
-
-
-def _paired_trials(run: _Runner, ids: torch.Tensor, seed: int, settings: list, drafts: dict, trials: int):
-    """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd rounds
-    run the speculative settings first) so each round is a side-by-side pair. Returns the target-only output of
-    the first round, its times, ``{(setting index, draft): (output, policy)}`` of the first round, and
-    ``{(setting index, draft): [seconds per round]}``."""
-    ref, t_ref = None, []
-    first: dict[tuple, tuple] = {}
-    t_spec: dict[tuple, list[float]] = {}
-    for trial in range(trials):
-        spec_first = trial % 2 == 1  # alternate the order: neither side always runs on a "fresh" machine
-        if not spec_first:
-            out, t = run.target_only(ids, seed)
-            ref = out if ref is None else ref
-            t_ref.append(t)
-        for k, (_, gamma, make) in enumerate(settings):
-            for name, draft in drafts.items():
-                out, policy, t = run.speculative(ids, seed, gamma, make, draft)
-                first.setdefault((k, name), (out, policy))
-                t_spec.setdefault((k, name), []).append(t)
-        if spec_first:
-            out, t = run.target_only(ids, seed)
-            ref = out if ref is None else ref
-            t_ref.append(t)
-    return ref, t_ref, first, t_spec
 
 
 def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool, policy_name: str, gamma, policy,
@@ -280,6 +118,91 @@ def _warm_up(target, drafts: dict[str, Any], ids: torch.Tensor, num_draft_tokens
                              pad_token_id=pad)
 
 
+TARGET_ONLY = "target_only"  # the key of the target-only decode among a prompt's timed calls
+
+
+@dataclass
+class _Evaluation:
+    """One evaluation's plan: the models, the speculative ``settings`` (``[(policy name, gamma or None, policy
+    factory or None)]``), the decode settings and how many timed ``trials`` each prompt gets."""
+
+    target: Any
+    tokenizer: Any
+    drafts: dict[str, Any]
+    settings: list[tuple]
+    max_new_tokens: int
+    max_prompt_tokens: int
+    decode_kwargs: dict
+    trials: int
+    compare: bool  # greedy: check every speculative output against target-only's
+
+    def __post_init__(self):
+        self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        self.device = next(self.target.parameters()).device  # sampling draws on the models' device
+
+    def target_only(self, ids: torch.Tensor, seed: int):
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        return autoregressive_generate(self.target, ids, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
+                                       pad_token_id=self.pad, generator=g, **self.decode_kwargs)
+
+    def speculative(self, ids: torch.Tensor, seed: int, gamma, make, draft):
+        """``(GenerationOutput, the policy it ran with)``; ``make`` builds a fresh draft-length policy or token tree
+        (None: the fixed policy at ``gamma``). Reseeded per call: every trial decodes the same tokens."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        policy = make() if make is not None else None
+        tree = policy if isinstance(policy, DraftTree) else None  # eval.draft_tree: a token tree
+        out = speculative_generate(self.target, draft, ids, max_new_tokens=self.max_new_tokens,
+                                   num_draft_tokens=gamma or 1, draft_length_policy=None if tree is not None else policy,
+                                   eos_token_id=self.eos, pad_token_id=self.pad, generator=g, draft_tree=tree,
+                                   **self.decode_kwargs)
+        return out, policy
+
+    def paired_trials(self, ids: torch.Tensor, seed: int, bar):
+        """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd
+        rounds run the speculative settings first: :func:`eval.timing.alternated_rounds` with ``rotate``) so each
+        round is a side-by-side pair. Returns the target-only output of the first round, its seconds per round,
+        ``{(setting index, draft): (output, policy)}`` of the first round, and ``{(setting index, draft): [seconds
+        per round]}``."""
+        calls = {TARGET_ONLY: functools.partial(self.target_only, ids, seed)}
+        for k, (_, gamma, make) in enumerate(self.settings):
+            for name, draft in self.drafts.items():
+                calls[(k, name)] = functools.partial(self.speculative, ids, seed, gamma, make, draft)
+        results, seconds = alternated_rounds(calls, self.device, self.trials, rotate=True,
+                                             after=lambda _: bar.update(1))
+        first = {key: res[0] for key, res in results.items() if key != TARGET_ONLY}
+        t_spec = {key: ts for key, ts in seconds.items() if key != TARGET_ONLY}
+        return results[TARGET_ONLY][0], seconds[TARGET_ONLY], first, t_spec
+
+    def domain(self, domain: str, prompts: list[Prompt], seed: int) -> tuple[list[dict], int, dict]:
+        """``(rows, prompts truncated, target-only summary)`` of one domain; prompt i decodes with seed
+        ``seed + i``."""
+        rows: list[dict] = []
+        truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
+        runs = len(prompts) * (1 + len(self.settings) * len(self.drafts)) * self.trials
+        bar = tqdm(total=runs, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
+        for i, p in enumerate(prompts):
+            ids, truncated = encode_prompt(self.tokenizer, p.text, self.max_prompt_tokens)
+            truncated_total += truncated
+            ref, t_ref, first, t_spec = self.paired_trials(ids, seed + i, bar)
+            tgt_tokens, tgt_time = tgt_tokens + int(ref.num_new_tokens[0]), tgt_time + sum(t_ref) / len(t_ref)
+            for k, (policy_name, gamma, _) in enumerate(self.settings):
+                for name in self.drafts:
+                    out, policy = first[(k, name)]
+                    row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
+                               t_spec[(k, name)], ref, t_ref, self.compare)
+                    if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
+                        d = divergence(self.target, ref.sequences, out.sequences, ids.size(1))
+                        if d is not None and d["numerical_tie"]:
+                            row["numerical_tie_gap"] = d["logit_gap"]
+                        log.warning("greedy outputs differ (%s, %s, prompt %s, %s): %s", name, domain, p.id,
+                                    policy_name if gamma is None else f"gamma {gamma}", d)
+                    rows.append(row)
+        bar.close()
+        summary = {"prompts": len(prompts), "new_tokens": tgt_tokens, "time_s": tgt_time,
+                   "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
+        return rows, truncated_total, summary
+
+
 def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain: dict[str, list[Prompt]], *,
                     num_draft_tokens: int | list[int], max_new_tokens: int, max_prompt_tokens: int,
                     check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
@@ -315,74 +238,45 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
 
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
-        (:func:`measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
+        (:func:`eval.timing.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
         "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
-        "target_only"}`` (``machine_load``: :func:`load_record` per domain; ``target_only``: per domain the
+        "target_only"}`` (``machine_load``: :func:`eval.timing.load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
+    decode_kwargs = dict(decode_kwargs or {})
+    gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
+    policies = dict(draft_length_policies or {})
+    settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
+    ev = _Evaluation(target, tokenizer, drafts, settings, max_new_tokens, max_prompt_tokens, decode_kwargs,
+                     max(1, int(timing_trials)), check_lossless and not decode_kwargs.get("do_sample"))
+    rows: list[dict] = []
+    truncated_total, load, target_only = 0, {}, {}  # target_only: domain -> target-only tokens, mean time
     # the weights stay as they are for the whole evaluation: every decode call reuses what the first one read
     # from each model (decode.frozen_weights), as a server would, instead of re-checking every weight per call
     with frozen_weights(target, *drafts.values()):
-        decode_kwargs = dict(decode_kwargs or {})
-        gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
-        eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-        sampling = bool(decode_kwargs.get("do_sample"))
-        compare = check_lossless and not sampling
-        device = next(target.parameters()).device  # sampling draws on the models' device (no host round trip)
         first = next(p for ps in prompts_by_domain.values() for p in ps)
         probe, _ = encode_prompt(tokenizer, first.text, max_prompt_tokens)
-        _warm_up(target, drafts, probe, gammas[0], eos, pad)
+        _warm_up(target, drafts, probe, gammas[0], ev.eos, ev.pad)
         cost = {name: measure_cost_ratio(target, d, probe, cost_ratio_trials) for name, d in drafts.items()}
         if events:
             events("eval_cost_ratio", cost_ratio={n: c["cost_ratio"] for n, c in cost.items()})
-        rows: list[dict] = []
-        truncated_total = 0
-        policies = dict(draft_length_policies or {})
-        settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
-        runs_per_prompt = 1 + len(settings) * len(drafts)
-        trials = max(1, int(timing_trials))
-        load: dict[str, dict] = {}
-        target_only: dict[str, dict] = {}  # domain -> the target-only decodes' tokens and mean time over trials
         for domain, prompts in prompts_by_domain.items():
-            meter = LoadMeter().start()
-            tgt_tokens, tgt_time = 0, 0.0
-            bar = tqdm(total=len(prompts) * runs_per_prompt * trials, desc=f"eval {domain}", unit="decode",
-                       dynamic_ncols=True)
-            run = _Runner(target, max_new_tokens, eos, pad, decode_kwargs, device, bar)
-            for i, p in enumerate(prompts):
-                ids, truncated = encode_prompt(tokenizer, p.text, max_prompt_tokens)
-                truncated_total += truncated
-                ref, t_ref, first, t_spec = _paired_trials(run, ids, seed + i, settings, drafts, trials)
-                n_ref = int(ref.num_new_tokens[0])
-                tgt_tokens, tgt_time = tgt_tokens + n_ref, tgt_time + sum(t_ref) / len(t_ref)
-                for k, (policy_name, gamma, _) in enumerate(settings):
-                    for name in drafts:
-                        out, policy = first[(k, name)]
-                        row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
-                                   t_spec[(k, name)], ref, t_ref, compare)
-                        if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
-                            d = divergence(target, ref.sequences, out.sequences, ids.size(1))
-                            if d is not None and d["numerical_tie"]:
-                                row["numerical_tie_gap"] = d["logit_gap"]
-                            log.warning("greedy outputs differ (%s, %s, prompt %s, %s): %s", name, domain, p.id,
-                                        policy_name if gamma is None else f"gamma {gamma}", d)
-                        rows.append(row)
-            bar.close()
-            load[domain] = meter.stop()
-            target_only[domain] = {"prompts": len(prompts), "new_tokens": tgt_tokens,
-                                   "time_s": tgt_time, "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}
+            with LoadMeter() as meter:
+                domain_rows, truncated, target_only[domain] = ev.domain(domain, prompts, seed)
+            rows.extend(domain_rows)
+            truncated_total += truncated
+            load[domain] = meter.record
             if events:
-                events("eval_domain_done", domain=domain, prompts=len(prompts),
-                       seconds=meter.seconds, machine_load=load[domain])
-        # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4 new
-        # tokens drafts at most 4): the verdicts' cost model weighs each step by it
+                events("eval_domain_done", domain=domain, prompts=len(prompts), seconds=meter.seconds,
+                       machine_load=load[domain])
+        # v for every draft length the decodes used (not a swept gamma no step reached: a gamma of 100000 with 4
+        # new tokens drafts at most 4): the verdicts' cost model weighs each step by it
         verify = measure_verify_cost_ratio(target, probe, verified_lengths(rows), cost_ratio_trials)
-        if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
-            warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
-                          f"truncated from the left", stacklevel=2)
-        return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
-                "max_new_tokens": max_new_tokens,
-                "sampling": decode_kwargs, "truncated_prompts": truncated_total,
-                "draft_length_policies": list(policies),
-                "timing_trials": trials, "machine_load": load, "target_only": target_only}
+    if truncated_total and warn_truncation:  # the pipeline warns once itself, before any model loads
+        warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
+                      f"truncated from the left", stacklevel=2)
+    return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
+            "max_new_tokens": max_new_tokens, "sampling": decode_kwargs, "truncated_prompts": truncated_total,
+            "draft_length_policies": list(policies), "timing_trials": ev.trials, "machine_load": load,
+            "target_only": target_only}

@@ -394,7 +394,7 @@ def test_bad_timing_and_deployment_settings_are_one_line_config_errors(override,
 def test_an_evaluation_on_every_core_is_not_noisy_by_its_own_load(monkeypatch):
     """The load average counts the evaluation's own busy threads: on 2 cores an evaluation using both holds it at
     about 2 by itself, which must not mark the timing noisy; another process keeping a core busy must."""
-    import eval.evaluate as ev
+    import eval.timing as ev
 
     monkeypatch.setattr(ev, "cpu_cores", lambda: 2)
     alone = ev.load_record([2.03, 1, 1], [1.98, 1, 1], own_cores=1.95)

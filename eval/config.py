@@ -88,7 +88,7 @@ class EvalConfig:
     confidence: float = 0.95  # level of the bootstrap percentile intervals, in (0, 1)
     alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
     # a setting whose tau is below this is never recommended nor routed: it cannot pay for its draft and verify
-    # forwards (eval/verdicts.py, paying_settings)
+    # forwards (eval/decision.py, paying_settings)
     min_mean_accepted_length: float = 1.5
     plots: bool = True  # write plots/*.png (matplotlib, Agg)
     num_threads: int | None = None  # torch CPU threads while timing (null: leave torch's setting)

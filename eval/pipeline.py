@@ -454,7 +454,7 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
         return None
     from decode.timing import weights_read_per_token
 
-    from .verdicts import deployment_cost_ratios
+    from .projection import deployment_cost_ratios
 
     count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)
     return deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},

@@ -45,9 +45,9 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
                      noisy_relative_width: float = 0.5, deployment: dict | None = None) -> dict:
     """The ``metrics.json`` document (schema in docs/reports.md, "Report fields").
 
-    ``recommendation.<domain>`` is the decision of :mod:`eval.verdicts` (a draft and setting, or the target alone),
+    ``recommendation.<domain>`` is the decision of :mod:`eval.decision` (a draft and setting, or the target alone),
     ``best_measured.<domain>`` the setting with the highest measured speedup; ``deployment``: the result of
-    :func:`eval.verdicts.deployment_cost_ratios` (adds ``projected_speedup`` to every entry), or None.
+    :func:`eval.projection.deployment_cost_ratios` (adds ``projected_speedup`` to every entry), or None.
 
     ``drafts.<draft>.<domain>`` holds the metrics at the primary gamma (``decode.num_draft_tokens``, or the swept
     value closest to it) plus ``sweep.<gamma>``; ``verdicts.<domain>`` the report's one-line verdict;
@@ -90,7 +90,8 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "time_breakdown": time_breakdown(results["rows"], results["cost_ratio"], results.get("verify_cost_ratio"),
                                          agg["drafts"], primary),
     }
-    from .verdicts import add_decisions, add_projection
+    from .projection import add_projection
+    from .verdicts import add_decisions
 
     add_projection(doc, deployment)
     add_decisions(doc, noisy_relative_width)
@@ -174,12 +175,16 @@ def _num(x) -> float:
 
 def render_markdown(doc: dict, extra_sections: list[str] | None = None, plots: dict[str, str] | None = None,
                     sources: dict[str, list[tuple[str, str]]] | None = None) -> str:
-    """``report.md`` of a metrics document: the header, verdicts, deployment projection, the comparison with the
-    baseline, the summary table, policies, time breakdown, plots, per-domain tables, data sources and
-    ``extra_sections`` (Markdown strings), in that order."""
-    from .verdicts import deployment_section, verdicts_section
+    """``report.md`` of a metrics document: the title, the verdicts (a table, one row per domain, then a short
+    line each), the run (target, drafts, decoding, costs), how each verdict was reached, the deployment
+    projection, the comparison with the baseline, the summary table, policies, time breakdown, plots, per-domain
+    tables, data sources and ``extra_sections`` (Markdown strings), in that order."""
+    from .projection import deployment_section
+    from .verdicts import reasoning_section, verdicts_section
 
-    lines = _header_lines(doc) + ["", verdicts_section(doc)] + deployment_section(doc)
+    title, *run = _header_lines(doc)
+    lines = [title, "", verdicts_section(doc), "", "## The run", *run[1:]]
+    lines += reasoning_section(doc) + deployment_section(doc)
     lines += _baseline_lines(doc) + _summary_lines(doc) + policies_section(doc) + time_breakdown_section(doc)
     lines += _plot_lines(plots)
     lines += ["## Per domain", ""]

@@ -1,7 +1,7 @@
 """Writing the draft routing table (``routing.json``) from an evaluation's metrics; the decoder reads it with
 :func:`decode.routing.load_routing` (``decode.draft_routing=PATH``).
 
-Route of a domain = the evaluation's decision ``recommendation.<domain>`` (:mod:`eval.verdicts`): the draft and
+Route of a domain = the evaluation's decision ``recommendation.<domain>`` (:mod:`eval.decision`): the draft and
 setting with the highest **measured speedup** where the intervals separate, else the cost model's pick among the
 tied settings; a domain where even the fastest setting measured below 1x (its interval wholly below 1 or not) is
 routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers

@@ -8,7 +8,7 @@
    training text (test-only benchmarks, user files) are reported as not adaptable;
 3. **after**: evaluate the draft and every adapted draft on every domain -> ``adapt/after/`` (report + routing
    table over every draft);
-4. **keep or refuse** each adapter (:func:`eval.verdicts.adapter_decision`): kept only where the adapted draft's tau
+4. **keep or refuse** each adapter (:func:`eval.decision.adapter_decision`): kept only where the adapted draft's tau
    interval (95% bootstrap over the domain's prompts) lies wholly above the base draft's, both from the
    after-evaluation; otherwise the report says why (overlap, worse, no interval);
 5. write ``routing.json`` (:func:`adapted_routing`: each domain's verdict re-taken among the base draft and its own
@@ -81,8 +81,9 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
         ValueError: ``lora=none`` (no LoRA settings), a missing draft, and every error of the evaluation and of
             :func:`distill.lora.adapt_draft`.
     """
-    from distill.lora import LoraError, adapt_draft, resolve_base
-    from eval.verdicts import adapter_decision
+    from distill.adaptation import adapt_draft
+    from distill.lora import LoraError, resolve_base
+    from eval.decision import adapter_decision
 
     ev = events or (lambda *a, **k: None)
     if not rc.lora.enabled:
@@ -161,18 +162,20 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
 
 def adapted_routing(after: dict, rows: dict, base_name: str, drafts: dict) -> dict:
     """The run's routing table (:func:`eval.routing.routing_table`) over the base draft and the adapters that were
-    kept (:func:`eval.verdicts.adapter_decision`): each domain's decision (:func:`eval.verdicts.decide`) is
+    kept (:func:`eval.decision.adapter_decision`): each domain's decision (:func:`eval.decision.decide`) is
     re-taken among the base draft and its own kept adapter, so a domain whose adapter was refused goes to the base
     draft, or to the target alone when the base is not faster than it (its interval below 1)."""
     from eval.routing import routing_table
-    from eval.verdicts import candidates, decide
+    from eval.decision import candidates, decide
+    from eval.verdicts import explain
 
     kept = {r["adapted_draft"] for r in rows.values() if r.get("adapter_kept")}
     doc = {**after, "drafts": {n: e for n, e in after["drafts"].items() if n == base_name or n in kept}}
     rec = {}
     for d in after["recommendation"]:
         own = rows.get(d, {}).get("adapted_draft") if rows.get(d, {}).get("adapter_kept") else None
-        rec[d] = decide([c for c in candidates(doc, d) if c["draft"] in (base_name, own)])
+        r = decide([c for c in candidates(doc, d) if c["draft"] in (base_name, own)])
+        rec[d] = {**r.as_dict(), "reason": explain(r)}
     doc["recommendation"] = rec
     return routing_table(doc, {n: p for n, p in drafts.items() if n in doc["drafts"]})
 
@@ -224,6 +227,6 @@ def render_adapt_report(s: dict) -> str:
                      f"({f(r.get('before_measured_speedup'))}x) |")
     lines += ["", "tau: tokens emitted per verify step (bonus token included), pooled over the domain's prompts, "
               "with its 95% percentile-bootstrap interval over prompts. An adapter is kept only where its tau "
-              "interval lies wholly above the base draft's on the same prompts (eval.verdicts.adapter_decision). "
+              "interval lies wholly above the base draft's on the same prompts (eval.decision.adapter_decision). "
               "Every adapted draft, kept or not, is evaluated on every domain in the after report.", ""]
     return "\n".join(lines)

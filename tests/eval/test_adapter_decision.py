@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eval.verdicts import adapter_decision, candidates, decide
+from eval.decision import adapter_decision, candidates, decide
 from train.adapt import adapted_routing, render_adapt_report
 
 finite = st.floats(1.0, 5.0, allow_nan=False)
@@ -67,7 +67,7 @@ def test_routing_uses_an_adapter_only_where_it_was_kept(cells):
         if r["draft"] is None:  # the target alone: only when no allowed draft was measured at least 1x
             assert all(c["measured_speedup"] < 1.0 for c in cands)
         # the route is the evaluation's decision rule over the allowed drafts only (a refused adapter never wins)
-        assert r["draft"] == decide(cands)["draft"]
+        assert r["draft"] == decide(cands).draft
     kept = {f"lora_{d}" for d in domains if rows[d]["adapter_kept"]}
     assert table["default"] is None or table["default"]["draft"] in {"general", None} | kept
 

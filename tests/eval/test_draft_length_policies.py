@@ -167,7 +167,8 @@ def test_eval_compares_all_policies_and_can_recommend_one(models, tmp_path):
     assert fastest["measured_speedup"] == best["measured_speedup"]
     assert fastest["draft_length_policy"] == best["draft_length_policy"]
     rec = doc["recommendation"]["chat"]  # the verdict's decision follows from those numbers (eval.verdicts)
-    from eval.verdicts import candidates, check_consistent
+    from eval.decision import candidates
+    from eval.decision_check import check_consistent
 
     check_consistent(rec, candidates(doc, "chat"))
     assert out["recommended_setting"]["chat"] == (setting_label(rec) if rec["draft"] else "the target alone")

@@ -160,7 +160,8 @@ def test_sweep_recommends_num_draft_tokens_per_domain(cli_run):
     run_dir, _ = cli_run
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert set(doc["recommendation"]) == {"chat", "specbench_qa", "mine_file"}
-    from eval.verdicts import candidates, check_consistent
+    from eval.decision import candidates
+    from eval.decision_check import check_consistent
 
     for domain, r in doc["recommendation"].items():
         check_consistent(r, candidates(doc, domain))  # the decision follows from the domain's numbers

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from decode.stats import expected_speedup
 from eval.metrics import bootstrap_ratio_ci, bootstrap_speedup_ci
-from eval.verdicts import (SPECULATE, TARGET_ONLY, add_projection, check_consistent, decide, deployment_cost_ratios,
-                           interval, model_field)
+from eval.decision import SPECULATE, TARGET_ONLY, decide, interval, model_field
+from eval.decision_check import check_consistent
+from eval.projection import add_projection, deployment_cost_ratios
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,17 +56,17 @@ def test_every_decision_is_consistent_with_its_numbers(cands):
     check_consistent(r, cands)  # the rule, checked independently of how decide() is written
     best = max(cands, key=lambda c: (c["measured_speedup"], interval(c)[1]))  # equal estimates: the wider reach
     if best["measured_speedup"] < 1.0:  # nothing measured faster than the target alone, whatever the intervals
-        assert r["action"] == TARGET_ONLY and r["draft"] is None  # routing.json: no draft
+        assert r.action == TARGET_ONLY and r.draft is None  # routing.json: no draft
     else:
-        assert r["action"] == SPECULATE
+        assert r.action == SPECULATE
         chosen = next(c for c in cands if (c["draft"], c["draft_length_policy"], c["num_draft_tokens"]) ==
-                      (r["draft"], r["draft_length_policy"], r["num_draft_tokens"]))
+                      (r.draft, r.draft_length_policy, r.num_draft_tokens))
         assert chosen["measured_speedup"] >= 1.0  # never a setting measured slower than the target alone
         others = [c for c in cands if c is not chosen]
-        if r["basis"] == "measured":  # chosen on speed only when its interval is above every other one
+        if r.basis == "measured":  # chosen on speed only when its interval is above every other one
             assert all(interval(c)[1] < interval(chosen)[0] for c in others)
         else:
-            assert r["basis"] == "tie" and r["reason"].startswith("tie: ")
+            assert r.basis == "tie" and r.tied_with and r.model in {"expected_speedup", "expected_speedup_components"}
             tied = [c for c in cands if interval(c)[1] >= interval(best)[0] and c["measured_speedup"] >= 1.0]
             assert any(c is chosen for c in tied)
             above = [c for c in tied if interval(c)[0] >= 1.0]
@@ -80,7 +81,7 @@ def test_check_consistent_catches_a_wrong_decision():
               "measured_speedup_ci": [0.5, 0.7], "expected_speedup": 3.0, "mean_accepted_length": 3.0},
              {"draft": "b", "draft_length_policy": "fixed", "num_draft_tokens": 4, "measured_speedup": 0.8,
               "measured_speedup_ci": [0.7, 0.95], "expected_speedup": 1.0, "mean_accepted_length": 2.0}]
-    assert decide(cands)["action"] == TARGET_ONLY
+    assert decide(cands).action == TARGET_ONLY
     wrong = {"action": SPECULATE, "basis": "measured", "draft": "b", "draft_length_policy": "fixed",
              "num_draft_tokens": 4}
     with pytest.raises(AssertionError):
@@ -89,9 +90,9 @@ def test_check_consistent_catches_a_wrong_decision():
     cands[0].update(measured_speedup=1.5, measured_speedup_ci=[1.2, 1.8])
     cands[1].update(measured_speedup=1.6, measured_speedup_ci=[1.3, 1.9])
     r = decide(cands)
-    assert (r["basis"], r["draft"]) == ("tie", "a")
+    assert (r.basis, r.draft) == ("tie", "a")
     with pytest.raises(AssertionError):
-        check_consistent({**r, "draft": "b", "num_draft_tokens": 4}, cands)
+        check_consistent({**r.as_dict(), "draft": "b", "num_draft_tokens": 4}, cands)
 
 
 def test_a_tie_is_broken_with_the_measured_verify_cost_not_v_equal_1():
@@ -112,16 +113,16 @@ def test_a_tie_is_broken_with_the_measured_verify_cost_not_v_equal_1():
     assert g3["expected_speedup_components"] == pytest.approx(3.13 / (3 * c + 1.971))
     r = decide([g3, g4])
     check_consistent(r, [g3, g4])
-    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 4) and "verify cost ratio v_k" in r["reason"]
+    assert (r.basis, r.num_draft_tokens) == ("tie", 4) and r.model == "expected_speedup_components"
     # without measured verify costs (an older metrics.json) both fall back to Leviathan's v = 1, never a mix; that
     # model misses these measurements by 36 % (median) and separates the two by 1.6 %: it cannot order them, so
     # the measured speedup does
     old = [{**x, "expected_speedup_components": None} for x in (g3, g4)]
     r = decide(old)
     check_consistent(r, old)
-    assert r["num_draft_tokens"] == 4 and "are incomplete" in r["reason"] and "36%" in r["reason"]
+    assert r.num_draft_tokens == 4 and r.model == "expected_speedup" and round(100 * r.model_error) == 36
     mixed = [g3, {**g4, "expected_speedup_components": None}]
-    assert "are incomplete" in decide(mixed)["reason"]  # one setting lacks it: Leviathan's model for both
+    assert decide(mixed).model == "expected_speedup"  # one setting lacks it: Leviathan's model for both
 
 
 def test_settings_the_cost_model_cannot_order_go_to_the_measured_speedup():
@@ -137,14 +138,14 @@ def test_settings_the_cost_model_cannot_order_go_to_the_measured_speedup():
               "mean_accepted_length": tau} for g, s, ci, m, tau in rows]
     r = decide(cands)
     check_consistent(r, cands)
-    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 4) and "4% here" in r["reason"]
+    assert (r.basis, r.num_draft_tokens) == ("tie", 4) and round(100 * r.model_error) == 4 and len(r.model_near) > 1
     # gamma 2 measured fastest but expected 11 % below gamma 3: outside the model's error, not chosen
     fast2 = [dict(c, measured_speedup=1.6) if c["num_draft_tokens"] == 2 else c for c in cands]
     r = decide(fast2)
     check_consistent(r, fast2)
-    assert r["num_draft_tokens"] != 2
+    assert r.num_draft_tokens != 2
     with pytest.raises(AssertionError):  # the check refuses the slower of two settings the model cannot order
-        check_consistent({**decide(cands), "num_draft_tokens": 3}, cands)
+        check_consistent({**decide(cands).as_dict(), "num_draft_tokens": 3}, cands)
 
 
 def test_a_tie_never_goes_to_a_setting_measured_slower_than_the_target_alone_over_one_measured_faster():
@@ -158,10 +159,10 @@ def test_a_tie_never_goes_to_a_setting_measured_slower_than_the_target_alone_ove
               "mean_accepted_length": 1.0 + g / 2} for g, s, ci, m in rows]
     r = decide(cands)
     check_consistent(r, cands)
-    assert r["num_draft_tokens"] != 6 and r["measured_speedup"] >= 1.0
-    assert "measured at least as fast as the target alone" in r["reason"]
+    assert r.num_draft_tokens != 6 and r.measured_speedup >= 1.0
+    assert r.tie_pool == "at_least_one"
     with pytest.raises(AssertionError):  # the check refuses the slower-than-target setting the cost model prefers
-        check_consistent({**r, "num_draft_tokens": 6, "basis": "tie"}, cands)
+        check_consistent({**r.as_dict(), "num_draft_tokens": 6, "basis": "tie"}, cands)
 
 
 def test_a_domain_whose_fastest_setting_measured_below_1_goes_to_the_target_alone_even_when_its_interval_reaches_1():
@@ -174,8 +175,8 @@ def test_a_domain_whose_fastest_setting_measured_below_1_goes_to_the_target_alon
               "mean_accepted_length": 1.3} for g, s, ci in rows]
     r = decide(cands)
     check_consistent(r, cands)
-    assert (r["action"], r["draft"], r["num_draft_tokens"]) == (TARGET_ONLY, None, None)
-    assert "0.89x [0.75, 1.07]" in r["reason"] and "not clearly slower" in r["reason"]
+    assert (r.action, r.draft, r.num_draft_tokens) == (TARGET_ONLY, None, None)
+    assert r.basis == "below_one" and r.best_measured["measured_speedup_ci"] == [0.75, 1.07]
     with pytest.raises(AssertionError):  # the old rule's answer (speculate with gamma 1) is refused by the check
         check_consistent({"action": SPECULATE, "basis": "measured", "draft": "distilled",
                           "draft_length_policy": "fixed", "num_draft_tokens": 1}, cands)
@@ -183,7 +184,7 @@ def test_a_domain_whose_fastest_setting_measured_below_1_goes_to_the_target_alon
     cands[0].update(measured_speedup=1.01, measured_speedup_ci=[0.85, 1.2])
     r = decide(cands)
     check_consistent(r, cands)
-    assert (r["action"], r["num_draft_tokens"]) == (SPECULATE, 1) and "Not clearly" not in r["reason"]
+    assert (r.action, r.num_draft_tokens) == (SPECULATE, 1)
 
 
 def test_speedup_interval_resamples_timing_trials_as_well_as_prompts():
@@ -258,7 +259,8 @@ def test_report_verdicts_routing_and_summary_agree(tmp_path):
     rec = doc["recommendation"]
     assert rec["slow"]["action"] == TARGET_ONLY and doc["verdicts"]["slow"].startswith("decode with the target alone")
     assert (rec["fast"]["draft"], rec["fast"]["num_draft_tokens"], rec["fast"]["basis"]) == ("a", 4, "measured")
-    assert rec["slow"]["noisy"] and "load average 5.00 above the 2 cores" in doc["verdicts"]["slow"]
+    assert rec["slow"]["noisy"] and "NOISY" in doc["verdicts"]["slow"]
+    assert "load average 5.00 above the 2 cores" in " ".join(rec["slow"]["noisy_reasons"])
     assert doc["noisy"] == ["slow"] and doc["timing"]["timing_trials"] == 2
     assert doc["drafts"]["a"]["fast"]["sweep"]["4"]["timing_trials"] == 2
     proj = doc["drafts"]["a"]["fast"]["sweep"]["4"]["projected_speedup"]
@@ -446,15 +448,15 @@ def test_a_setting_clearly_above_1_gives_way_to_one_both_measurement_and_model_r
              s(6, 1.194, [0.68, 1.83], 1.459, 3.69)]
     r = decide(cands)
     check_consistent(r, cands)
-    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 4)
-    assert "both the measurement and the model rate faster than `distilled` with num_draft_tokens=1" in r["reason"]
-    with pytest.raises(AssertionError, match="not among the tied settings measured above 1|no faster"):
-        check_consistent({**r, "num_draft_tokens": 6}, cands)  # 6 beats 1 on the model only
+    assert (r.basis, r.num_draft_tokens) == ("tie", 4)
+    assert r.tie_pool == "displaced" and r.displaced["num_draft_tokens"] == 1
+    with pytest.raises(AssertionError, match="beats none of them on both numbers"):
+        check_consistent({**r.as_dict(), "num_draft_tokens": 6}, cands)  # 6 beats 1 on the model only
     cands[3]["expected_speedup_components"] = 1.25  # the model now rates gamma 4 below gamma 1, and 2 / 3 as before
     cands[1]["expected_speedup_components"] = cands[2]["expected_speedup_components"] = 1.28
     r = decide(cands)
     check_consistent(r, cands)
-    assert r["num_draft_tokens"] == 1 and "among those whose interval lies above 1" in r["reason"]
+    assert r.num_draft_tokens == 1 and r.tie_pool == "above_one"
 
 
 def test_a_speedup_above_tau_is_marked_noisy():
@@ -483,12 +485,12 @@ def test_the_measurement_overrules_a_tie_break_it_contradicts():
              s(4, 1.30, [1.27, 1.33], 1.60), s(6, 1.20, [1.02, 1.50], 1.55)]
     r = decide(cands)
     check_consistent(r, cands)
-    assert (r["basis"], r["num_draft_tokens"]) == ("tie", 2)
-    assert "lies wholly above that pick's 1.20x, so the measurement overrules the model" in r["reason"]
-    with pytest.raises(AssertionError, match="whole interval lies above the pick's measured speedup"):
-        check_consistent({**r, "num_draft_tokens": 6}, cands)
+    assert (r.basis, r.num_draft_tokens) == ("tie", 2)
+    assert r.model_pick["num_draft_tokens"] == 6 and r.model_pick["measured_speedup"] == 1.20
+    with pytest.raises(AssertionError, match="whole interval lies above the pick's speedup"):
+        check_consistent({**r.as_dict(), "num_draft_tokens": 6}, cands)
     cands[4]["measured_speedup_ci"] = [1.50, 1.02]  # ends reversed: the same interval
-    assert decide(cands)["num_draft_tokens"] == 2
+    assert decide(cands).num_draft_tokens == 2
 
 
 @settings(max_examples=200, deadline=None)
@@ -516,7 +518,7 @@ def test_a_setting_that_cannot_pay_for_itself_is_never_recommended(cands, min_ta
                       (r["draft"], r["draft_length_policy"], r["num_draft_tokens"]))
         assert chosen in payable and chosen["mean_accepted_length"] >= min_tau
         same = ("action", "basis", "draft", "draft_length_policy", "num_draft_tokens", "measured_speedup")
-        assert {k: r[k] for k in same} == {k: decide(payable)[k] for k in same}
+        assert {k: r[k] for k in same} == {k: getattr(decide(payable), k) for k in same}
     if not payable:
         assert r["action"] == TARGET_ONLY and r["basis"] == "low_tau" and r["draft"] is None
     assert len(r["set_aside"]) == len(cands) - len(payable)
@@ -540,7 +542,7 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
         r = doc["recommendation"][d]
         assert doc["drafts"]["a"][d]["mean_accepted_length"] == 1.0
         assert (r["action"], r["basis"], r["draft"]) == (TARGET_ONLY, "low_tau", None), r
-        assert "no setting can pay for itself" in doc["verdicts"][d]
+        assert "no setting pays for itself" in doc["verdicts"][d]
         assert recommended_settings(doc)[d]["draft"] is None
     (tmp_path / "drafts" / "a").mkdir(parents=True)
     table = write_routing(tmp_path / "routing.json", doc, {"a": tmp_path / "drafts" / "a"})
@@ -550,7 +552,7 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
 def test_the_speedup_bound_follows_the_measured_verify_cost():
     """speedup <= tau / v: on SmolLM2 on a 2-core EPYC a 2-position verify forward cost 0.65 of the decoder's
     one-token forward, and gamma 1 measured 1.38x at tau 1.34: real, not disturbed timing."""
-    from eval.verdicts import paying_settings, speedup_bound
+    from eval.decision import paying_settings, speedup_bound
 
     c = {"draft": "d", "draft_length_policy": "fixed", "num_draft_tokens": 1, "mean_accepted_length": 1.6,
          "measured_speedup": 1.9}
@@ -575,3 +577,38 @@ def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
         d = doc(min_tau, tau)
         add_decisions(d)
         assert d["recommendation"]["d"]["action"] == action, (min_tau, tau)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cands=tables(), min_tau=st.sampled_from([0.0, 1.5]), noisy=st.booleans())
+def test_the_verdicts_are_one_row_per_domain_and_short_lines(cands, min_tau, noisy):
+    """The verdict section: the table (one row per domain: deploy, measured speedup, tau, flags); every
+    verdict line at most 40 words, whatever the decision and its flags; the reasoning sits under its own heading."""
+    from eval.verdicts import add_decisions, verdict_line, verdicts_section
+
+    doc = {"context": {"min_mean_accepted_length": min_tau}, "drafts": {}, "alert_mean_accepted_length": 2.0,
+           "confidence": 0.95, "num_draft_tokens": 4, "num_draft_tokens_swept": [4], "decoding": "greedy",
+           "max_new_tokens": 8, "bootstrap_samples": 10, "lossless_all": True, "cost_ratio": {}, "summary": {}}
+    for i, dom in enumerate(("medical", "code")):
+        for c in cands:
+            e = doc["drafts"].setdefault(c["draft"], {}).setdefault(dom, {"sweep": {}, "policies": {},
+                                                                         "mean_accepted_length": 1.0})
+            entry = {k: c[k] for k in ("num_draft_tokens", "measured_speedup", "measured_speedup_ci",
+                                       "expected_speedup", "expected_speedup_components", "mean_accepted_length")}
+            entry["lossless"] = not (noisy and i)
+            (e["sweep"].__setitem__(str(c["num_draft_tokens"]), entry) if c["draft_length_policy"] == "fixed"
+             else e["policies"].__setitem__(c["draft_length_policy"], entry))
+    if noisy:
+        doc["timing"] = {"machine_load": {"medical": {"loadavg_before": [5.0, 1, 1], "loadavg_after": [1.0, 1, 1],
+                                                      "cores": 2, "overloaded": True}}}
+    add_decisions(doc)
+    doc["verdicts"] = {d: verdict_line(doc, d) for d in doc["recommendation"]}
+    for d, line in doc["verdicts"].items():
+        assert len(line.split()) <= 40, line
+    lines = verdicts_section(doc).splitlines()  # report.md opens with it (tests/train/test_smoke_e2e.py)
+    assert lines[0] == "## Verdicts" and lines[2].startswith("| domain | deploy | measured speedup")
+    rows = lines[4:4 + len(doc["recommendation"])]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == list(doc["recommendation"])
+    for row, (d, r) in zip(rows, doc["recommendation"].items()):
+        assert ("target alone" in row) == (r["action"] == TARGET_ONLY)
+        assert ("NOISY" in row) == r["noisy"]

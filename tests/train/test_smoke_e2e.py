@@ -78,6 +78,10 @@ def test_smoke_metrics_are_consistent_and_lossless(smoke_run):
         assert doc["vs_baseline"]["distilled"][domain]["mean_accepted_length_ratio"] == pytest.approx(
             d["mean_accepted_length"] / b["mean_accepted_length"])
     assert "## Against the cross-entropy baseline" in report
+    lines = report.splitlines()  # it opens with the verdict table, one row per domain, then short verdict lines
+    assert lines[2] == "## Verdicts" and lines[4].startswith("| domain | deploy | measured speedup")
+    assert [r.split(" | ")[0].lstrip("| ") for r in lines[6:8]] == list(doc["recommendation"])
+    assert all(len(v.split()) <= 40 for v in doc["verdicts"].values()) and "## How each verdict was reached" in report
     assert "training time s (one-off teacher passes s)" in report
 
 

@@ -1,0 +1,376 @@
+"""The decision of a domain as a value: which draft and draft length to deploy, or the target alone, and on what
+basis. No wording here: :mod:`eval.verdicts` renders a :class:`Decision`; :mod:`eval.decision_check` checks one
+against its numbers with helpers of its own.
+
+Decision rule of a domain (:func:`decide`), over every measured setting (draft x gamma, draft x draft-length policy):
+
+1. ``best`` = the setting with the highest measured speedup (point estimate).
+2. If ``best``'s measured speedup is below 1, no setting was measured faster than the target alone here: the
+   decision is **the target alone** (``routing.json`` routes the domain to no draft), whether its whole interval
+   lies below 1 or the interval still reaches 1 (nothing measured says speculation is faster, and the target alone
+   needs no draft). Recommending a setting measured at 0.89x because its interval reached 1.07 was recommending the
+   slower path.
+3. The settings whose interval overlaps ``best``'s (upper end >= ``best``'s lower end) are *tied* with it: the
+   measurement cannot order them. Without ties ``best`` is chosen on the measured speedup (basis ``measured``).
+   With ties (basis ``tie``) the choice among ``best`` and the tied settings measured at least 1x (only those whose
+   interval lies wholly above 1, when there are any, unless settings beat that choice on both the measured and the
+   expected speedup, then among those: :func:`tie_scope`) is the highest expected speedup of the measured cost
+   model ``tau / (mean(k c + v_k) + o)`` (:func:`decode.stats.expected_speedup_from_costs`: measured tau, cost ratio
+   c, verify cost ratio v_k of a k-token block, the loop's own work per step o, in one-position target forwards).
+   Without measured verify cost ratios (an older ``metrics.json``) the model is Leviathan et al. 2023, Thm 3.8,
+   ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))`` (v = 1) for every setting. The verify forward's cost
+   decides between gammas on a CPU: with v = 1 the model preferred gamma 3 (measured 1.22x) to gamma 4 (1.47x) in a
+   ``distill_med`` run whose 4-position verify forward cost 1.97 one-token forwards and the 5-position one 1.46.
+4. The model is not exact: its error in the domain is the median of ``|ln(measured / expected)|`` over the domain's
+   settings (:func:`model_error`). Settings whose expected speedup is within that error of the highest are ones the
+   model cannot order (:func:`model_near_top`); among them the highest measured speedup is chosen (then the higher
+   tau). A ``distill_med`` run: medical gamma 3 expected 1.46x and gamma 4 1.44x where the model missed the five
+   gammas' measurements by 4 % (median); measured, gamma 4 gave 1.48x and gamma 3 1.38x.
+5. The measurement overrules a tie-break it contradicts: a tied setting whose whole interval lies above the pick's
+   measured speedup replaces the pick (:func:`surer_than`). A model that expects a wide-interval gamma 6 at 1.55x
+   cannot make it (1.20x [1.02, 1.50]) the choice over gamma 2 at 1.40x [1.35, 1.45].
+
+The interval filter of rule 3 gives way because prompt-to-prompt spread widens a long draft's interval more than a
+short one's: on the AVX-512 Xeon a ``distill_med`` re-evaluation measured gamma 1 1.20x [1.02, 1.50] and gamma 4
+1.32x [0.89, 1.90] (expected 1.30x and 1.56x); the filter alone recommended gamma 1, which both the measurement and
+the model call slower.
+
+Before the rule runs, settings that cannot pay for themselves are set aside (:func:`paying_settings`): a mean
+accepted length tau below ``eval.min_mean_accepted_length`` (1.5 by default: each verify step costs at least one
+target forward plus gamma draft forwards; a loaded SmolLM2 run recommended drafts at tau 1.00 and 1.04 on measured
+1.10x and 1.84x), and a measured speedup above ``1.1 tau / min(1, v)`` (:func:`speedup_bound`: a verify step emits
+tau tokens for one verify forward of cost v, so more than that is disturbed timing, to be re-measured). When no
+setting is left the domain goes to the target alone (basis ``low_tau``).
+
+So no decision recommends a setting measured slower than the target alone, below the tau floor, or faster than its
+own tau allows.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, replace
+
+TARGET_ONLY = "target_only"
+SPECULATE = "speculate"
+FORMULA = "(1 - alpha^(gamma+1)) / ((1 - alpha) (gamma c + 1))"  # Leviathan et al. 2023, Thm 3.8 (eq. 1)
+COMPONENTS_FORMULA = "tau / (mean(k c + v_k) + o)"  # decode.stats.expected_speedup_from_costs
+# speedup <= tau t_1 / t_verify: a verify step yields tau tokens for one verify forward of cost v t_1 (v = the
+# measured verify cost ratio of the setting's block; where the one-token forward is the slower path, as on SmolLM2
+# on the 2-core EPYC: v(2 positions) = 0.65, the bound is tau / v); 10 % above that allows timing noise
+IMPLAUSIBLE_OVER_TAU = 1.1
+MIN_MEAN_ACCEPTED_LENGTH = 1.5  # eval.min_mean_accepted_length's default
+_SETTING_NUMBERS = ("measured_speedup", "measured_speedup_ci", "expected_speedup", "expected_speedup_components",
+                    "mean_accepted_length", "mean_accepted_length_ci", "mean_draft_length", "projected_speedup")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to deploy on one domain and why, as data (rendered by :func:`eval.verdicts.explain`).
+
+    Attributes:
+        action: ``"speculate"``, ``"target_only"`` or ``"none"`` (nothing measured).
+        basis: ``"measured"`` (intervals separated), ``"tie"`` (chosen by the cost model among overlapping
+            intervals), ``"below_one"`` (the fastest setting measured below 1x), ``"low_tau"`` (no setting pays for
+            itself) or ``"none"``.
+        draft, draft_length_policy, num_draft_tokens: the chosen setting (None for the target alone).
+        measured_speedup, measured_speedup_ci, ...: the chosen setting's numbers; for the target alone those of
+            the fastest setting measured, which it refuses.
+        best_measured: the fastest measured setting (draft, policy, gamma, speedup, interval).
+        tied_with: ``"draft:label"`` of the settings whose interval overlaps the fastest one's.
+        set_aside: one phrase per setting set aside before the rule (:func:`paying_settings`).
+        tie_pool: the settings a tie was decided among: ``"above_one"`` (intervals above 1), ``"at_least_one"``
+            (measured at least 1x), ``"all"`` (every tied setting was), ``"displaced"`` (the interval filter gave
+            way, see ``displaced``).
+        model: the cost model field a tie was broken with (``expected_speedup_components`` or
+            ``expected_speedup``); model_error: its median ``|ln(measured / model)|`` in the domain;
+            model_top: its highest value in the pool; model_near: the settings it could not tell from that.
+        model_pick: the cost model's pick, when the measurement overruled it (rule 5).
+        displaced: the pick among intervals above 1 that gave way, with its expected speedup.
+        noisy_reasons: why the timing is not to be trusted (empty: it is); consistency_error: set when the
+            decision fails :func:`eval.decision_check.check_consistent` (a bug, reported rather than raised).
+    """
+    action: str
+    basis: str
+    draft: str | None = None
+    draft_length_policy: str | None = None
+    num_draft_tokens: int | None = None
+    measured_speedup: float | None = None
+    measured_speedup_ci: list | None = None
+    expected_speedup: float | None = None
+    expected_speedup_components: float | None = None
+    mean_accepted_length: float | None = None
+    mean_accepted_length_ci: list | None = None
+    mean_draft_length: float | None = None
+    projected_speedup: float | None = None
+    best_measured: dict | None = None
+    tied_with: list[str] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)
+    tie_pool: str | None = None
+    model: str | None = None
+    model_error: float | None = None
+    model_top: float | None = None
+    model_near: list[dict] = field(default_factory=list)
+    model_pick: dict | None = None
+    displaced: dict | None = None
+    noisy_reasons: list[str] = field(default_factory=list)
+    consistency_error: str | None = None
+
+    @property
+    def noisy(self) -> bool:
+        return bool(self.noisy_reasons)
+
+    def with_(self, **changes) -> "Decision":
+        """A copy with ``changes`` (a decision is immutable)."""
+        return replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        """The JSON form ``metrics.json`` stores under ``recommendation.<domain>`` (plus ``noisy``)."""
+        return {**asdict(self), "noisy": self.noisy}
+
+
+def num(x) -> float:
+    """``x`` as a float; NaN for None, booleans, non-numbers and infinities."""
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+
+
+def _fmt(v, digits: int = 2) -> str:
+    x = num(v)
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _key(x) -> float:
+    """A sort key of a number: NaN / missing last."""
+    v = num(x)
+    return -math.inf if math.isnan(v) else v
+
+
+def interval(c) -> tuple[float, float]:
+    """(low, high) of a setting's measured speedup interval (a candidate dict or a :class:`Decision`); its point
+    estimate twice without an interval."""
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k, None)
+    ci, s = get("measured_speedup_ci"), num(get("measured_speedup"))
+    if ci and len(ci) == 2 and not any(math.isnan(num(v)) for v in ci):
+        return min(num(ci[0]), num(ci[1])), max(num(ci[0]), num(ci[1]))
+    return s, s
+
+
+def _fastest_order(c: dict) -> tuple:
+    """Sort key of "the fastest measured setting": the measured speedup, then (equal estimates) the higher upper
+    bound of its interval, the smaller gamma, the draft name."""
+    return num(c["measured_speedup"]), interval(c)[1], -(c["num_draft_tokens"] or 0), c["draft"]
+
+
+def _tie_pick_order(c: dict) -> tuple:
+    """Among settings the cost model cannot tell apart: the highest measured speedup, then tau, then
+    :func:`_fastest_order`."""
+    return num(c["measured_speedup"]), _key(c.get("mean_accepted_length")), _fastest_order(c)
+
+
+def label(c) -> str:
+    """``num_draft_tokens=G`` or ``draft_length_policy=NAME`` of a candidate dict or a :class:`Decision`."""
+    get = c.get if isinstance(c, dict) else lambda k: getattr(c, k, None)
+    p = get("draft_length_policy") or "fixed"
+    return f"num_draft_tokens={get('num_draft_tokens')}" if p == "fixed" else f"draft_length_policy={p}"
+
+
+def view(c: dict, *extra: str) -> dict:
+    """A setting as a decision names it: draft, policy, gamma, measured speedup and interval (and ``extra`` keys)."""
+    keys = ("draft", "draft_length_policy", "num_draft_tokens", "measured_speedup", "measured_speedup_ci", *extra)
+    return {k: c.get(k) for k in keys}
+
+
+def candidates(doc: dict, domain: str) -> list[dict]:
+    """Every measured setting of ``domain`` in a metrics document: ``{"draft", "draft_length_policy",
+    "num_draft_tokens", "measured_speedup", "measured_speedup_ci", "expected_speedup", "mean_accepted_length",
+    ...}``."""
+    out = []
+    for draft, by_domain in doc["drafts"].items():
+        entry = by_domain.get(domain)
+        if entry is None:
+            continue
+        items = [("fixed", e) for e in entry["sweep"].values()] + list(entry.get("policies", {}).items())
+        out += [{"draft": draft, "draft_length_policy": policy, "num_draft_tokens": e["num_draft_tokens"],
+                 **{k: e.get(k) for k in _SETTING_NUMBERS}} for policy, e in items]
+    return out
+
+
+def speedup_bound(c: dict, verify_cost_ratio: dict | None) -> float:
+    """The most a setting with mean accepted length tau can measure: ``tau / min(1, v)``, v the measured verify
+    cost ratio of its block (``num_draft_tokens + 1`` positions; for a draft-length policy the smallest measured);
+    NaN when tau is unknown."""
+    tau = num(c.get("mean_accepted_length"))
+    vs = {str(k): num((x or {}).get("verify_cost_ratio")) for k, x in (verify_cost_ratio or {}).items()}
+    if (c.get("draft_length_policy") or "fixed") == "fixed":
+        v = vs.get(str(c.get("num_draft_tokens")), math.nan)
+    else:
+        v = min((x for x in vs.values() if not math.isnan(x)), default=math.nan)
+    return tau / min(1.0, v) if not math.isnan(v) and v > 0 else tau
+
+
+def model_field(pool: list[dict]) -> str:
+    """The cost model a tie is broken with: ``expected_speedup_components`` (measured tau, c and v_k) when every
+    setting of ``pool`` has it, else Leviathan's ``expected_speedup`` (v = 1) for all of them."""
+    if pool and all(not math.isnan(num(c.get("expected_speedup_components"))) for c in pool):
+        return "expected_speedup_components"
+    return "expected_speedup"
+
+
+def model_error(cands: list[dict], field_name: str) -> float:
+    """The median over ``cands`` of ``|ln(measured_speedup / model)|`` for the cost model ``field_name`` (0.05:
+    about 5 %); NaN when no setting has both numbers."""
+    ratios = [num(c.get("measured_speedup")) / num(c.get(field_name)) for c in cands
+              if num(c.get("measured_speedup")) > 0 and num(c.get(field_name)) > 0]
+    errs = [abs(math.log(r)) for r in ratios if 0 < r < math.inf]
+    return float(statistics.median(errs)) if errs else math.nan
+
+
+def model_near_top(pool: list[dict], cands: list[dict], field_name: str) -> tuple[list[dict], float]:
+    """The settings of ``pool`` the cost model cannot tell from its best one: expected speedup within the model's
+    own error (:func:`model_error` over the domain's settings ``cands``) of the highest, ``ln(top / model) <=
+    error``; just the highest when the error is unknown; the whole pool when no setting has a model value.
+    Returns ``(settings, error)``."""
+    vals = [num(c.get(field_name)) for c in pool]
+    finite = [v for v in vals if v > 0]
+    err = model_error(cands, field_name)
+    if not finite:
+        return list(pool), err
+    top, tol = max(finite), (err if not math.isnan(err) else 0.0)
+    return [c for c, v in zip(pool, vals) if v > 0 and math.log(top / v) <= tol + 1e-12], err
+
+
+def tie_scope(valid: list[dict], best: dict, tied: list[dict]) -> tuple[list[dict], str, list[dict], dict | None]:
+    """The settings a tie is decided among (rule 3), the cost model's field, the tied settings whose interval lies
+    wholly above 1 and the pick those alone would give when others displace it.
+
+    ``pool`` = ``best`` and the ``tied`` settings measured at least 1x. When some are measured clearly faster than
+    the target alone (interval above 1: ``above``), the tie is decided among those, unless settings of the pool
+    beat that pick on both the measured and the expected speedup: then among those. Returns ``(scope, field,
+    above, displaced or None)``."""
+    pool = [best] + [c for c in tied if num(c["measured_speedup"]) >= 1.0]
+    above = [c for c in pool if interval(c)[0] >= 1.0]
+    fld = model_field(pool)
+    if not above:
+        return pool, fld, above, None
+    pick = max(model_near_top(above, valid, fld)[0], key=_tie_pick_order)
+    faster = [c for c in pool if num(c["measured_speedup"]) > num(pick["measured_speedup"])
+              and num(c.get(fld)) > num(pick.get(fld)) > 0]
+    return (faster, fld, above, pick) if faster else (above, fld, above, None)
+
+
+def surer_than(pick: dict, pool: list[dict]) -> dict:
+    """``pick``, unless settings of ``pool`` measured at least 1x have their whole interval above ``pick``'s
+    measured speedup: then the highest measured of those."""
+    surer = [c for c in pool if num(c["measured_speedup"]) >= 1.0 and interval(c)[0] > num(pick["measured_speedup"])]
+    return max(surer, key=_tie_pick_order) if surer else pick
+
+
+def _chosen(c: dict, basis: str, best: dict, **how) -> Decision:
+    return Decision(action=SPECULATE, basis=basis, draft=c["draft"], draft_length_policy=c["draft_length_policy"],
+                    num_draft_tokens=c["num_draft_tokens"], **{k: c.get(k) for k in _SETTING_NUMBERS},
+                    best_measured=view(best), **how)
+
+
+def target_alone(best: dict, basis: str, **how) -> Decision:
+    """The target alone; ``best`` = the fastest setting measured (its numbers recorded, not deployed)."""
+    return Decision(action=TARGET_ONLY, basis=basis, measured_speedup=best["measured_speedup"],
+                    measured_speedup_ci=best.get("measured_speedup_ci"),
+                    mean_accepted_length=best.get("mean_accepted_length"), best_measured=view(best), **how)
+
+
+def decide(cands: list[dict]) -> Decision:
+    """The decision for one domain from its measured settings (rule in the module docstring).
+
+    Args:
+        cands: settings as :func:`candidates` builds them (at least ``draft``, ``draft_length_policy``,
+            ``num_draft_tokens``, ``measured_speedup``, ``measured_speedup_ci`` ([low, high] or None),
+            ``expected_speedup``, ``mean_accepted_length``; ``expected_speedup_components`` when measured).
+
+    Returns:
+        a :class:`Decision`; ``action="none"`` when no setting has a finite measured speedup.
+    """
+    valid = [c for c in cands if not math.isnan(num(c.get("measured_speedup")))]
+    if not valid:
+        return Decision(action="none", basis="none")
+    best = max(valid, key=_fastest_order)
+    if num(best["measured_speedup"]) < 1.0:
+        return target_alone(best, "below_one")
+    tied = [c for c in valid if c is not best and interval(c)[1] >= interval(best)[0]]
+    if not tied:
+        return _chosen(best, "measured", best)
+    scope, fld, above, displaced = tie_scope(valid, best, tied)
+    near, err = model_near_top(scope, valid, fld)
+    model_pick = max(near, key=_tie_pick_order)
+    chosen = surer_than(model_pick, [best] + tied)
+    pool = ("displaced" if displaced is not None else "above_one" if above else
+            "at_least_one" if any(num(c["measured_speedup"]) < 1.0 for c in tied) else "all")
+    return _chosen(chosen, "tie", best, tied_with=[f"{c['draft']}:{label(c)}" for c in tied], tie_pool=pool,
+                   model=fld, model_error=None if math.isnan(err) else err,
+                   model_top=max((num(c.get(fld)) for c in near), default=None),
+                   model_near=[view(c, fld) for c in near],
+                   model_pick=None if chosen is model_pick else view(model_pick, fld),
+                   displaced=None if displaced is None else view(displaced, fld))
+
+
+def paying_settings(cands: list[dict], min_mean_accepted_length: float,
+                    verify_cost_ratio: dict | None = None) -> tuple[list[dict], list[str]]:
+    """``(kept, why_dropped)``: the settings that can pay for themselves (tau >= ``min_mean_accepted_length`` and a
+    measured speedup within ``IMPLAUSIBLE_OVER_TAU`` times :func:`speedup_bound`), and one phrase per setting set
+    aside."""
+    kept, dropped = [], []
+    for c in cands:
+        tau, s = num(c.get("mean_accepted_length")), num(c.get("measured_speedup"))
+        bound = speedup_bound(c, verify_cost_ratio)
+        name = f"`{c['draft']}` with {label(c)}"
+        if math.isnan(tau) and min_mean_accepted_length > 0:  # no measured tau: nothing says it pays
+            dropped.append(f"{name} (no measured tau)")
+        elif tau < min_mean_accepted_length:
+            dropped.append(f"{name} (tau {tau:.2f} < {min_mean_accepted_length:g})")
+        elif not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
+            dropped.append(f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
+                           f"disturbed timing, re-measure)")
+        else:
+            kept.append(c)
+    return kept, dropped
+
+
+def decide_domain(every: list[dict], min_mean_accepted_length: float,
+                  verify_cost_ratio: dict | None = None) -> tuple[Decision, list[dict]]:
+    """:func:`paying_settings`, then :func:`decide` over what is left (the target alone, basis ``low_tau``, when
+    nothing is). Returns ``(decision, the settings the rule ran over)``."""
+    cands, dropped = paying_settings(every, min_mean_accepted_length, verify_cost_ratio)
+    valid = [c for c in every if not math.isnan(num(c.get("measured_speedup")))]
+    if cands or not valid:
+        return decide(cands).with_(set_aside=dropped), cands
+    return target_alone(max(valid, key=_fastest_order), "low_tau", set_aside=dropped), cands
+
+
+def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:
+    """Keep a domain's adapter only where it measurably lifts acceptance: the adapted draft's tau interval lies
+    wholly above the base draft's (``adapted_ci[0] > base_ci[1]``: the two 95% bootstrap intervals over prompts,
+    :func:`eval.metrics.bootstrap_ratio_ci`, are separated). Overlapping intervals, an adapted interval below the
+    base's, or a missing interval (``eval.bootstrap_samples=0``, no prompts) refuse the adapter: the measurement
+    does not show that it helps.
+
+    Args:
+        base_tau, adapted_tau: pooled mean accepted lengths (tokens per verify step) on the domain's test prompts.
+        base_ci, adapted_ci: their ``[low, high]`` intervals, or None.
+
+    Returns:
+        ``{"keep": bool, "basis": "separated" | "overlap" | "worse" | "no_interval", "reason": str}``.
+    """
+    def ci(c):
+        return (num(c[0]), num(c[1])) if c and len(c) == 2 and not any(math.isnan(num(v)) for v in c) else None
+
+    b, a = ci(base_ci), ci(adapted_ci)
+    nums = f"tau {_fmt(adapted_tau)} [{_fmt(a[0]) if a else 'n/a'}, {_fmt(a[1]) if a else 'n/a'}] adapted vs " \
+           f"{_fmt(base_tau)} [{_fmt(b[0]) if b else 'n/a'}, {_fmt(b[1]) if b else 'n/a'}] base"
+    if a is None or b is None:
+        return {"keep": False, "basis": "no_interval",
+                "reason": f"no interval to separate ({nums}; set eval.bootstrap_samples > 0): adapter not kept"}
+    if a[0] > b[1]:
+        return {"keep": True, "basis": "separated", "reason": f"intervals separated: {nums}"}
+    if a[1] < b[0]:
+        return {"keep": False, "basis": "worse", "reason": f"the adapted draft is worse, intervals separated: {nums}"}
+    return {"keep": False, "basis": "overlap",
+            "reason": f"intervals overlap ({nums}): the measurement does not show a lift"}

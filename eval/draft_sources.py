@@ -49,69 +49,85 @@ def draft_sources_section(meta: dict[str, tuple[SpecdraftMeta, str | None]]):
     def section(doc: dict) -> str:
         from .metrics import domains_of
 
-        names = list(doc["drafts"])
-        domains = domains_of(doc)
+        names, domains = list(doc["drafts"]), domains_of(doc)
         src = {n: _describe(*meta.get(n, (SpecdraftMeta(), None))) for n in names}
-        lines = ["## Draft sources", "", "| draft | init | layers kept | distilled | quantize | parameters |",
-                 "|---|---|---|---|---|---|"]
-        for n in names:
-            s = src[n]
-            init = s["init"] or "n/a"
-            if s["pretrained_from"]:
-                init += f" (`{s['pretrained_from']}`)"
-            layers = "-" if s["layers"] is None else str(s["layers"])
-            distilled = {True: "yes", False: "no"}.get(s["distilled"], "n/a")
-            if s["distilled"] and s["steps"]:
-                distilled += f" ({s['steps']} steps)"
-            params = f"{s['draft_parameters']:,}" if s["draft_parameters"] else "n/a"
-            lines.append(f"| {n} | {init} | {layers} | {distilled} | {s['quantize']} | {params} |")
-        lines += ["", f"### Mean accepted length by draft (gamma = {doc['num_draft_tokens']})", "",
-                  "| domain | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
-        for d in domains:
-            lines.append(f"| {d} | " + " | ".join(
-                _f(doc["drafts"][n][d]["mean_accepted_length"]) if d in doc["drafts"][n] else "n/a"
-                for n in names) + " |")
-        int8: dict = {}
-        for n in names:
-            fp = src[n]["fp32_draft"]
-            if src[n]["quantize"] == "int8" and fp in doc["drafts"]:
-                rows = {}
-                for d in domains:
-                    q, f = doc["drafts"][n].get(d), doc["drafts"][fp].get(d)
-                    if q is None or f is None:
-                        continue
-                    tq, tf = draft_tokens_per_s(q), draft_tokens_per_s(f)
-                    rows[d] = {"acceptance_rate": {"fp32": f["acceptance_rate"], "int8": q["acceptance_rate"]},
-                               "mean_accepted_length": {"fp32": f["mean_accepted_length"],
-                                                        "int8": q["mean_accepted_length"]},
-                               "draft_tokens_per_s": {"fp32": tf, "int8": tq},
-                               "draft_speedup": tq / tf if tq and tf else None,
-                               "measured_speedup": {"fp32": f["measured_speedup"], "int8": q["measured_speedup"]}}
-                cq, cf = doc["cost_ratio"].get(n), doc["cost_ratio"].get(fp)
-                int8[n] = {"fp32_draft": fp, "domains": rows,
-                           "draft_forward_s": {"fp32": cf and cf["draft_forward_s"], "int8": cq and cq["draft_forward_s"]}}
+        int8 = _int8_vs_fp32(doc, names, domains, src)
         doc["draft_sources"] = json_clean(src)
         doc["int8_vs_fp32"] = json_clean(int8)
-        for n, r in int8.items():
-            fw = r["draft_forward_s"]
-            lines += ["", f"### INT8 vs fp32: `{n}` against `{r['fp32_draft']}` (measured, same prompts)", ""]
-            paths = {k: src[x]["decoder_forward"] for k, x in (("fp32", r["fp32_draft"]), ("int8", n))}
-            if fw["fp32"] and fw["int8"]:
-                note = (" The two ran through different forwards (the lean forward covers plain nn.Linear only), so "
-                        "the int8 figures include the Hugging Face forward's Python overhead."
-                        if paths["fp32"] != paths["int8"] else "")
-                lines += [f"One cached draft forward: fp32 {fw['fp32'] * 1e3:.2f} ms ({paths['fp32']} forward), int8 "
-                          f"{fw['int8'] * 1e3:.2f} ms ({paths['int8']} forward): the int8 draft runs at "
-                          f"{fw['fp32'] / fw['int8']:.2f}x the fp32 draft's speed.{note}", ""]
-            lines += ["| domain | acceptance rate fp32 / int8 | tau fp32 / int8 | draft tok/s fp32 / int8 | "
-                      "draft speedup | measured speedup fp32 / int8 |", "|---|---|---|---|---|---|"]
-            for d, x in r["domains"].items():
-                lines.append(
-                    f"| {d} | {_f(x['acceptance_rate']['fp32'], 3)} / {_f(x['acceptance_rate']['int8'], 3)} | "
-                    f"{_f(x['mean_accepted_length']['fp32'])} / {_f(x['mean_accepted_length']['int8'])} | "
-                    f"{_f(x['draft_tokens_per_s']['fp32'], 0)} / {_f(x['draft_tokens_per_s']['int8'], 0)} | "
-                    f"{_f(x['draft_speedup'])}x | {_f(x['measured_speedup']['fp32'])}x / "
-                    f"{_f(x['measured_speedup']['int8'])}x |")
-        return "\n".join(lines)
+        return "\n".join(_sources_lines(names, src) + _tau_lines(doc, names, domains) + _int8_lines(int8, src))
 
     return section
+
+
+def _sources_lines(names: list[str], src: dict) -> list[str]:
+    """The "Draft sources" table: init, kept layers, distilled, quantization, parameters per draft."""
+    lines = ["## Draft sources", "", "| draft | init | layers kept | distilled | quantize | parameters |",
+             "|---|---|---|---|---|---|"]
+    for n in names:
+        s = src[n]
+        init = (s["init"] or "n/a") + (f" (`{s['pretrained_from']}`)" if s["pretrained_from"] else "")
+        layers = "-" if s["layers"] is None else str(s["layers"])
+        distilled = {True: "yes", False: "no"}.get(s["distilled"], "n/a")
+        if s["distilled"] and s["steps"]:
+            distilled += f" ({s['steps']} steps)"
+        params = f"{s['draft_parameters']:,}" if s["draft_parameters"] else "n/a"
+        lines.append(f"| {n} | {init} | {layers} | {distilled} | {s['quantize']} | {params} |")
+    return lines
+
+
+def _tau_lines(doc: dict, names: list[str], domains: list[str]) -> list[str]:
+    """Mean accepted length per domain, one column per draft."""
+    lines = ["", f"### Mean accepted length by draft (gamma = {doc['num_draft_tokens']})", "",
+             "| domain | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
+    return lines + [f"| {d} | " + " | ".join(_f(doc["drafts"][n][d]["mean_accepted_length"]) if d in doc["drafts"][n]
+                                              else "n/a" for n in names) + " |" for d in domains]
+
+
+def _int8_vs_fp32(doc: dict, names: list[str], domains: list[str], src: dict) -> dict:
+    """Per INT8 draft whose fp32 draft was evaluated too: per domain both drafts' acceptance, tau, draft tokens/s,
+    the INT8 draft-speed speedup and both measured speedups, and the two drafts' forward times."""
+    int8: dict = {}
+    for n in names:
+        fp = src[n]["fp32_draft"]
+        if src[n]["quantize"] != "int8" or fp not in doc["drafts"]:
+            continue
+        rows = {}
+        for d in domains:
+            q, f = doc["drafts"][n].get(d), doc["drafts"][fp].get(d)
+            if q is None or f is None:
+                continue
+            tq, tf = draft_tokens_per_s(q), draft_tokens_per_s(f)
+            rows[d] = {"acceptance_rate": {"fp32": f["acceptance_rate"], "int8": q["acceptance_rate"]},
+                       "mean_accepted_length": {"fp32": f["mean_accepted_length"], "int8": q["mean_accepted_length"]},
+                       "draft_tokens_per_s": {"fp32": tf, "int8": tq}, "draft_speedup": tq / tf if tq and tf else None,
+                       "measured_speedup": {"fp32": f["measured_speedup"], "int8": q["measured_speedup"]}}
+        cq, cf = doc["cost_ratio"].get(n), doc["cost_ratio"].get(fp)
+        int8[n] = {"fp32_draft": fp, "domains": rows,
+                   "draft_forward_s": {"fp32": cf and cf["draft_forward_s"], "int8": cq and cq["draft_forward_s"]}}
+    return int8
+
+
+def _int8_lines(int8: dict, src: dict) -> list[str]:
+    """The "INT8 vs fp32" tables of :func:`_int8_vs_fp32`'s comparison."""
+    lines = []
+    for n, r in int8.items():
+        fw = r["draft_forward_s"]
+        lines += ["", f"### INT8 vs fp32: `{n}` against `{r['fp32_draft']}` (measured, same prompts)", ""]
+        paths = {k: src[x]["decoder_forward"] for k, x in (("fp32", r["fp32_draft"]), ("int8", n))}
+        if fw["fp32"] and fw["int8"]:
+            note = (" The two ran through different forwards (the lean forward covers plain nn.Linear only), so "
+                    "the int8 figures include the Hugging Face forward's Python overhead."
+                    if paths["fp32"] != paths["int8"] else "")
+            lines += [f"One cached draft forward: fp32 {fw['fp32'] * 1e3:.2f} ms ({paths['fp32']} forward), int8 "
+                      f"{fw['int8'] * 1e3:.2f} ms ({paths['int8']} forward): the int8 draft runs at "
+                      f"{fw['fp32'] / fw['int8']:.2f}x the fp32 draft's speed.{note}", ""]
+        lines += ["| domain | acceptance rate fp32 / int8 | tau fp32 / int8 | draft tok/s fp32 / int8 | "
+                  "draft speedup | measured speedup fp32 / int8 |", "|---|---|---|---|---|---|"]
+        for d, x in r["domains"].items():
+            lines.append(
+                f"| {d} | {_f(x['acceptance_rate']['fp32'], 3)} / {_f(x['acceptance_rate']['int8'], 3)} | "
+                f"{_f(x['mean_accepted_length']['fp32'])} / {_f(x['mean_accepted_length']['int8'])} | "
+                f"{_f(x['draft_tokens_per_s']['fp32'], 0)} / {_f(x['draft_tokens_per_s']['int8'], 0)} | "
+                f"{_f(x['draft_speedup'])}x | {_f(x['measured_speedup']['fp32'])}x / "
+                f"{_f(x['measured_speedup']['int8'])}x |")
+    return lines

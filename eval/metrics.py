@@ -165,90 +165,104 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     in one-position target forwards, :func:`loop_overhead_per_step`; None without ``verify_cost_ratio``, ``step_overhead``
     or a needed ``v_k``)."""
     g = int(num_draft_tokens)
+    key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
+    if draft_length_policy != FIXED:
+        key = (*key, draft_length_policy)
+    boot = dict(samples=bootstrap_samples, confidence=confidence)
+    col = _columns(rows)
+    acc = _acceptance_fields(rows, col, g, float(cost_ratio), draft_length_policy, boot, seed, key)
+    timing = _timing_fields(rows, col, boot, seed, key)
+    v = {k: x["verify_cost_ratio"] for k, x in (verify_cost_ratio or {}).items()}
+    nodes = [r.get("nodes_verified") for r in rows]
+    tree = str(draft_length_policy).startswith("tree:")
+    known = bool(v) and step_overhead is not None and not (tree and None in nodes)  # an older file: unknown, never
+    components = expected_speedup_from_costs(  # a tree priced as a chain
+        acc["mean_accepted_length"], acc["draft_length_histogram"], float(cost_ratio), v,
+        _ratio(sum(nodes), col["verify_steps"].sum()) if tree else None, step_overhead) \
+        if known and rows else float("nan")
+    expected, stats = acc.pop("_expected_speedup"), _stats(col, acc)  # _stats takes the private per-position lists
+    return {**acc, **timing, "expected_speedup": expected, "expected_speedup_components": _nan_to_none(components),
+            "loop_overhead_per_step": step_overhead, "cost_ratio": float(cost_ratio), "num_prompts": len(rows),
+            **_lossless_fields(rows, check_lossless), "stats": stats}
+
+
+_COLUMNS = ("verify_steps", "emitted_tokens", "drafted_tokens", "accepted_tokens", "new_tokens",
+            "speculative_time_s", "target_new_tokens", "target_time_s", "draft_time_s", "verify_time_s")
+
+
+def _columns(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The per-prompt columns a cell's metrics pool: ``{name: (n,) float array}``."""
+    return {k: np.asarray([r[k] for r in rows], dtype=float) for k in _COLUMNS}
+
+
+def _acceptance_fields(rows: list[dict], col: dict, g: int, c: float, policy: str, boot: dict, seed: int,
+                       key: tuple) -> dict:
+    """Acceptance rate, per-token acceptance, tau and their intervals, per-position acceptance, histograms and
+    Leviathan's expectations (``_expected_speedup``, popped by the caller)."""
     dl_hist = draft_length_histogram(rows)
-    col = lambda k: np.asarray([r[k] for r in rows], dtype=float)  # noqa: E731  (n,) per-prompt column
-    steps, emitted, drafted, accepted = col("verify_steps"), col("emitted_tokens"), col("drafted_tokens"), \
-        col("accepted_tokens")
-    new, spec_t, tnew, tgt_t = col("new_tokens"), col("speculative_time_s"), col("target_new_tokens"), \
-        col("target_time_s")
     ppd, ppa, hist = [], [], []
     for r in rows:
         ppd, ppa, hist = _add(ppd, r["per_position_drafted"]), _add(ppa, r["per_position_accepted"]), \
             _add(hist, r["accepted_length_histogram"])
-    alpha = _ratio(accepted.sum(), drafted.sum())
+    steps, emitted, drafted, accepted = (col[k] for k in ("verify_steps", "emitted_tokens", "drafted_tokens",
+                                                          "accepted_tokens"))
     # the per-token acceptance probability of Leviathan et al.'s i.i.d. model: accepted / positions reached.
     token_alpha = _ratio(sum(ppa), sum(ppd))
-    tau = _ratio(emitted.sum(), steps.sum())
-    target_tps = _ratio(tnew.sum(), tgt_t.sum())
-    spec_tps = _ratio(new.sum(), spec_t.sum())
-    speedup = _ratio(spec_tps, target_tps) if math.isfinite(target_tps) else float("nan")
+    exp_speedup, exp_tau = _expected(token_alpha, g, c, dl_hist, policy)
+    return {
+        "num_draft_tokens": g, "draft_length_policy": policy, "mean_draft_length": _ratio(drafted.sum(), steps.sum()),
+        "draft_length_histogram": dl_hist, "acceptance_rate": _ratio(accepted.sum(), drafted.sum()),
+        "acceptance_rate_ci": bootstrap_ratio_ci(accepted, drafted, seed=_cell_seed(seed, "alpha", *key), **boot),
+        "token_acceptance_rate": token_alpha, "mean_accepted_length": _ratio(emitted.sum(), steps.sum()),
+        "mean_accepted_length_ci": bootstrap_ratio_ci(emitted, steps, seed=_cell_seed(seed, "tau", *key), **boot),
+        "expected_mean_accepted_length": exp_tau,
+        "per_position_acceptance": [_ratio(a, d) for a, d in zip(ppa + [0] * (len(ppd) - len(ppa)), ppd)],
+        "accepted_length_histogram": hist, "_per_position": (ppd, ppa), "_expected_speedup": exp_speedup}
+
+
+def _timing_fields(rows: list[dict], col: dict, boot: dict, seed: int, key: tuple) -> dict:
+    """Throughputs, latencies, the measured speedup (pooled tokens / time, both decoders) with its paired bootstrap
+    interval over prompts and trials, and the paired per-prompt median."""
+    new, spec_t, tnew, tgt_t = col["new_tokens"], col["speculative_time_s"], col["target_new_tokens"], \
+        col["target_time_s"]
+    target_tps, spec_tps = _ratio(tnew.sum(), tgt_t.sum()), _ratio(new.sum(), spec_t.sum())
     spec_trials, tgt_trials = trial_times(rows, "speculative"), trial_times(rows, "target")  # (n, T) each
     t_common = min(spec_trials.shape[1], tgt_trials.shape[1])
     spec_trials, tgt_trials = spec_trials[:, :t_common], tgt_trials[:, :t_common]
     with np.errstate(divide="ignore", invalid="ignore"):  # per prompt and trial: (new / spec_t) / (tnew / tgt_t)
         pairs = (new[:, None] / spec_trials) / (tnew[:, None] / tgt_trials)
     pairs = pairs[np.isfinite(pairs)]
-    paired = float(np.median(pairs)) if pairs.size else float("nan")
-    c = float(cost_ratio)
-    exp_speedup, exp_tau = _expected(token_alpha, g, c, dl_hist, draft_length_policy)
-    v = {k: x["verify_cost_ratio"] for k, x in (verify_cost_ratio or {}).items()}
-    nodes = [r.get("nodes_verified") for r in rows]
-    tree = str(draft_length_policy).startswith("tree:")
-    known = bool(v) and step_overhead is not None and not (tree and None in nodes)  # an older file: unknown, never
-    components = expected_speedup_from_costs(  # a tree priced as a chain
-        tau, dl_hist, c, v, _ratio(sum(nodes), steps.sum()) if tree else None, step_overhead) \
-        if known and rows else float("nan")
-    # a numerical tie of the target's own logits is not a decoder fault: lossless, and counted apart
-    equal = [r["greedy_equal"] or r.get("numerical_tie_gap") is not None for r in rows
-             if r["greedy_equal"] is not None]
-    ties = [r["numerical_tie_gap"] for r in rows if r.get("numerical_tie_gap") is not None]
-    boot = dict(samples=bootstrap_samples, confidence=confidence)
-    key = (rows[0]["draft"], rows[0]["domain"], g) if rows else ("", "", g)
-    if draft_length_policy != FIXED:
-        key = (*key, draft_length_policy)
-    entry = {
-        "num_draft_tokens": g,
-        "draft_length_policy": draft_length_policy,
-        "mean_draft_length": _ratio(drafted.sum(), steps.sum()),
-        "draft_length_histogram": dl_hist,
-        "acceptance_rate": alpha,
-        "acceptance_rate_ci": bootstrap_ratio_ci(accepted, drafted, seed=_cell_seed(seed, "alpha", *key), **boot),
-        "token_acceptance_rate": token_alpha,
-        "mean_accepted_length": tau,
-        "mean_accepted_length_ci": bootstrap_ratio_ci(emitted, steps, seed=_cell_seed(seed, "tau", *key), **boot),
-        "expected_mean_accepted_length": exp_tau,
-        "per_position_acceptance": [_ratio(a, d) for a, d in zip(ppa + [0] * (len(ppd) - len(ppa)), ppd)],
-        "accepted_length_histogram": hist,
-        "draft_time_s": float(col("draft_time_s").sum()),
-        "verify_time_s": float(col("verify_time_s").sum()),
-        "target_tokens_per_s": target_tps,
-        "speculative_tokens_per_s": spec_tps,
-        "target_latency_s": percentiles(tgt_t),
-        "speculative_latency_s": percentiles(spec_t),
-        "measured_speedup": speedup,
+    return {
+        "draft_time_s": float(col["draft_time_s"].sum()), "verify_time_s": float(col["verify_time_s"].sum()),
+        "target_tokens_per_s": target_tps, "speculative_tokens_per_s": spec_tps,
+        "target_latency_s": percentiles(tgt_t), "speculative_latency_s": percentiles(spec_t),
+        "measured_speedup": _ratio(spec_tps, target_tps) if math.isfinite(target_tps) else float("nan"),
         "measured_speedup_ci": bootstrap_speedup_ci(new, spec_trials, tnew, tgt_trials,
                                                     seed=_cell_seed(seed, "speedup", *key), **boot),
         "timing_trials": int(spec_trials.shape[1]),
-        "paired_speedup_median": paired,
-        "expected_speedup": exp_speedup,
-        "expected_speedup_components": _nan_to_none(components),
-        "loop_overhead_per_step": step_overhead,
-        "cost_ratio": c,
-        "num_prompts": len(rows),
-        "lossless": (all(equal) if equal else None) if check_lossless else None,
-        "numerical_ties": len(ties),
-        "numerical_tie_max_gap": max(ties) if ties else None,
-        "stats": {
-            "verify_steps": int(steps.sum()), "drafted_tokens": int(drafted.sum()),
-            "accepted_tokens": int(accepted.sum()), "emitted_tokens": int(emitted.sum()),
-            "new_tokens": int(new.sum()), "speculative_time_s": float(spec_t.sum()),
-            "target_new_tokens": int(tnew.sum()), "target_time_s": float(tgt_t.sum()),
-            "draft_time_s": float(col("draft_time_s").sum()), "verify_time_s": float(col("verify_time_s").sum()),
-            "per_position_drafted": ppd, "per_position_accepted": ppa, "accepted_length_histogram": hist,
-            "draft_length_histogram": dl_hist,
-        },
-    }
-    return entry
+        "paired_speedup_median": float(np.median(pairs)) if pairs.size else float("nan")}
+
+
+def _lossless_fields(rows: list[dict], check_lossless: bool) -> dict:
+    """``lossless`` (None when not checked), and the numerical ties counted apart: a tie of the target's own logits
+    is not a decoder fault."""
+    equal = [r["greedy_equal"] or r.get("numerical_tie_gap") is not None for r in rows
+             if r["greedy_equal"] is not None]
+    ties = [r["numerical_tie_gap"] for r in rows if r.get("numerical_tie_gap") is not None]
+    return {"lossless": (all(equal) if equal else None) if check_lossless else None,
+            "numerical_ties": len(ties), "numerical_tie_max_gap": max(ties) if ties else None}
+
+
+def _stats(col: dict, acc: dict) -> dict:
+    """The pooled counts behind a cell (``stats``), from which its ratios are recomputed."""
+    ppd, ppa = acc.pop("_per_position")
+    ints = ("verify_steps", "drafted_tokens", "accepted_tokens", "emitted_tokens", "new_tokens", "target_new_tokens")
+    out = {k: int(col[k].sum()) for k in ints}
+    out.update({k: float(col[k].sum()) for k in ("speculative_time_s", "target_time_s", "draft_time_s",
+                                                  "verify_time_s")})
+    return {**out, "per_position_drafted": ppd, "per_position_accepted": ppa,
+            "accepted_length_histogram": acc["accepted_length_histogram"],
+            "draft_length_histogram": acc["draft_length_histogram"]}
 
 
 def _expected(token_alpha: float, g: int, c: float, dl_hist: dict, draft_length_policy: str) -> tuple[float, float]:
@@ -330,67 +344,67 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     """
     cells: dict[tuple[str, str, int], list[dict]] = {}
     policy_cells: dict[tuple[str, str, str], list[dict]] = {}
+    by_pair: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
+        by_pair.setdefault((r["draft"], r["domain"]), []).append(r)
         if policy_of(r) == FIXED:
             cells.setdefault((r["draft"], r["domain"], int(r["num_draft_tokens"])), []).append(r)
         else:
             policy_cells.setdefault((r["draft"], r["domain"], policy_of(r)), []).append(r)
-    by_pair: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        by_pair.setdefault((r["draft"], r["domain"]), []).append(r)
     # o in the unit the v_k it is added to share: the target forward measured with them (else the one measured with c)
     unit = next((x.get("target_forward_s") for x in (verify_cost_ratio or {}).values() if x.get("target_forward_s")),
                 None)
     overhead = {pair: loop_overhead_per_step(rs, unit or (target_forward_s or {}).get(pair[0]))
                 for pair, rs in by_pair.items()}
+    kw = dict(bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed, check_lossless=check_lossless,
+              verify_cost_ratio=verify_cost_ratio)
     policies: dict[tuple[str, str], dict[str, dict]] = {}
     for (draft, domain, name), cell in policy_cells.items():
         policies.setdefault((draft, domain), {})[name] = cell_metrics(
             cell, cost_ratio[draft], num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
-            bootstrap_samples=bootstrap_samples, confidence=confidence, seed=seed, check_lossless=check_lossless,
-            draft_length_policy=name, verify_cost_ratio=verify_cost_ratio, step_overhead=overhead[(draft, domain)])
+            draft_length_policy=name, step_overhead=overhead[(draft, domain)], **kw)
     drafts: dict[str, dict[str, dict]] = {}
     for (draft, domain, g), cell in cells.items():
-        e = cell_metrics(cell, cost_ratio[draft], num_draft_tokens=g, bootstrap_samples=bootstrap_samples,
-                         confidence=confidence, seed=seed, check_lossless=check_lossless,
-                         verify_cost_ratio=verify_cost_ratio, step_overhead=overhead[(draft, domain)])
-        drafts.setdefault(draft, {}).setdefault(domain, {})[g] = e
+        drafts.setdefault(draft, {}).setdefault(domain, {})[g] = cell_metrics(
+            cell, cost_ratio[draft], num_draft_tokens=g, step_overhead=overhead[(draft, domain)], **kw)
     out: dict[str, dict[str, dict]] = {}
-    recommendation: dict[str, dict] = {}
+    best_measured: dict[str, dict] = {}
     for draft, by_domain in drafts.items():
         for domain, sweep in by_domain.items():
-            gammas = sorted(sweep)
-            primary = min(gammas, key=lambda x: (abs(x - primary_num_draft_tokens), x))
-            best = max(gammas, key=lambda x: (_finite(sweep[x]["measured_speedup"]), -x))
-            ppa = sum(sum(sweep[x]["stats"]["per_position_accepted"]) for x in gammas)
-            ppd = sum(sum(sweep[x]["stats"]["per_position_drafted"]) for x in gammas)
-            alpha = _ratio(ppa, ppd)
-            c = cost_ratio[draft]
-            top = max(max(gammas), 8)
-            curve = [expected_speedup(alpha, x, c) if math.isfinite(alpha) else float("nan")
-                     for x in range(1, top + 1)]
-            entry = dict(sweep[primary])
-            entry.update(best_num_draft_tokens=best, token_acceptance_rate_pooled_over_sweep=alpha,
-                         leviathan_curve={"num_draft_tokens": list(range(1, top + 1)), "expected_speedup": curve},
-                         sweep={str(x): sweep[x] for x in gammas})
-            by_policy = policies.get((draft, domain), {})
-            if by_policy:
-                entry["policies"] = by_policy
+            entry = _domain_entry(sweep, cost_ratio[draft], primary_num_draft_tokens, policies.get((draft, domain)))
             out.setdefault(draft, {})[domain] = entry
-            for name, e in [(FIXED, sweep[best])] + list(by_policy.items()):
-                cand = {"draft": draft, "draft_length_policy": name, "num_draft_tokens": e["num_draft_tokens"],
-                        "measured_speedup": e["measured_speedup"], "measured_speedup_ci": e["measured_speedup_ci"],
-                        "mean_accepted_length": e["mean_accepted_length"],
-                        "mean_accepted_length_ci": e["mean_accepted_length_ci"],
-                        "expected_speedup": e["expected_speedup"],
-                        "expected_speedup_components": e["expected_speedup_components"],
-                        "mean_draft_length": e["mean_draft_length"]}
-                cur = recommendation.get(domain)
-                if cur is None or _finite(cand["measured_speedup"]) > _finite(cur["measured_speedup"]):
-                    recommendation[domain] = cand
+            best = sweep[entry["best_num_draft_tokens"]]
+            for name, e in [(FIXED, best)] + list(entry.get("policies", {}).items()):
+                cur = best_measured.get(domain)
+                if cur is None or _finite(e["measured_speedup"]) > _finite(cur["measured_speedup"]):
+                    best_measured[domain] = {"draft": draft, "draft_length_policy": name, **{
+                        k: e[k] for k in ("num_draft_tokens", "measured_speedup", "measured_speedup_ci",
+                                          "mean_accepted_length", "mean_accepted_length_ci", "expected_speedup",
+                                          "expected_speedup_components", "mean_draft_length")}}
     vs = ratios_vs_reference(rows, num_draft_tokens=primary_num_draft_tokens, bootstrap_samples=bootstrap_samples,
                              confidence=confidence, seed=seed) if any(r["draft"] == REFERENCE_DRAFT for r in rows) else {}
-    return {"drafts": out, "recommendation": recommendation, "vs_baseline": vs}
+    return {"drafts": out, "recommendation": best_measured, "vs_baseline": vs}
+
+
+def _domain_entry(sweep: dict[int, dict], c: float, primary_num_draft_tokens: int, by_policy: dict | None) -> dict:
+    """One (draft, domain) entry: the metrics at the primary gamma (the measured one closest to
+    ``primary_num_draft_tokens``), ``best_num_draft_tokens``, Leviathan's curve from the acceptance pooled over the
+    sweep, ``sweep`` and ``policies``."""
+    gammas = sorted(sweep)
+    primary = min(gammas, key=lambda x: (abs(x - primary_num_draft_tokens), x))
+    best = max(gammas, key=lambda x: (_finite(sweep[x]["measured_speedup"]), -x))
+    ppa = sum(sum(sweep[x]["stats"]["per_position_accepted"]) for x in gammas)
+    ppd = sum(sum(sweep[x]["stats"]["per_position_drafted"]) for x in gammas)
+    alpha = _ratio(ppa, ppd)
+    top = max(max(gammas), 8)
+    curve = [expected_speedup(alpha, x, c) if math.isfinite(alpha) else float("nan") for x in range(1, top + 1)]
+    entry = dict(sweep[primary])
+    entry.update(best_num_draft_tokens=best, token_acceptance_rate_pooled_over_sweep=alpha,
+                 leviathan_curve={"num_draft_tokens": list(range(1, top + 1)), "expected_speedup": curve},
+                 sweep={str(x): sweep[x] for x in gammas})
+    if by_policy:
+        entry["policies"] = by_policy
+    return entry
 
 
 def _finite(x) -> float:

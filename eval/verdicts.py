@@ -172,7 +172,8 @@ def _low_tau_drafts(doc: dict, domain: str) -> tuple[dict[str, float], list[str]
 
 
 def flags(doc: dict, domain: str) -> list[str]:
-    """Short flags of a domain's verdict: ``tie``, ``not clearly > 1``, ``NOISY``, ``ALERT`` (every draft's tau
+    """Short flags of a domain's verdict: ``tie``, ``not clearly > 1``, ``NOISY``, ``RE-MEASURE`` (a setting measured
+    faster than its tau allows was set aside: disturbed timing), ``ALERT`` (every draft's tau
     below ``eval.alert_mean_accepted_length``), ``LOSSLESS CHECK FAILED``, ``INCONSISTENT`` (the oracle disagreed)."""
     r = doc["recommendation"].get(domain) or {}
     out = []
@@ -182,6 +183,8 @@ def flags(doc: dict, domain: str) -> list[str]:
         out.append("not clearly > 1")
     if r.get("noisy"):
         out.append("NOISY")
+    if any("disturbed timing" in x for x in r.get("set_aside") or []):
+        out.append("RE-MEASURE")  # a setting measured faster than its tau allows was set aside
     taus, low = _low_tau_drafts(doc, domain)
     if taus and len(low) == len(taus):
         out.append("ALERT")

@@ -564,6 +564,25 @@ def test_the_speedup_bound_follows_the_measured_verify_cost():
     assert kept == [] and "disturbed timing" in dropped[0]
 
 
+def test_a_speedup_its_tau_cannot_explain_is_never_deployed_and_the_verdict_asks_to_re_measure():
+    """gamma 4 measured 3.5x at tau 2.0 (out of physical reach: disturbed timing) beside gamma 2 at 1.3x, tau 1.8:
+    the decision is gamma 2, the disturbed setting is set aside by name, and the verdict is flagged RE-MEASURE."""
+    from eval.verdicts import add_decisions, flags, verdict_line
+
+    def e(g, s, tau):
+        return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - 0.1, s + 0.1],
+                "expected_speedup": 1.2, "expected_speedup_components": 1.2, "mean_accepted_length": tau,
+                "lossless": True}
+
+    doc = {"context": {}, "alert_mean_accepted_length": 1.0, "drafts": {"d": {"medical": {
+        "sweep": {"2": e(2, 1.3, 1.8), "4": e(4, 3.5, 2.0)}, "mean_accepted_length": 1.8}}}}
+    add_decisions(doc)
+    r = doc["recommendation"]["medical"]
+    assert (r["action"], r["num_draft_tokens"], r["basis"]) == ("speculate", 2, "measured")
+    assert len(r["set_aside"]) == 1 and "num_draft_tokens=4" in r["set_aside"][0]
+    assert "RE-MEASURE" in flags(doc, "medical") and "RE-MEASURE" in verdict_line(doc, "medical")
+
+
 def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
     from eval.verdicts import add_decisions
 

@@ -1,8 +1,9 @@
 """Where speculative decoding's time goes, per draft and domain: the ``time_breakdown`` of ``metrics.json`` and its
 report section.
 
-The same quantities as ``scripts/bench_decode.py`` prints, from the per-prompt rows at the primary gamma (fixed
-policy) and the measured forward times:
+The same quantities as the decoder benchmark prints (:mod:`eval.bench`, ``scripts/bench_decode.py``; the phase
+split is :func:`phase_split` for both), from the per-prompt rows at the primary gamma (fixed policy) and the
+measured forward times:
 
 - ``prefill_s``, ``draft_s``, ``verify_s``: summed decoder phase times (``AcceptanceStats.prefill_time_s`` /
   ``draft_time_s`` / ``verify_time_s``), ``wall_s`` the summed speculative decode time (``speculative_time_s``, the
@@ -27,11 +28,24 @@ import math
 
 from decode.stats import expected_speedup
 
-__all__ = ["time_breakdown", "time_breakdown_section"]
+__all__ = ["phase_split", "time_breakdown", "time_breakdown_section"]
 
 
 def _div(a, b):
     return a / b if a is not None and b not in (None, 0) and math.isfinite(b) else None
+
+
+def phase_split(wall_s: float, prefill_s: float | None, draft_s: float, verify_s: float, missing=None) -> dict:
+    """Speculative decoding's wall seconds split by phase: ``{"wall_s", "prefill_s", "draft_s", "verify_s",
+    "other_s", "loop_efficiency"}`` with ``other_s = wall_s - prefill_s - draft_s - verify_s`` (the loop's own work)
+    and ``loop_efficiency = (prefill_s + draft_s + verify_s) / wall_s`` (time in model forwards / wall). Seconds
+    summed over the decodes (``AcceptanceStats.prefill_time_s`` / ``draft_time_s`` / ``verify_time_s``); what cannot
+    be computed (``prefill_s`` None, a zero wall time) is ``missing``."""
+    forwards = None if prefill_s is None else prefill_s + draft_s + verify_s
+    efficiency = _div(forwards, wall_s)
+    return {"wall_s": wall_s, "prefill_s": prefill_s, "draft_s": draft_s, "verify_s": verify_s,
+            "other_s": missing if forwards is None else wall_s - forwards,
+            "loop_efficiency": missing if efficiency is None else efficiency}
 
 
 def time_breakdown(rows: list[dict], cost_ratio: dict, verify_cost_ratio: dict | None, drafts: dict,
@@ -58,16 +72,13 @@ def time_breakdown(rows: list[dict], cost_ratio: dict, verify_cost_ratio: dict |
             verify_s = sum(r["verify_time_s"] for r in cell)
             pre = [r.get("prefill_time_s") for r in cell]
             prefill_s = None if any(p is None for p in pre) else sum(pre)
-            forwards = None if prefill_s is None else prefill_s + draft_s + verify_s
             steps = sum(r["verify_steps"] for r in cell)
             drafted = sum(r["drafted_tokens"] for r in cell)
             a = entry.get("token_acceptance_rate")
             finite = a is not None and math.isfinite(a) and c is not None
             out.setdefault(name, {})[domain] = {
                 "num_draft_tokens": g,
-                "wall_s": wall, "prefill_s": prefill_s, "draft_s": draft_s, "verify_s": verify_s,
-                "other_s": None if forwards is None else wall - forwards,
-                "loop_efficiency": _div(forwards, wall),
+                **phase_split(wall, prefill_s, draft_s, verify_s),
                 "cost_ratio": c,
                 "cost_ratio_in_loop": _div(_div(draft_s, drafted), t1),
                 "verify_cost_ratio": v,

@@ -96,7 +96,7 @@ class EvalConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; null: bfloat16 on a GPU, float32 on CPU
     timing_trials: int = 1  # timed repetitions of every decode (paired speculative / target-only, interleaved)
     noisy_relative_width: float = 0.5  # a domain's timing is noisy when its speedup interval is wider than this x
-    # the estimate (or other processes kept a quarter core busy: eval.evaluate.load_record)
+    # the estimate (or other processes kept a quarter core busy: eval.timing.load_record)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
 
     def __post_init__(self):

@@ -9,7 +9,7 @@ aside) goes to :func:`reasoning_section`, "How each verdict was reached", furthe
 A measurement is marked **noisy** (:func:`noisy_reasons`) when the chosen setting's interval is wider than
 ``eval.noisy_relative_width`` times its point estimate, its measured speedup exceeds tau / min(1, v) by more than
 10 % (:func:`eval.decision.speedup_bound`), or other processes kept more than a quarter of a core busy while the
-domain was timed (``eval.evaluate.load_record``).
+domain was timed (``eval.timing.load_record``).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from .kv_policy import CachePolicy, cache_policy  # noqa: F401  (CachePolicy re-exported by decode)
+from .kv_policy import CachePolicy, cache_policy, tree_visibility  # noqa: F401  (CachePolicy re-exported by decode)
 from .stats import AcceptanceStats
 from .threads import BlockThreads
 
@@ -267,6 +267,54 @@ class KVState:
         if self.policy.windowed:
             self.pos = self.pos[rows]
 
+    def forward_tree(self, tokens: torch.Tensor, positions: torch.Tensor, region_start: int,
+                     region_positions: torch.Tensor, allowed_region: torch.Tensor) -> torch.Tensor:
+        """Append a token-tree block (batch 1, :mod:`decode.tree`): ``tokens (T,)`` int64 at position ids
+        ``positions (T,)``; return logits ``(T, V)``.
+
+        Every valid slot before ``region_start`` is visible to every new token; in the region ``[region_start,
+        L + T)`` token ``i`` sees the slots where ``allowed_region[i]`` is set (``(T, L + T - region_start)`` bool:
+        its ancestors and itself), whose positions are ``region_positions (L + T - region_start,)``. A windowed
+        model's window applies on top, by position (one additive mask per layer type when they differ)."""
+        dev, t = allowed_region.device, tokens.shape[0]
+        allowed, kpos = tree_visibility(self.mask[0, :region_start].bool(), allowed_region, region_positions)
+        window = self.policy.window
+        full = allowed
+        if window is not None:
+            allowed = allowed & ((positions[:, None] - kpos[None, :]) < window)
+        dtype = next(self.model.parameters()).dtype
+        neg = torch.finfo(dtype).min
+
+        def additive(a):
+            return torch.zeros(a.shape, dtype=dtype, device=dev).masked_fill_(~a, neg)[None, None]
+
+        mask = additive(allowed)
+        if window is not None:
+            self.pos = torch.cat([self.pos, positions[None]], 1)
+            if self.mixed:
+                mask = {"full_attention": additive(full), "sliding_attention": mask}
+        self.mask = torch.cat([self.mask, torch.ones(1, t, dtype=torch.long, device=dev)], 1)
+        with BlockThreads(dev, t):  # decode.block_threads (decode/threads.py)
+            out = self.model(input_ids=tokens[None], attention_mask=mask, position_ids=positions[None],
+                             cache=self.cache, use_cache=True, logits_to_keep=0)
+        self.num_valid = self.num_valid + t
+        return out.logits[0]
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep only the slots ``start + keep[i]`` (``keep`` ascending) of the region after ``start``, moved into the
+        consecutive slots ``start + i``; every later slot is cut off (token trees, batch 1: the accepted path).
+        Their positions must already be consecutive (a root-to-node path). No recomputation: the K/V entries are
+        copied."""
+        n = len(keep)
+        if keep != list(range(n)):
+            idx = torch.tensor(keep, dtype=torch.long, device=self.num_valid.device) + start
+            for layer in self.cache.layers:  # (B, H_kv, L, D)
+                layer.keys[:, :, start:start + n] = layer.keys[:, :, idx]
+                layer.values[:, :, start:start + n] = layer.values[:, :, idx]
+            if self.policy.windowed:
+                self.pos[:, start:start + n] = self.pos[:, idx]
+        self.truncate(start, None, n)
+
 
 def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, capacity: int = 256,
                  fast_path: bool | None = None):
@@ -277,11 +325,13 @@ def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, 
     forward (``ValueError`` naming the reason when the model is not supported). ``capacity``: expected number of
     cache slots (the lean state preallocates that many and grows when needed).
     """
-    from .fast_llama import FastKVState, _unsupported_reason, frozen_cached
+    from .fast_llama import FastKVState
+    from .fast_support import unsupported_reason
+    from .fast_weights import frozen_cached
 
     if fast_path is False:
         return KVState(model, batch_size, device, capacity)
-    reason = frozen_cached(model, "unsupported_reason", lambda: _unsupported_reason(model))
+    reason = frozen_cached(model, "unsupported_reason", lambda: unsupported_reason(model))
     if reason is None:
         return FastKVState(model, batch_size, device, capacity=capacity)
     if fast_path:

@@ -1,6 +1,6 @@
-"""The decoder's KV-cache policy: which attention patterns it can roll back exactly, and the window each layer
-type uses (shared by the Hugging Face state in :mod:`decode.common` and the lean forward of
-:mod:`decode.fast_llama`)."""
+"""The decoder's KV-cache policy: which attention patterns it can roll back exactly, the window each layer type
+uses, and what a token-tree block sees of the cache (shared by the Hugging Face state in :mod:`decode.common` and
+the lean forward of :mod:`decode.fast_llama`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -97,3 +97,21 @@ def _cache_policy(model: torch.nn.Module, batch_size: int, max_length: int) -> C
                              "would be decoded wrongly: decode one prompt at a time (batch size 1) or keep "
                              f"prompt + max_new_tokens + gamma below {ws}.")
     return CachePolicy(tuple(types), window)
+
+
+def tree_visibility(prefix_valid: torch.Tensor, allowed_region: torch.Tensor, region_positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token of a token-tree block sees (:mod:`decode.tree`, batch 1), over the whole cache.
+
+    Args:
+        prefix_valid: ``(R0,)`` bool, the valid slots before the tree region (visible to every new token).
+        allowed_region: ``(T, L + T - R0)`` bool, which region slots each new token sees (ancestors and itself).
+        region_positions: ``(L + T - R0,)`` int64, the position of every region slot, old and new.
+    Returns:
+        ``(allowed (T, L + T) bool, key_positions (L + T,) int64)``: a prefix slot's position is the number of
+        valid slots before it (the windows compare positions, not slots).
+    """
+    t = allowed_region.shape[0]
+    allowed = torch.cat([prefix_valid[None, :].expand(t, -1), allowed_region], 1)  # (T, L+T)
+    key_positions = torch.cat([prefix_valid.long().cumsum(0) - 1, region_positions])
+    return allowed, key_positions

@@ -38,7 +38,9 @@ Verification (batch size 1):
 Caches: the draft feeds one level of the tree per forward (tree mask over its own cache); the target scores the last
 emitted token plus all nodes in one forward. After acceptance the KV entries of the accepted path are moved into
 consecutive slots after the prefix and the rest is cut off (no recomputation of the accepted prefix); an accepted
-leaf that the draft never fed is fed with the next step's first draft forward, together with the new token.
+leaf that the draft never fed is fed with the next step's first draft forward, together with the new token. Both
+KV states (:class:`decode.common.KVState`, :class:`decode.fast_llama.FastKVState`) do the cache work:
+``forward_tree`` (a block under a tree mask) and ``compact`` (the accepted path into place).
 """
 from __future__ import annotations
 
@@ -52,7 +54,6 @@ from .common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_stat
                       sync)
 from .sampling import process_logits, sample_tokens, uniform
 from .stats import AcceptanceStats
-from .threads import BlockThreads
 
 __all__ = ["DraftTree", "TokenTree", "DynamicTokenTree", "parse_draft_tree", "tree_generate"]
 
@@ -185,7 +186,8 @@ def parse_draft_tree(spec) -> DraftTree | None:
 # ---------------------------------------------------------------------------------------------------- cache edits
 def _tree_forward(state, tokens: list[int], positions: list[int], region_start: int, region_pos: list[int],
                   allowed_region: torch.Tensor) -> torch.Tensor:
-    """Append ``tokens`` (T nodes) to ``state`` (batch 1) with a tree mask; return logits ``(T, V)``.
+    """Append ``tokens`` (T nodes) to ``state`` (batch 1) with a tree mask (the state's ``forward_tree``); return
+    logits ``(T, V)``.
 
     Args:
         positions: position id of each new token.
@@ -195,57 +197,9 @@ def _tree_forward(state, tokens: list[int], positions: list[int], region_start: 
             and itself).
     """
     dev = allowed_region.device
-    t = len(tokens)
-    length = state.length
-    tok = torch.tensor([tokens], dtype=torch.long, device=dev)
-    qpos = torch.tensor(positions, dtype=torch.long, device=dev)
-    prefix_valid = state.mask[0, :region_start].bool()  # (R0,)
-    allowed = torch.cat([prefix_valid[None, :].expand(t, -1), allowed_region], 1)  # (T, L+T)
-    kpos = torch.cat([prefix_valid.long().cumsum(0) - 1, torch.tensor(region_pos, dtype=torch.long, device=dev)])
-    if state.fast:  # the lean forward applies each layer's window itself
-        return state.forward(tok, None, logits_to_keep=0, tree=(qpos[None], allowed, kpos))[0]
-    window = state.policy.window
-    full = allowed
-    if window is not None:
-        allowed = allowed & ((qpos[:, None] - kpos[None, :]) < window)
-    dtype = next(state.model.parameters()).dtype
-    neg = torch.finfo(dtype).min
-
-    def additive(a):
-        return torch.zeros(a.shape, dtype=dtype, device=dev).masked_fill_(~a, neg)[None, None]
-
-    mask = additive(allowed)
-    if window is not None:
-        state.pos = torch.cat([state.pos, qpos[None]], 1)
-        if state.mixed:
-            mask = {"full_attention": additive(full), "sliding_attention": mask}
-    state.mask = torch.cat([state.mask, torch.ones(1, t, dtype=torch.long, device=dev)], 1)
-    with BlockThreads(dev, t):  # decode.block_threads (decode/threads.py)
-        out = state.model(input_ids=tok, attention_mask=mask, position_ids=qpos[None], cache=state.cache,
-                          use_cache=True, logits_to_keep=0)
-    state.num_valid = state.num_valid + t
-    assert state.length == length + t
-    return out.logits[0]
-
-
-def _compact(state, start: int, keep: list[int]) -> None:
-    """Keep only the slots ``start + keep[i]`` (ascending) of the region after ``start``, moved into the consecutive
-    slots ``start + i``; every later slot is cut off. Their positions must already be consecutive (a root-to-node
-    path). No recomputation: the K/V entries are copied."""
-    n = len(keep)
-    if keep != list(range(n)):
-        idx = torch.tensor(keep, dtype=torch.long, device=state.num_valid.device) + start
-        if state.fast:
-            for k, v in zip(state.k, state.v):  # (B, cap, H_kv, D)
-                k[:, start:start + n] = k[:, idx]
-                v[:, start:start + n] = v[:, idx]
-        else:
-            for layer in state.cache.layers:  # (B, H_kv, L, D)
-                layer.keys[:, :, start:start + n] = layer.keys[:, :, idx]
-                layer.values[:, :, start:start + n] = layer.values[:, :, idx]
-            if state.policy.windowed:
-                state.pos[:, start:start + n] = state.pos[:, idx]
-    state.truncate(start, None, n)
+    return state.forward_tree(torch.tensor(tokens, dtype=torch.long, device=dev),
+                              torch.tensor(positions, dtype=torch.long, device=dev), region_start,
+                              torch.tensor(region_pos, dtype=torch.long, device=dev), allowed_region)
 
 
 # ---------------------------------------------------------------------------------------------------- drafting
@@ -500,10 +454,10 @@ def tree_generate(target, draft, io: DecodeSetup, *, tree: DraftTree, max_new_to
         if hit or num_new >= max_new_tokens:
             break
         # caches: keep the last emitted token and the accepted path (target); the fed part of the path (draft)
-        _compact(tstate, verify_start, [0] + [1 + i for i in path])
+        tstate.compact(verify_start, [0] + [1 + i for i in path])
         if depth > 0:
             fed = [i for i in path if nodes.slot[i] is not None]  # a prefix of the path
-            _compact(dstate, region_start, [nodes.slot[i] for i in fed])
+            dstate.compact(region_start, [nodes.slot[i] for i in fed])
             pending = [nodes.token[i] for i in path[len(fed):]] + [next_tok]
         else:
             pending = pending + [next_tok]

@@ -273,7 +273,7 @@ def test_lean_forward_after_a_peft_lora_merge():
 def test_packed_copies_are_reused_only_for_bitwise_equal_weights():
     """The reuse test is exact: one flipped bit (one ulp, a NaN payload) or -0.0 for 0.0 is a change, for views at
     odd offsets, transposed views and half precision too."""
-    from decode.fast_llama import _same_bits
+    from decode.fast_weights import _same_bits
 
     w = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     flat = torch.randn(61)
@@ -410,7 +410,7 @@ def test_compiled_lean_forward_is_lossless():
 # ---------------------------------------------------------------- decode.frozen_weights: read the weights once
 def _reads(monkeypatch):
     """Count how often a state reads a model's weights (``_layer_weights``)."""
-    import decode.fast_llama as fl
+    import decode.fast_weights as fl
 
     calls = []
     real = fl._layer_weights
@@ -469,7 +469,7 @@ def test_frozen_weights_nests_and_forgets_the_models_on_exit(monkeypatch):
     import gc
     import weakref
 
-    import decode.fast_llama as fl
+    import decode.fast_weights as fl
     from decode import frozen_weights
 
     model = _llama(seed=3)
@@ -492,7 +492,7 @@ def test_frozen_weights_nests_and_forgets_the_models_on_exit(monkeypatch):
 def test_several_row_products_on_the_out_in_copy_match_the_one_row_layout(rows):
     """``_rows_times`` / ``_rows_addmm`` (weight as the left operand) compute ``x @ W^T`` and ``r + x @ W^T`` for
     any rows, including a transposed (non-contiguous) ``x``, to fp32 rounding; the result is contiguous."""
-    from decode.fast_llama import _rows_addmm, _rows_times
+    from decode.fast_settings import rows_addmm as _rows_addmm, rows_times as _rows_times
 
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(37, 24, generator=g)  # (out, in)
@@ -537,7 +537,7 @@ def test_frozen_weights_sees_new_storage_even_at_a_reused_address():
 
 
 def test_frozen_weights_refuses_a_non_model_and_registers_nothing():
-    import decode.fast_llama as fl
+    import decode.fast_weights as fl
     from decode import frozen_weights
 
     model = _llama(seed=4)
@@ -589,7 +589,7 @@ def test_auto_row_layout_is_measured_once_per_shape_and_thread_count(row_layout,
     """``auto`` times the two forms on the model's own projections (one layer's four and the head) and keeps the
     faster, once per shapes / dtype / threads (recorded for reports); a set layout measures nothing; anything else
     is refused with the accepted values."""
-    import decode.fast_llama as fl
+    import decode.fast_settings as fl
 
     calls = []
     real = fl._measure_row_layout
@@ -599,7 +599,7 @@ def test_auto_row_layout_is_measured_once_per_shape_and_thread_count(row_layout,
         return real(pairs, threads, rounds=3)
 
     monkeypatch.setattr(fl, "_measure_row_layout", spy)
-    monkeypatch.setattr(fl, "_row_layout_measured", {})
+    monkeypatch.setattr(fl.SETTINGS, "row_layout_measured", {})
     model = _llama(seed=5)
     with torch.inference_mode():
         states = [FastKVState(model, 1, torch.device("cpu"), packed=True) for _ in range(3)]
@@ -613,7 +613,7 @@ def test_auto_row_layout_is_measured_once_per_shape_and_thread_count(row_layout,
     assert m["chosen"] == faster and m["threads"] == threads
     assert all((s.rows_w is not None) == (faster == "weight_left") for s in states)
     row_layout("activation_left")
-    monkeypatch.setattr(fl, "_row_layout_measured", {})
+    monkeypatch.setattr(fl.SETTINGS, "row_layout_measured", {})
     with torch.inference_mode():
         FastKVState(_llama(seed=6, hidden_size=60, intermediate_size=128), 1, torch.device("cpu"), packed=True)
     assert len(calls) == 1  # a set layout: nothing measured

@@ -11,7 +11,7 @@ from decode_testutils import hf_greedy, make_pair, random_prompts
 from tinymodels import tiny_family, tiny_llama
 from decode import DynamicTokenTree, TokenTree, parse_draft_tree, process_logits, speculative_generate
 from decode.common import new_kv_state
-from decode.tree import _compact, _tree_forward
+from decode.tree import _tree_forward
 
 # ------------------------------------------------------------------------------------------------ tree mask
 
@@ -67,7 +67,7 @@ def test_tree_mask_logits_equal_each_root_to_leaf_path_run_separately(family, fa
         torch.testing.assert_close(logits[1 + i], ref, atol=2e-5, rtol=1e-4)
     leaf = n - 1 - 2  # a leaf that is not the first child anywhere on its path: entries must move
     path = _path(parents, leaf)
-    _compact(state, start, [0] + [1 + a for a in path])
+    state.compact(start, [0] + [1 + a for a in path])
     assert state.length == start + 1 + len(path) and int(state.num_valid[0]) == state.length
     nxt = state.forward(torch.tensor([[5]]))[0, -1]
     seq = torch.cat([prompt, torch.tensor([tokens[a] for a in path] + [5])])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from decode import autoregressive_generate, speculative_generate
 from decode.common import new_kv_state, output_vocab_size
-from decode.fast_llama import FastKVState, _unsupported_reason
+from decode.fast_llama import FastKVState, unsupported_reason as _unsupported_reason
 from decode.quantize import is_quantized, load_draft, quantize_draft
 from decode_testutils import left_pad, make_pair, random_prompts
 

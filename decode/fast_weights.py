@@ -1,0 +1,293 @@
+"""What a lean state (:class:`decode.fast_llama.FastKVState`) reads from a model, and the caches that spare
+re-reading it (not public API beyond :func:`frozen_weights`).
+
+- Packed weights (CPU): transposed, concatenated copies of the projections kept per model between decode calls and
+  checked bit for bit against the live parameters by every new state (:func:`_layer_weights`).
+- :func:`read_model`: everything else a state derives from the model (sizes, norms, windows, rotary frequencies).
+- :func:`frozen_weights` / :func:`frozen_cached`: inside the context, what a state read is reused while every
+  parameter is the same tensor at the same version (fingerprints of storage, version, dtype and shape).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+
+import torch
+
+from .fast_support import ACTIVATIONS, GEMMA_FAMILIES, layer_inv_freqs, norm_eps
+
+__all__ = ["frozen_weights", "frozen_cached", "read_model", "use_packed"]
+
+# Packed weights (CPU): [q; k; v] and [gate; up] concatenated and every projection stored transposed, (in, out)
+# contiguous. In isolation MKL runs these small projections up to ~2x faster on that layout, and 7 projections per
+# layer become 4 matmuls: a one-token step of the reference target is ~1.3-1.4x faster than F.linear on the
+# parameters. The transposed copies are expensive to build (a strided copy of every weight: re-packing on every
+# decode call made 32- and 64-token calls 1.2-1.7x slower), so they are kept per model between decode calls, next
+# to a plain copy of the weights they were built from, [q; k; v] / [gate; up] concatenated in the parameters'
+# (out, in) layout; forwards over several rows (verify blocks, trees, prefills) multiply either with that copy as the
+# left operand (``rows_times`` in decode/fast_settings.py: on the 2-core AVX2 machine about what a one-row product
+# costs) or like one row on the (in, out) copy, whichever measured faster on this machine (``set_row_layout``). Every
+# FastKVState compares the live parameters with the rows of that
+# copy bit for bit (a sequential read of both: 32- and 64-token calls took 1.05-1.14x the time of the old cache
+# keyed on storage pointer and version; no copies at all: 1.2-1.5x) and rebuilds whatever differs. No key can miss
+# a change: in-place edits, writes through ``.data`` (peft merge, DeepSpeed's optimizer), ``.data = other_tensor``
+# and reloading are all seen by the next state. A state reads the weights once, when it is built: like its K/V
+# cache, it belongs to the weights of that moment (the decoders build new states on every call; inside
+# ``frozen_weights`` they reuse the first one's reading while the parameters are unchanged). On CUDA, and for
+# models over _PACK_MAX_BYTES, the model's own parameters are used through F.linear instead (no copies). Memory: the
+# packed and the plain copy of the projections, about twice the model's size, while the model lives.
+_PACK_MAX_BYTES = 1 << 30
+_packed_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def use_packed(model: torch.nn.Module, device: torch.device) -> bool:
+    if torch.device(device).type != "cpu":
+        return False
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    return size <= _PACK_MAX_BYTES
+
+
+def _same_bits(live: torch.Tensor, snap: torch.Tensor) -> bool:
+    """Whether ``live`` holds exactly ``snap``'s bits (same dtype, shape, device; NaN payloads and -0.0 included)."""
+    if live.dtype != snap.dtype or live.shape != snap.shape or live.device != snap.device:
+        return False
+    live = live.detach()
+    size = snap.element_size()
+    if live.dtype.is_complex or size not in _BITS:
+        return torch.equal(live, snap)
+    if (live.is_contiguous() and (live.numel() * size) % 8 == 0 and (live.storage_offset() * size) % 8 == 0
+            and snap.is_contiguous() and (snap.storage_offset() * size) % 8 == 0):  # as int64 words (~20% faster)
+        return torch.equal(live.reshape(-1).view(torch.int64), snap.reshape(-1).view(torch.int64))
+    return torch.equal(live.view(_BITS[size]), snap.view(_BITS[size]))
+
+
+def _packed(entry: dict, key, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cat(parts, 0)^T, cat(parts, 0))``, both contiguous: ``(in, sum of outs)`` for one-row products and
+    ``(sum of outs, in)`` for products over several rows (see :func:`decode.fast_settings.rows_times`); reused from
+    ``entry[key]`` only when every live part equals, bit for bit, the rows of the copy it was built from."""
+    hit = entry.get(key)
+    if hit is not None and len(hit[0]) == len(parts) and all(_same_bits(p, s) for p, s in zip(parts, hit[0])):
+        return hit[1], hit[2]
+    plain = parts[0].detach().clone(memory_format=torch.contiguous_format) if len(parts) == 1 else \
+        torch.cat([p.detach() for p in parts], 0)  # (sum of outs, in)
+    snaps = list(plain.split([p.shape[0] for p in parts], 0))  # each part's rows: contiguous views
+    packed = plain.t().contiguous()
+    entry[key] = (snaps, packed, plain)
+    return packed, plain
+
+
+def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], torch.Tensor, list | None]:
+    """Per layer ``(ln1, eps1, W_qkv, W_o, ln2, eps2, W_gu, W_down)``, the head ``W_lm`` and (packed only) the same
+    projections in the ``(out, in)`` layout, per layer ``(W_qkv, W_o, W_gu, W_down)`` then the head.
+
+    Packed (CPU): ``W_qkv (E, (H + 2 H_kv) D)``, ``W_o (H D, E)``, ``W_gu (E, 2 I)``, ``W_down (I, E)``,
+    ``W_lm (E, V)``: transposed copies checked against the live parameters on this call (see above), and their
+    ``(out, in)`` twins (the copies they were built from). Unpacked: the live parameters (or row views of Phi-3's
+    fused ``qkv_proj`` / ``gate_up_proj``), ``W_qkv`` and ``W_gu`` as tuples ``(q, k, v)`` / ``(gate, up)`` for
+    ``F.linear``. ``ln2`` is the norm before the MLP (Gemma: ``pre_feedforward_layernorm``); norms are the live
+    parameters."""
+    phi3 = model.config.model_type == "phi3"
+    pre_mlp = "pre_feedforward_layernorm" if model.config.model_type in GEMMA_FAMILIES else "post_attention_layernorm"
+    entry = _packed_cache.setdefault(model, {}) if packed else None
+    layers, rows_major = [], [] if packed else None
+    # ordinary tensors even when first built under inference_mode (the copies outlive the call)
+    with torch.inference_mode(False), torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            a, m = layer.self_attn, layer.mlp
+            qkv = [a.qkv_proj.weight] if phi3 else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+            gu = [m.gate_up_proj.weight] if phi3 else [m.gate_proj.weight, m.up_proj.weight]
+            if packed:
+                (qkv, qkv_r), (o, o_r) = _packed(entry, (i, "qkv"), qkv), _packed(entry, (i, "o"), [a.o_proj.weight])
+                (gu, gu_r), (down, down_r) = _packed(entry, (i, "gu"), gu), _packed(entry, (i, "down"),
+                                                                                    [m.down_proj.weight])
+                rows_major.append((qkv_r, o_r, gu_r, down_r))
+            else:
+                if phi3:
+                    qd, kd = a.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+                    qkv = list(qkv[0].split([qd, kd, kd]))
+                    gu = list(gu[0].chunk(2))
+                qkv, gu, o, down = tuple(qkv), tuple(gu), a.o_proj.weight, m.down_proj.weight
+            ln2 = getattr(layer, pre_mlp)
+            layers.append((layer.input_layernorm.weight, norm_eps(layer.input_layernorm), qkv, o,
+                           ln2.weight, norm_eps(ln2), gu, down))
+        if packed:
+            for key in [k for k in entry if k != "lm" and k[0] >= len(layers)]:  # layers removed since
+                del entry[key]
+        if packed:
+            lm, lm_r = _packed(entry, "lm", [model.lm_head.weight])
+            rows_major.append(lm_r)
+        else:
+            lm = model.lm_head.weight
+    return layers, lm, rows_major
+
+
+# ---------------------------------------------------------------------------------------------- frozen weights
+# Building a state reads the model: on CPU the packed copies are compared bit for bit with the live parameters
+# (about 6 ms for the reference target's 22 MB, 1 ms for distill_med's draft), and the support check, cache policy
+# and per-layer look-ups add 1-3 ms more, on every decode call. An evaluation or a server decodes many prompts with
+# weights nobody changes; inside ``frozen_weights(*models)`` what a state reads from a model is built once and reused
+# while every parameter is still the same tensor at the same version (pointer, ``_version``, shape, dtype,
+# ``model.training``): an in-place edit through the parameter, ``param.data = other`` or a reload is still seen; a
+# write through ``param.data`` in place (``p.data.add_(...)``, which bumps no version counter) and a replaced module
+# are not. On leaving the outermost context everything cached for the models is dropped, and states check bit for
+# bit again.
+_frozen: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()  # [depth, parameters]
+_frozen_plans: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(model: torch.nn.Module) -> tuple:
+    """The model's mode and, per parameter listed on entering the context, its storage, version, dtype and shape
+    (walking ``model.parameters()`` costs ~0.7 ms per call for the reference target: the list is taken once)."""
+    return (model.training, *((p.data_ptr(), p._version, p.dtype, p.shape) for p in _frozen[model][1]))
+
+
+def frozen_cached(model: torch.nn.Module, key, build):
+    """``build()``, or inside :func:`frozen_weights` for ``model`` the value built under ``key`` while the model's
+    parameters are unchanged (see above)."""
+    if model not in _frozen:
+        return build()
+    fp = _fingerprint(model)
+    slot = _frozen_plans.setdefault(model, {})
+    hit = slot.get(key)
+    if hit is not None and hit[0] == fp:
+        return hit[2]
+    value = build()
+    # the entry holds every parameter's storage of this moment (detach() shares it): while it is cached, no new
+    # tensor can be given a freed storage's address, so ``param.data = t`` always changes the pointer it records
+    slot[key] = (fp, [p.detach() for p in _frozen[model][1]], value)
+    return value
+
+
+@contextlib.contextmanager
+def frozen_weights(*models: torch.nn.Module):
+    """Declare that ``models``' weights do not change inside the ``with`` block, so each decode call reuses what
+    the previous one read from them instead of re-checking every weight (about 10 ms per call for the reference
+    target and its draft on the 2-core CPU: 5-10 % of a 48-token decode). Outputs are unchanged.
+
+    Still seen inside the block (the cache is rebuilt): parameters edited in place through the parameter itself
+    (``copy_``, ``load_state_dict``, an optimizer step), given new storage (``param.data = t``), a change of dtype
+    or shape, ``train()`` / ``eval()``. Not seen: in-place writes through ``param.data`` (``p.data.add_(...)``,
+    peft's merge, DeepSpeed's optimizer) and modules or parameter objects added or replaced (including
+    ``load_state_dict(..., assign=True)``): change the model that way only outside the block. Nests and is
+    reentrant; leaving the outermost block for a model drops what was cached for it.
+
+    Raises:
+        TypeError: an argument that is not a ``torch.nn.Module`` (nothing is registered then).
+    """
+    for m in models:
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"frozen_weights takes models (torch.nn.Module), got {type(m).__name__}")
+    entered = []
+    try:
+        for m in models:
+            entry = _frozen.get(m)
+            if entry is None:
+                _frozen[m] = [1, list(m.parameters())]
+            else:
+                entry[0] += 1
+            entered.append(m)
+        yield
+    finally:
+        models = entered
+        for m in models:
+            entry = _frozen.get(m)
+            if entry is not None and entry[0] > 1:
+                entry[0] -= 1
+            else:
+                _frozen.pop(m, None)
+                _frozen_plans.pop(m, None)
+
+
+# ---------------------------------------------------------------------------------------------- a model's plan
+def read_model(model: torch.nn.Module, device: torch.device, packed: bool, fused_norm: bool | None) -> dict:
+    """Every attribute a :class:`decode.fast_llama.FastKVState` derives from ``model``, as a dict: dtype and sizes,
+    the (packed) weights (:func:`_layer_weights`), norms, per-layer windows and rotary frequencies, per-layer
+    extras. The decoders build it through :func:`frozen_cached`, so inside :func:`frozen_weights` it is read once."""
+    from .kv_policy import cache_policy
+
+    s = types.SimpleNamespace()
+    s.model = model
+    base = model.model
+    cfg = model.config
+    family = cfg.model_type
+    s.gemma = family in GEMMA_FAMILIES
+    s.device = device
+    s.dtype = model.lm_head.weight.dtype
+    s.embed_w = base.embed_tokens.weight
+    # Gemma: embeddings times sqrt(hidden) cast to the weights' dtype (Gemma2TextScaledWordEmbedding)
+    s.embed_scale = base.embed_tokens.embed_scale.to(s.dtype) if s.gemma else None
+    attn0 = base.layers[0].self_attn
+    s.head_dim = attn0.head_dim
+    s.n_heads = cfg.num_attention_heads
+    s.n_kv = cfg.num_key_value_heads
+    s.n_rep = s.n_heads // s.n_kv
+    s.scaling = attn0.scaling
+    s.hidden = cfg.hidden_size
+    s.act = ACTIVATIONS[cfg.hidden_activation if s.gemma else getattr(cfg, "hidden_act", "silu")]
+    s.attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if s.gemma else None
+    s.final_softcap = getattr(cfg, "final_logit_softcapping", None) if s.gemma else None
+    # fp32: torch's fused rms_norm computes exactly LlamaRMSNorm's formula (fp32 variance, rsqrt, scale);
+    # other dtypes keep the explicit formula (HF casts back to the input dtype before scaling)
+    s.fused_norm = s.dtype == torch.float32 if fused_norm is None else fused_norm
+    s.packed = packed
+    s.layers, s.lm_w, s.rows_all = _layer_weights(model, s.packed)
+    # a trimmed draft head (data/draft_vocab.py): N rows, scattered to the full vocabulary with -inf elsewhere
+    kept = getattr(model.lm_head, "draft_to_target", None)
+    s.vocab_map = (kept.to(device), int(model.lm_head.out_features)) if kept is not None else None
+    s.rows_w = None  # the (out, in) copies when several-row products use them (set per state)
+    s.rows_one = None  # the same for one-row products (one-token forwards), when measured faster
+    s.inter = (s.layers[0][7].shape[0] if s.packed else s.layers[0][7].shape[1])
+    s.norm_w, s.norm_eps = _norm_factor(base.norm.weight, s.gemma), norm_eps(base.norm)
+    if s.gemma:  # (1 + w) in fp32, as Gemma2RMSNorm computes it on every call
+        s.layers = [(_norm_factor(l1, True), e1, qkv, o, _norm_factor(l2, True), e2, gu, d)
+                    for l1, e1, qkv, o, l2, e2, gu, d in s.layers]
+    # per layer: the window (a query at position p sees keys at positions p - W < q <= p, transformers'
+    # sliding_window_overlay; None = full attention) and the index of its rotary table
+    policy = cache_policy(model)
+    layer_types = policy.layer_types or ("full_attention",) * len(base.layers)
+    s.layer_window = [policy.window if t == "sliding_attention" else None for t in layer_types]
+    s.windows = sorted(set(s.layer_window), key=lambda w: -1 if w is None else w)
+    s.inv_freqs, s.layer_rope = _rotary_tables(layer_inv_freqs(model, layer_types))
+    s.extras = _layer_extras(base.layers, s.gemma)
+    return vars(s)
+
+
+def _rotary_tables(inv_freqs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+    """The distinct ``inv_freq`` tensors of the layers (by identity) and, per layer, the index of its own."""
+    distinct: list[torch.Tensor] = []
+    layer_rope = []
+    for f in inv_freqs:
+        idx = next((j for j, g in enumerate(distinct) if g is f), None)
+        if idx is None:
+            distinct.append(f)
+            idx = len(distinct) - 1
+        layer_rope.append(idx)
+    return distinct, layer_rope
+
+
+def _layer_extras(layers, gemma: bool) -> list[tuple]:
+    """Per layer: concatenated q/k/v bias (Qwen2), (q_norm weight, k_norm weight, eps) (Qwen3, Gemma-3) and the
+    Gemma norms after attention and after the MLP ((weight, eps) or None); built from the live parameters."""
+    extras = []
+    for layer in layers:
+        a = layer.self_attn
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if getattr(
+            a, "q_proj", None) is not None and a.q_proj.bias is not None else None
+        qk_norm = (_norm_factor(a.q_norm.weight, gemma), _norm_factor(a.k_norm.weight, gemma),
+                   norm_eps(a.q_norm)) if hasattr(a, "q_norm") else None
+        post = None
+        if gemma:
+            pa, pf = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+            post = ((_norm_factor(pa.weight, True), norm_eps(pa)), (_norm_factor(pf.weight, True), norm_eps(pf)))
+        extras.append((bias, qk_norm, post))
+    return extras
+
+
+def _norm_factor(w: torch.Tensor, gemma: bool) -> torch.Tensor:
+    """The factor an RMSNorm scales by: Gemma ``1 + w`` in fp32 (Gemma2RMSNorm), else ``w`` itself."""
+    if not gemma:
+        return w
+    with torch.no_grad():
+        return 1.0 + w.float()

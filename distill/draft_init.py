@@ -218,7 +218,7 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     from data.loading import files_fingerprint
 
     from .models import count_parameters
-    from .trainer import evaluate_loss
+    from .step_losses import evaluate_loss
 
     if rc.draft.init == "config":
         raise ValueError("stage draft_init needs draft.init=layer_pruned or draft.init=pretrained (a fresh "

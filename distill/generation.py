@@ -34,7 +34,7 @@ import torch
 
 from .config import GenerationConfig, OnPolicySchedule
 from .shards import ShardStore
-from .trainer import EvalFn, MicroBatch
+from .step_losses import EvalFn, MicroBatch
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
                          max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int | None = None,
                          vocab_size: int | None = None, move_target: bool = True,
                          draft_length_policy=None) -> EvalFn:
-    """An :data:`distill.trainer.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
+    """An :data:`distill.step_losses.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
 
     ``draft_length_policy``: ``None`` (a fixed ``num_draft_tokens``) or a factory returning a fresh
     :class:`decode.policies.DraftLengthPolicy` (``DecodeConfig.make_policy``), called once per prompt so each

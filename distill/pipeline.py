@@ -27,7 +27,8 @@ from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_
 
 from .losses import get_loss
 from .models import build_llama, count_parameters
-from .trainer import cross_entropy_step, evaluate_loss, make_distill_step, train
+from .step_losses import cross_entropy_step, evaluate_loss, make_distill_step
+from .trainer import batch_indices, train
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +36,13 @@ log = logging.getLogger(__name__)
 def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int, num_processes: int = 1) -> torch.Tensor:
     """The training blocks (N, T) a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch:
     the first ``max_steps * global batch`` blocks of the trainer's epoch-0 permutation (the blocks an uncached run
-    reads, see :func:`distill.trainer._batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
+    reads, see :func:`distill.trainer.batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
     these costs the same teacher forwards as the online teacher instead of a pass over the whole domain.
     """
-    from .trainer import _batch_indices
-
     needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # global batch: trainer.global_batch_size or mb x accum x world
     if needed >= blocks.size(0):
         return blocks
-    return blocks[_batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
+    return blocks[batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
 
 
 def matched_wall_clock_budget(run_dir: Path) -> dict:
@@ -130,7 +129,7 @@ def load_pair(rc, opts: DataOptions, run_dir: Path, build_draft: Callable, event
     """
     from decode import cache_policy
 
-    from .trainer import distributed_state
+    from .launch import distributed_state
     from .vocab import shared_vocab_size
 
     dist = distributed_state()

@@ -18,7 +18,9 @@ from data.loading import DataOptions, files_fingerprint, load_domain
 from data.tokenization import cached_pack_blocks, iter_texts, train_bpe_tokenizer
 
 from .models import LlamaArch, build_llama, count_parameters
-from .trainer import TrainerConfig, evaluate_loss, train
+from .step_losses import evaluate_loss
+from .trainer import train
+from .trainer_config import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def build_reference_target(rc: ReferenceConfig, opts: DataOptions, work_dir: Pat
         "config": {**asdict(rc), "seed": seed, "data": asdict(opts)},
         "train": {k: v for k, v in stats.items() if k != "config"},
     }
-    from .trainer import distributed_state
+    from .launch import distributed_state
 
     dist = distributed_state()
     from data.chat import REFERENCE_CHAT_TEMPLATE

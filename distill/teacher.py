@@ -22,7 +22,7 @@ import torch
 
 from .shards import ShardStore
 from .topk import densify_topk, teacher_topk, topk_forward_kl
-from .trainer import MicroBatch, StepLoss
+from .step_losses import MicroBatch, StepLoss
 
 log = logging.getLogger(__name__)
 

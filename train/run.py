@@ -271,15 +271,10 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
 def _check_launch(rc: RootConfig):
     """The distributed state, after checking that ``trainer.strategy`` and the global batch fit the launch (before
     any model loads)."""
-    from distill.trainer import check_launch, distributed_state
+    from distill.launch import check_launch, distributed_state, launch_zero_stage, uses_deepspeed
 
     dist = distributed_state()
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    stage = None
-    if deepspeed:
-        from accelerate.utils import DeepSpeedPlugin
-
-        stage = DeepSpeedPlugin().zero_stage
+    deepspeed, stage = uses_deepspeed(), launch_zero_stage()
     check_launch(rc.trainer, dist.num_processes, deepspeed, stage)
     if "reference_target" in rc.stages:
         check_launch(rc.reference.trainer, dist.num_processes, deepspeed, stage)

@@ -13,7 +13,7 @@ from data.config import validate_structured
 from distill.config import DistillConfig, DraftConfig
 from distill.lora import LoraSectionConfig
 from distill.reference import ReferenceConfig
-from distill.trainer import TrainerConfig
+from distill.trainer_config import TrainerConfig
 from eval.config import EvalRootConfig
 
 from .adapt import AdaptConfig

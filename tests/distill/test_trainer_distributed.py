@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distill.trainer import (STRATEGIES, TrainerConfig, _check_resumable, _prepare_run, check_launch,
-                             make_distill_step, optimizer_parameters, train)
+from distill.trainer import (STRATEGIES, TrainerConfig, check_launch, check_resumable, make_distill_step,
+                             optimizer_parameters, prepare_run, train)
 from distill.losses import forward_kl
 from tinymodels import tiny_llama
 
@@ -123,7 +123,7 @@ def test_deepspeed_zero3_with_the_teacher_in_its_own_engine_matches_one_process(
 
 def test_optimizer_holds_exactly_the_students_parameters(tmp_path):
     teacher, student = tiny_llama(seed=1), tiny_llama(seed=3)
-    run = _prepare_run(student, teacher, TrainerConfig(max_steps=2, micro_batch_size=2))
+    run = prepare_run(student, teacher, TrainerConfig(max_steps=2, micro_batch_size=2))
     held = optimizer_parameters(run.optimizer)
     assert [id(p) for p in held] == [id(p) for p in student.parameters()]
     assert not {id(p) for p in teacher.parameters()} & {id(p) for p in held}
@@ -183,11 +183,11 @@ def test_launch_must_match_the_strategy(strategy, launch):
 
 def test_resume_refuses_another_global_batch_or_deepspeed_layout(tmp_path):
     now = {"global_batch_sequences": 8, "num_processes": 1, "strategy": "single"}
-    _check_resumable({"global_batch_sequences": 8, "num_processes": 2, "strategy": "ddp"}, now, tmp_path)
+    check_resumable({"global_batch_sequences": 8, "num_processes": 2, "strategy": "ddp"}, now, tmp_path)
     with pytest.raises(ValueError, match="trainer.global_batch_size=16"):
-        _check_resumable({**now, "global_batch_sequences": 16, "num_processes": 2}, now, tmp_path)
+        check_resumable({**now, "global_batch_sequences": 16, "num_processes": 2}, now, tmp_path)
     with pytest.raises(ValueError, match="DeepSpeed partitions"):
-        _check_resumable({**now, "num_processes": 2, "strategy": "deepspeed_zero2"},
+        check_resumable({**now, "num_processes": 2, "strategy": "deepspeed_zero2"},
                          {**now, "strategy": "deepspeed_zero2"}, tmp_path)
 
 
@@ -229,7 +229,7 @@ def test_deepspeed_zero2_selection_evaluations_decode_the_current_weights(tmp_pa
 def test_more_local_processes_than_gpus_is_refused(monkeypatch):
     """Faked one-GPU machine: two ranks would share cuda:0 under NCCL; refused with both fixes named. One process
     per GPU passes (accelerate's defaults), and without a GPU two processes take the gloo path."""
-    from distill.trainer import _launch_kwargs
+    from distill.launch import launch_kwargs
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -237,9 +237,9 @@ def test_more_local_processes_than_gpus_is_refused(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"2 processes on this machine but only 1 visible CUDA device.*"
                                          r"CUDA_VISIBLE_DEVICES= \(gloo\)"):
-        _launch_kwargs()
+        launch_kwargs()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert _launch_kwargs() == {}
+    assert launch_kwargs() == {}
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
-    assert _launch_kwargs() == {"cpu": True}
+    assert launch_kwargs() == {"cpu": True}

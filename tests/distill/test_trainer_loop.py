@@ -171,11 +171,11 @@ def test_num_threads_applies_inside_training_only(tmp_path):
 @settings(max_examples=60, deadline=None)
 def test_cached_run_covers_exactly_the_blocks_training_reads(n, steps, mb, seed):
     from distill.pipeline import blocks_this_run_uses
-    from distill.trainer import _batch_indices
+    from distill.trainer import batch_indices
 
     blocks = torch.arange(n).view(n, 1)  # row i holds i
     cfg = _cfg(max_steps=steps, micro_batch_size=mb)
     kept = blocks_this_run_uses(blocks, cfg, seed)[:, 0].tolist()
-    read = {i for s in range(steps) for i in _batch_indices(n, s, mb, seed).tolist()}
+    read = {i for s in range(steps) for i in batch_indices(n, s, mb, seed).tolist()}
     assert set(kept) == read and len(kept) == len(set(kept))  # no block twice, none missing, none extra
     assert len(kept) == min(n, steps * mb)

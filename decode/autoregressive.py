@@ -6,6 +6,7 @@ import time
 import torch
 
 from .common import (
+    DecodeSetup,
     GenerationOutput,
     Timer,
     finalize,
@@ -51,21 +52,35 @@ def autoregressive_generate(
     validate_sampling_args(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
     io = setup_decoding((target,), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, vocab_size,
                         spare=1)
-    device, input_ids, buf, vocab, eos_t = io.device, io.input_ids, io.buf, io.vocab, io.eos_t
+    device, input_ids, buf = io.device, io.input_ids, io.buf
     bsz, prompt_len = input_ids.shape
-    stats, num_new_all = AcceptanceStats(), io.num_new
+    stats = AcceptanceStats()
     if max_new_tokens == 0:
-        return GenerationOutput(finalize(buf, prompt_len), num_new_all, stats)
+        return GenerationOutput(finalize(buf, prompt_len), io.num_new, stats)
 
     wall_t0 = time.perf_counter()
     timer, prefill_timer = Timer(device), Timer(device)
     state = new_kv_state(target, bsz, device, prompt_len + max_new_tokens + 1, fast_path)
     with prefill_timer:
         prefill((state,), input_ids, io.attention_mask)
-    rows = torch.arange(bsz, device=device)
-    last = input_ids[:, -1]
-    sliced = vocab < output_vocab_size(target)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    sliced = io.vocab < output_vocab_size(target)
+    _decode_steps(state, io, max_new_tokens, sliced, stats, timer, do_sample, sampling, generator)
+    stats.verify_time_s, stats.prefill_time_s = timer.seconds, prefill_timer.seconds
+    sync(device)
+    stats.wall_time_s = time.perf_counter() - wall_t0
+    return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), io.num_new, stats)
+
+
+def _decode_steps(state, io: DecodeSetup, max_new_tokens: int, sliced: bool, stats: AcceptanceStats, timer: Timer,
+                  do_sample: bool, sampling: dict, generator) -> None:
+    """One target forward per new token of every active row, from the prefilled ``state``: the tokens go into
+    ``io.buf (B, P + max_new_tokens + 1)`` after each prompt and the per-row counts into ``io.num_new (B,)``; a row
+    that emits an EOS retires (its rows leave the state). ``sliced``: keep only the logits of ids ``< io.vocab``."""
+    buf, device, eos_t, vocab = io.buf, io.device, io.eos_t, io.vocab
+    prompt_len, num_new_all = io.input_ids.shape[1], io.num_new
+    rows = torch.arange(io.input_ids.shape[0], device=device)
+    last = io.input_ids[:, -1]
     # tokens are collected on the device and written once at the end (or when rows retire): no per-step sync
     new_tokens: list[torch.Tensor] = []  # per step (b,) for the rows active since the last retirement
     written = 0  # steps already flushed into buf
@@ -103,10 +118,6 @@ def autoregressive_generate(
     if rows.numel():
         flush()
         num_new_all[rows] = step + 1
-    stats.verify_time_s, stats.prefill_time_s = timer.seconds, prefill_timer.seconds
-    sync(device)
-    stats.wall_time_s = time.perf_counter() - wall_t0
-    return GenerationOutput(finalize(buf, prompt_len + max_new_tokens), num_new_all, stats)
 
 
 def _next_tokens(logits: torch.Tensor, do_sample: bool, sampling: dict, generator) -> torch.Tensor:

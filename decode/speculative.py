@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .common import (
+    DecodeSetup,
     GenerationOutput,
     Timer,
     finalize,
@@ -317,30 +318,52 @@ def speculative_generate(
             ``do_sample``), ``top_p`` outside (0, 1], ``top_k < 0``, bad shapes / right padding, models on
             different devices; a ``draft_tree`` with a batch > 1 or with a ``draft_length_policy``.
     """
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an int >= 1 (got {num_draft_tokens!r}).")
-    validate_sampling_args(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-    _check_models(target, draft, model_device(target))
-    policy = draft_length_policy if draft_length_policy is not None else FixedDraftLength(num_draft_tokens)
-    if not isinstance(policy, DraftLengthPolicy):
-        raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    policy = _validated_policy(target, draft, num_draft_tokens, draft_length_policy, do_sample, sampling)
+    inputs = (input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, vocab_size)
     if draft_tree is not None:  # token trees live in decode/tree.py
         if draft_length_policy is not None:
             raise ValueError("draft_tree and draft_length_policy cannot be combined: the tree fixes the draft shape; "
                              "pass one of them.")
-        io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                            vocab_size, spare=0)
+        io = setup_decoding((target, draft), *inputs, spare=0)
         return _tree_generate(target, draft, io, draft_tree, max_new_tokens, do_sample, sampling, generator, fast_path)
-    max_gamma = int(policy.max_draft_tokens)
-    io = setup_decoding((target, draft), input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id,
-                        vocab_size, spare=max_gamma + 1)  # buf (B, P + max_new_tokens + G + 1): a block's overhang
+    # buf (B, P + max_new_tokens + G + 1): a block's overhang
+    io = setup_decoding((target, draft), *inputs, spare=int(policy.max_draft_tokens) + 1)
+    return _chain_generate(target, draft, io, policy, max_new_tokens, do_sample, sampling, generator, fast_path)
+
+
+def _validated_policy(target, draft, num_draft_tokens, draft_length_policy, do_sample: bool, sampling: dict
+                      ) -> DraftLengthPolicy:
+    """The call's draft-length policy (``draft_length_policy``, else ``FixedDraftLength(num_draft_tokens)``), once
+    the arguments every speculative call shares are checked.
+
+    Raises:
+        ValueError: ``num_draft_tokens`` not an int >= 1, bad sampling arguments
+            (:func:`decode.sampling.validate_sampling_args`), models on different devices, a policy that is not a
+            :class:`~decode.policies.DraftLengthPolicy`.
+    """
+    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1 (got {num_draft_tokens!r}).")
+    validate_sampling_args(do_sample=do_sample, **sampling)
+    _check_models(target, draft, model_device(target))
+    policy = draft_length_policy if draft_length_policy is not None else FixedDraftLength(num_draft_tokens)
+    if not isinstance(policy, DraftLengthPolicy):
+        raise ValueError(f"draft_length_policy must be a decode.policies.DraftLengthPolicy (got {policy!r}).")
+    return policy
+
+
+def _chain_generate(target, draft, io: DecodeSetup, policy: DraftLengthPolicy, max_new_tokens: int,
+                    do_sample: bool, sampling: dict, generator, fast_path) -> GenerationOutput:
+    """Chain speculative decoding of the validated inputs ``io`` (:func:`decode.common.setup_decoding`, ``buf``
+    with room for a block's overhang): per verify step the draft proposes up to gamma tokens per row
+    (:func:`_draft`), the target scores them in one forward, :func:`_verify` accepts, both caches roll back
+    (:func:`_roll_back`) and finished rows retire (:func:`_retire`). Returns ``sequences (B, P + max_new_tokens)``."""
     device, input_ids, buf, vocab = io.device, io.input_ids, io.buf, io.vocab
     bsz, prompt_len = input_ids.shape
     stats, width_out = AcceptanceStats(), prompt_len + max_new_tokens
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), io.num_new, stats)
-
+    max_gamma = int(policy.max_draft_tokens)
     wall_t0 = time.perf_counter()
     draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
     tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)

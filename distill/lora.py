@@ -1,39 +1,24 @@
-"""LoRA domain adaptation of an existing draft (the ``lora`` stage, ``lora=default``), through peft.
+"""LoRA adapters on an existing draft through peft (the ``lora`` config section, ``lora=default``).
 
-An existing draft (a Hugging Face directory, or ``drafts/<name>`` produced earlier in the same run) gets low-rank
-adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so the
-adapted draft starts equal to the base) on ``lora.target_modules`` (:func:`wrap_lora`: ``all-linear``, peft's
-per-architecture default, or module names; any layer type peft's LoRA adapts); only the adapter parameters train, by
-distillation from the target with the ``distill`` section's divergence and temperature, like the distilled draft:
-by default on the target's continuations of ``lora.generation_prompts`` training prompts of the domain against its
-cached top-k logits (``lora.data_source=teacher``, ``lora.teacher_signal=cached``; the distill stage's
-:func:`distill.pipeline.teacher_signal_data`, whose passes are stored content-keyed under ``distill.cache_dir`` and
-reused across stages and runs), or on the domain's text / with the online teacher; the training loop is
-:func:`distill.trainer.train`. ``finetune_draft`` (stage ``finetune``) trains every weight of the base
-on the same signal instead: the comparison that shows what the low-rank restriction costs. Checkpoint selection is by the pooled mean accepted length on the domain's
-validation prompts (as for the distilled draft; ``lora.eval_every``).
+Low-rank adapters (Hu et al., ICLR 2022: W x + (alpha / r) B A x, with A (r, in), B (out, r), B initialised to 0, so
+the adapted draft starts equal to the base) go on ``lora.target_modules`` (:func:`wrap_lora`: ``all-linear``,
+peft's per-architecture default, or module names; any layer type peft's LoRA adapts), with ``lora.modules_to_save``
+trained in full beside them; :func:`merge_lora` folds them into a standalone draft (``merge_and_unload``:
+W <- W + (alpha / r) B A). The module names are checked against the draft's layers (:func:`check_modules`, before
+any weights load: :func:`check_modules_before_loading`), and the base draft ``lora.base`` is found by
+:func:`resolve_base`.
 
-Two artifacts, each written atomically:
-
-* ``adapters/<name>/``: the peft adapter (``adapter_config.json`` + ``adapter_model.safetensors``, loadable with
-  ``peft.PeftModel.from_pretrained(base, path)``) plus the tokenizer and ``specdraft.json``;
-* ``drafts/<name>/``: the merged standalone checkpoint (``merge_and_unload``: W <- W + (alpha / r) B A), a plain
-  Hugging Face causal LM that loads with ``AutoModelForCausalLM.from_pretrained`` and works as our decoder's draft
-  and as transformers' ``assistant_model``. The evaluation stage picks it up like any other draft.
+The ``lora`` and ``finetune`` stages that train these adapters (or every weight) on the target's signal are
+:mod:`distill.adaptation`, on the shared draft-training recipe (:func:`distill.pipeline.train_and_save`).
 """
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from data.checkpoints import read_specdraft_meta
-from data.io import atomic_dir, save_hf_atomic
-from data.specdraft_meta import SpecdraftMeta
 
 log = logging.getLogger(__name__)
 
@@ -378,227 +363,10 @@ def merge_lora(peft_model) -> torch.nn.Module:
     return merged.eval()
 
 
-def adapted_output_complete(run_dir: Path, name: str) -> bool:
-    """Both artifacts of an adapted draft exist (a completed adaptation, skipped on resume)."""
-    return ((run_dir / "drafts" / name / "specdraft.json").is_file()
-            and (run_dir / "adapters" / name / "adapter_config.json").is_file())
-
-
-def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
-                name: str | None = None, events=None) -> dict:
-    """LoRA-adapt the draft ``base`` (default ``lora.base``) to ``domain`` (default ``lora.domain`` or
-    ``data.domain``) by distillation from the target; save ``adapters/<name>`` and the merged ``drafts/<name>``
-    (``name`` default ``lora.name`` or ``lora_<domain>``) in ``run_dir``.
-
-    The learning signal is ``lora.data_source`` x ``lora.teacher_signal`` through the distill stage's
-    :func:`distill.pipeline.teacher_signal_data` (default: the target's continuations of ``lora.generation_prompts``
-    training prompts, against its cached top-k logits, with ``distill.loss`` at ``distill.temperature``).
-
-    With ``trainer.resume=true`` a completed adaptation (both folders present) is reused, and an interrupted one
-    continues from ``train/<name>/checkpoint-last``.
-
-    Returns:
-        the summary also stored in ``specdraft.json`` (kind ``lora``, base path, domain, LoRA settings, trainable /
-        total parameters, training stats, the one-off passes (``teacher_data``, ``teacher_cache``: ``time_s``,
-        reused or computed), ``adaptation_time_s`` (training loop + one-off passes), adapter bytes and merge
-        seconds, selected step, validation mean accepted length of the base and of the adapted draft, validation
-        cross-entropy before / after) plus ``path`` and ``adapter_path``.
-
-    Raises:
-        LoraError / CheckpointError / ValueError: missing base draft, tokenizer mismatch, bad target modules,
-        a domain without text.
-    """
-    return _adapt(rc, opts, Path(run_dir), base, domain, name, events, LORA)
-
-
-def finetune_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,
-                   name: str | None = None, events=None) -> dict:
-    """Stage ``finetune``: as :func:`adapt_draft` (same data, teacher, steps and batch), but every weight of the
-    draft trains (learning rate ``lora.finetune_lr``, else ``trainer.lr``), no adapter; saved as ``drafts/<name>``
-    only (default name ``finetune_<domain>``): the comparison that shows what the low-rank restriction costs.
-
-    Returns / Raises: as :func:`adapt_draft` (kind ``finetune``, ``adapter_path`` None).
-    """
-    return _adapt(rc, opts, Path(run_dir), base, domain, name, events, FULL)
-
-
 def adapter_bytes(adapter_dir: Path) -> int:
     """Bytes of a saved peft adapter's weights (``adapter_model.safetensors``)."""
     f = Path(adapter_dir) / "adapter_model.safetensors"
     return f.stat().st_size if f.is_file() else 0
-
-
-@dataclass(frozen=True)
-class _Method:
-    """How a base draft is adapted: low-rank adapters (``lora``) or every weight (``finetune``)."""
-
-    kind: str  # specdraft.json kind
-    label: str  # in logs and progress bars
-    prefix: str  # default output name: <prefix>_<domain>
-
-    def output_name(self, lc, domain: str, name: str | None) -> str:
-        return name or (lc.name if self is LORA else None) or f"{self.prefix}_{domain}"
-
-    def complete(self, run_dir: Path, name: str) -> bool:
-        """The outputs of a finished adaptation exist (reused on resume)."""
-        if self is LORA:
-            return adapted_output_complete(run_dir, name)
-        return (run_dir / "drafts" / name / "specdraft.json").is_file()
-
-    def trainer_config(self, rc):
-        tcfg = rc.lora.trainer_config(rc.trainer)
-        return tcfg if self is LORA else replace(tcfg, lr=rc.lora.finetune_lr or rc.trainer.lr)
-
-    def model(self, draft, rc):
-        """The module that trains: a peft wrapper whose adapters alone require grad, or the draft itself."""
-        return wrap_lora(draft, rc.lora, seed=rc.seed) if self is LORA else draft.train()
-
-
-LORA = _Method("lora", "LoRA", "lora")
-FULL = _Method("finetune", "fine-tune", "finetune")
-
-
-@dataclass
-class _Base:
-    """The loaded pair for an adaptation: target, base draft, tokenizer and the shared vocabulary."""
-
-    path: Path
-    target: Any
-    draft: Any
-    tokenizer: Any
-    shared: int
-    cut: int | None
-
-
-def _load_base(rc, base_path: Path, run_dir: Path, out: Path) -> _Base:
-    """Load the target and the base draft, and check that they can be trained and decoded together.
-
-    Raises:
-        LoraError: no checkpoint at ``base_path``, or it is the adaptation's own output folder.
-        CheckpointError / ValueError: tokenizer mismatch, too few embedding rows, a context shorter than a block.
-    """
-    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
-    from data.tokenizer_check import check_tokenizers_compatible
-
-    from .vocab import shared_vocab_size
-
-    check_base_available(str(base_path), run_dir, set())
-    if base_path.resolve() == out.resolve():
-        raise LoraError(f"lora.base {base_path} is the output folder of this adaptation ({out}); name the output "
-                        f"differently (lora.name) or adapt another draft.")
-    target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
-    draft, draft_tok = load_causal_lm(base_path, role="lora.base draft")
-    check_tokenizers_compatible(tokenizer, draft_tok, draft_name=f"lora.base draft {str(base_path)!r}")
-    check_vocab_covers_tokenizer(draft, tokenizer, role="lora.base draft")
-    for model, role in ((target, "target"), (draft, "lora.base draft")):
-        check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
-    shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
-    cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
-    return _Base(base_path, target, draft, tokenizer, shared, cut)
-
-
-def _adapt(rc, opts, run_dir: Path, base, domain, name, events, how: _Method) -> dict:
-    from data.devices import torch_threads
-
-    lc = rc.lora
-    if not lc.enabled:
-        raise LoraError("LoRA adaptation needs the LoRA settings: add `lora=default` (conf/lora/default.yaml) to "
-                        "the command, or set lora.enabled=true.")
-    domain = domain or lc.domain or rc.data.domain
-    name = how.output_name(lc, domain, name)
-    out, adapter_out = run_dir / "drafts" / name, run_dir / "adapters" / name
-    if rc.trainer.resume and how.complete(run_dir, name):
-        log.info("%s draft %s already complete in %s; reusing it (trainer.resume=true)", how.label, name, out)
-        return {**read_specdraft_meta(out).to_dict(), "path": str(out),
-                "adapter_path": str(adapter_out) if how is LORA else None, "reused": True}
-    with torch_threads(rc.trainer.num_threads):
-        pair = _load_base(rc, resolve_base(base or lc.base, run_dir), run_dir, out)
-        model, meta = _train_adapted(rc, opts, run_dir, pair, domain, name, events, how)
-        if how is FULL:
-            save_hf_atomic(model.eval(), pair.tokenizer, out, extra={**meta, "artifact": "finetuned"})
-            log.info("fine-tuned draft %s saved to %s", name, out)
-            return {**meta, "path": str(out), "adapter_path": None}
-        return _save_adapter(model, pair.tokenizer, meta, out, adapter_out)
-
-
-def _train_adapted(rc, opts, run_dir: Path, pair: _Base, domain: str, name: str, events, how: _Method):
-    """Train ``how``'s model of the base draft on the domain's teacher signal; returns ``(model, meta)``."""
-    from data.blocks import domain_blocks, domain_prompts
-
-    from .generation import selection_eval_from_texts, selection_meta
-    from .pipeline import teacher_signal_data
-    from .teacher import over_kept_ids
-    from .trainer import distributed_state, evaluate_loss, train
-
-    lc, dc, target, tokenizer = rc.lora, rc.distill, pair.target, pair.tokenizer
-    train_blocks = domain_blocks(domain, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks) \
-        if lc.data_source == "dataset" else None
-    val_blocks = domain_blocks(domain, "validation", tokenizer, rc.data.block_size, opts)[:64]
-    tcfg = how.trainer_config(rc)
-    step, teacher, train_blocks, passes, _ = teacher_signal_data(
-        rc, opts, target=target, tokenizer=tokenizer, weights={domain: 1.0}, blocks=train_blocks, shared=pair.shared,
-        cut=pair.cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal, max_prompts=lc.generation_prompts,
-        tcfg=tcfg, run_dir=run_dir, dist=distributed_state())
-    teacher = over_kept_ids(teacher, pair.draft)  # a trimmed base draft learns over its kept ids
-    evaluate, base_score = None, None
-    if lc.eval_every:
-        texts = domain_prompts(domain, "validation", opts, lc.eval_prompts, tokenizer)
-        evaluate = selection_eval_from_texts(rc, target, tokenizer, texts, max_new_tokens=lc.eval_max_new_tokens,
-                                             vocab_size=pair.shared)
-        with torch.no_grad():
-            base_score = evaluate(pair.draft.eval())["mean_accepted_length"]
-    base_val_loss = evaluate_loss(pair.draft, val_blocks)
-    model = how.model(pair.draft, rc)
-    n_train, n_total = trainable_parameters(model)
-    log.info("%s %s: adapting %s to %s, %d trainable of %d parameters, %d training blocks", how.label, name,
-             pair.path, domain, n_train, n_total, train_blocks.size(0))
-    stats = train(model, train_blocks, run_dir / "train" / name, tcfg, step, teacher=teacher, seed=rc.seed,
-                  desc=f"{how.label} {name}", evaluate=evaluate, eval_every=lc.eval_every,
-                  on_step=(lambda s, r: events("train_step", stage=name, **r)) if events else None,
-                  on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
-    base_meta = read_specdraft_meta(pair.path)
-    meta = {**({"draft_vocab": base_meta.draft_vocab} if base_meta.draft_vocab else {}),
-        "kind": how.kind, "target": str(rc.target.name_or_path), "base": str(pair.path),
-        "domain": domain, "base_kind": base_meta.kind, "base_domain": base_meta.domain,
-        "loss": dc.loss, "temperature": dc.temperature, "data_source": lc.data_source,
-        "teacher_signal": lc.teacher_signal,
-        "generation_prompts": lc.generation_prompts if lc.data_source == "teacher" else None,
-        "lora": None if how is FULL else {"rank": lc.rank, "alpha": lc.alpha, "dropout": lc.dropout,
-                                          "target_modules": lc.target_modules,
-                                          "modules_to_save": lc.modules_to_save,
-                                          "adapted_modules": adapted_module_names(model)},
-        "trainable_parameters": n_train, "draft_parameters": n_total if how is FULL else count_merged(n_total, n_train),
-        "target_parameters": sum(p.numel() for p in target.parameters()),
-        **selection_meta(rc, stats, eval_every=lc.eval_every, eval_prompts=lc.eval_prompts,
-                         eval_max_new_tokens=lc.eval_max_new_tokens),
-        "base_mean_accepted_length": base_score,
-        "base_validation_loss_nats_per_token": base_val_loss, "validation_loss_nats_per_token": evaluate_loss(
-            model, val_blocks), "target_validation_loss_nats_per_token": evaluate_loss(target, val_blocks),
-        "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg), **passes,
-    }
-    # what the adaptation cost: its training loop plus the one-off passes (a pass reused from the cache: its load time)
-    meta["adaptation_time_s"] = float(stats["train_time_s"]) + SpecdraftMeta.from_dict(meta).one_off_pass_seconds
-    return model, meta
-
-
-def _save_adapter(model, tokenizer, meta: dict, out: Path, adapter_out: Path) -> dict:
-    """Save the peft adapter (``adapters/<name>``), then merge it and save the standalone draft (``drafts/<name>``),
-    each atomically; records the adapter's bytes and the merge time."""
-    import time
-
-    with atomic_dir(adapter_out) as tmp:  # the adapter first: merging modifies the model in place
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        SpecdraftMeta.from_dict({**meta, "artifact": "adapter"}).write(tmp)
-    meta["adapter_bytes"] = adapter_bytes(adapter_out)
-    t_merge = time.perf_counter()
-    merged = merge_lora(model)
-    meta["merge_time_s"] = time.perf_counter() - t_merge
-    save_hf_atomic(merged, tokenizer, out, extra={**meta, "artifact": "merged", "adapter": str(adapter_out)})
-    log.info("LoRA draft %s saved: merged %s, adapter %s (%d bytes, merged in %.3f s; validation tau %s -> %s)",
-             out.name, out, adapter_out, meta["adapter_bytes"], meta["merge_time_s"], meta["base_mean_accepted_length"],
-             meta["selected_mean_accepted_length"])
-    return {**meta, "path": str(out), "adapter_path": str(adapter_out)}
 
 
 def count_merged(total_with_adapters: int, adapter: int) -> int:

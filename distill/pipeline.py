@@ -9,6 +9,11 @@ cross-entropy, so the report shows what distillation buys.
 Both drafts are scored every ``distill.eval_every`` steps by the mean accepted length of greedy speculative
 decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weights are the saved draft and its
 ``specdraft.json`` records the selected step and score.
+
+:func:`train_and_save` is the recipe every draft-training stage shares (load the pair, learning signal, budget,
+training with selection, metadata, save); a :class:`Recipe` says how a stage differs. The LoRA and full
+fine-tuning stages are recipes too (:class:`distill.adaptation.Adaptation`: a base draft with adapters as the draft,
+the ``lora`` section's signal and steps, an adapter + merged-draft save hook).
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from .losses import get_loss
 from .models import build_llama, count_parameters
 from .step_losses import cross_entropy_step, evaluate_loss, make_distill_step
 from .trainer import batch_indices, train
+from .vocab import trim_draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -119,33 +125,39 @@ class Signal:
     answer_counts: torch.Tensor | None = None  # (V,) ids in the target's generated answers (teacher data only)
 
 
-def load_pair(rc, opts: DataOptions, run_dir: Path, build_draft: Callable, events=None) -> Pair:
-    """Load the target, build the draft with ``build_draft(rc, opts, run_dir, target, tokenizer, events) ->
-    (draft, init_info)``, check that both can be decoded speculatively, and pack the training blocks.
+def load_pair(rc, opts: DataOptions, run_dir: Path, recipe: "Recipe", events=None) -> Pair:
+    """Load the target, build the draft with ``recipe.build_draft``, check that both can be decoded
+    speculatively, and pack the training blocks of ``recipe.domains`` (when ``recipe.needs_blocks``; else
+    ``blocks`` is None).
 
     Raises:
         ValueError: a model whose context is shorter than ``data.block_size`` or whose cache cannot be rolled back;
             a domain without text.
     """
-    from decode import cache_policy
-
     from .launch import distributed_state
-    from .vocab import shared_vocab_size
+    from .vocab import shared_vocab
 
     dist = distributed_state()
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
-    draft, init_info = build_draft(rc, opts, run_dir, target, tokenizer, events)
-    for model, role in ((target, "target"), (draft, "draft")):
-        check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
-        cache_policy(model, role=role)  # speculative decoding must be able to roll its cache back
-    shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
-    cut = shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
-    weights = rc.data.training_domains()  # {data.domain: 1} or data.mixture
-    with dist.main_process_first():  # the main process fills the on-disk caches, the others read them
-        blocks = training_blocks(weights, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks,
-                                 rc.seed)
+    _check_decodable(rc, target, "target")  # before the draft is built (a layer search takes minutes)
+    draft, init_info = recipe.build_draft(rc, opts, run_dir, target, tokenizer, events)
+    _check_decodable(rc, draft, "draft")
+    shared, cut = shared_vocab(target, draft, tokenizer)
+    weights, blocks = recipe.domains(rc), None  # {data.domain: 1} or data.mixture for the distill stages
+    if recipe.needs_blocks(rc):
+        with dist.main_process_first():  # the main process fills the on-disk caches, the others read them
+            blocks = training_blocks(weights, "train", tokenizer, rc.data.block_size, opts, rc.data.max_train_blocks,
+                                     rc.seed)
     return Pair(target, tokenizer, draft, init_info, shared, cut, blocks, weights, dist, count_parameters(draft),
                 count_parameters(target))
+
+
+def _check_decodable(rc, model, role: str) -> None:
+    """``model`` holds a ``data.block_size`` context and speculative decoding can roll its cache back."""
+    from decode import cache_policy
+
+    check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
+    cache_policy(model, role=role)
 
 
 def _initial_draft(rc, opts, run_dir, target, tokenizer, events):
@@ -283,12 +295,13 @@ def baseline_budget(rc, run_dir: Path) -> tuple[Any, dict]:
     return tcfg, budget
 
 
-def selection_eval(rc, opts: DataOptions, pair: Pair, teacher) -> Any:
+def selection_eval(rc, opts: DataOptions, pair: Pair, teacher, section=None) -> Any:
     """The checkpoint-selection score (mean accepted length of greedy speculative decoding on
-    ``distill.eval_prompts`` validation prompts), or None with ``distill.eval_every=0``."""
+    ``eval_prompts`` validation prompts of ``pair.weights``), or None with ``eval_every=0``; the settings are
+    ``section``'s (``rc.distill`` by default, ``rc.lora`` for an adaptation)."""
     from .generation import selection_eval_from_texts
 
-    dc = rc.distill
+    dc = section if section is not None else rc.distill
     if not dc.eval_every:
         return None
     texts = training_prompts(pair.weights, "validation", opts, dc.eval_prompts, pair.tokenizer, rc.seed)
@@ -357,109 +370,126 @@ def _step_logger(sig: "Signal", name: str, events):
     return on_step if (events or sig.hook is not None) else None
 
 
-def forced_ids(tokenizer, target) -> list[int]:
-    """Ids a trimmed draft vocabulary always keeps: the tokenizer's special tokens (chat-template markers, BOS,
-    padding) and every EOS id of the target's generation config, so the draft can propose the end of an answer."""
-    from decode.common import default_eos
+class Recipe:
+    """How one draft-training stage differs from the others; :func:`train_and_save` does the rest.
 
-    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
-    eos = default_eos(target)
-    ids.update([eos] if isinstance(eos, int) else list(eos or []))
-    return sorted(i for i in ids if i is not None and i >= 0)
-
-
-def trim_draft_vocab(rc, pair: Pair, sig: Signal) -> dict:
-    """``draft.draft_vocab_size = N``: give ``pair.draft`` a :class:`data.draft_vocab.TrimmedLMHead` over the ``N``
-    ids most frequent in what this draft learns from (the target's generated answers with teacher data, else the
-    training blocks), special tokens always kept, and map the learning signal to those ids: labels outside the
-    kept set are ignored, the teacher (cached top-k or online logits) is conditioned on the kept set (its mass
-    outside is dropped and the rest renormalised; docs/drafts.md). Returns the ``draft_vocab`` record for
-    ``specdraft.json``.
-
-    Raises:
-        ValueError: ``N`` larger than the vocabulary or smaller than the special tokens; a draft whose vocabulary
-            differs from the target's (padded rows) or an on-policy signal, which a trimmed head does not support.
+    ``build_draft(rc, opts, run_dir, target, tokenizer, events) -> (draft, init_info)``: the model that trains;
+    ``signal(rc, opts, pair, run_dir) -> Signal``: how it learns; ``budget(rc, run_dir) -> (TrainerConfig, budget
+    record)``: for how long; ``quantize="int8"`` also saves ``<name>_int8``. The methods are the distill stages'
+    (``distill``, ``baseline``, ``distill_small``); an adaptation of an existing draft (LoRA or every weight)
+    overrides them (:class:`distill.adaptation.Adaptation`).
     """
-    from data.draft_vocab import draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
 
-    if pair.cut is not None:
-        raise ValueError("draft.draft_vocab_size needs a draft with the target's vocabulary size (this draft's "
-                         "embedding is padded differently); drop draft.draft_vocab_size or rebuild the draft")
-    if sig.answer_counts is not None:
-        counts, on = sig.answer_counts, "target_answers"
-    else:
-        # every training block, not only those a short run reads: the distilled and baseline drafts count alike
-        counts, on = torch.bincount(pair.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
-    kept = kept_token_ids(counts[: pair.shared], rc.draft.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
-    head = install_trimmed_head(pair.draft, kept)
-    head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows
-    pair.draft_parameters = count_parameters(pair.draft)
-    from .teacher import over_kept_ids
+    def __init__(self, build_draft: Callable, signal: Callable, budget: Callable, quantize: str = "none"):
+        self.build_draft, self.signal, self.budget, self.quantize = build_draft, signal, budget, quantize
 
-    sig.teacher = over_kept_ids(sig.teacher, pair.draft)
-    return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),
-                              counted_share_kept=kept_mass(counts, kept), distinct_counted=int((counts > 0).sum()))
+    def check(self, rc, run_dir: Path, name: str) -> None:
+        """Before any model loads (a finished draft is reused before this): :func:`check_draft_config`."""
+        check_draft_config(rc)
+
+    def domains(self, rc) -> dict[str, float]:
+        """The domain weights the draft trains on: ``{data.domain: 1}`` or ``data.mixture``."""
+        return rc.data.training_domains()
+
+    def needs_blocks(self, rc) -> bool:
+        """Whether the pair packs the dataset's training blocks (``Pair.blocks``)."""
+        return True
+
+    def selection(self, rc):
+        """The config section with the checkpoint-selection settings (``eval_every``, ``eval_prompts``, ...)."""
+        return rc.distill
+
+    def desc(self, name: str) -> str:
+        """How logs, progress bars and training errors name this draft."""
+        return f"{name} draft"
+
+    def trims_vocab(self, rc) -> bool:
+        """Whether the draft gets a trimmed output head (``draft.draft_vocab_size``,
+        :func:`distill.vocab.trim_draft_vocab`)."""
+        return bool(rc.draft.draft_vocab_size)
+
+    def describe(self, rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg,
+                 budget: dict) -> dict:
+        """The trained draft's ``specdraft.json`` fields (:func:`draft_meta`)."""
+        return draft_meta(rc, opts, name, pair, signal, stats, tcfg, budget)
+
+    def complete(self, run_dir: Path, name: str) -> bool:
+        """The outputs of a finished run exist (reused with ``trainer.resume=true``)."""
+        return (run_dir / "drafts" / name / "specdraft.json").exists()
+
+    def outputs(self, run_dir: Path, name: str) -> dict:
+        """Summary fields naming a reused run's outputs besides ``path``."""
+        return {}
+
+    def save(self, pair: Pair, meta: dict, out: Path) -> dict:
+        """The save hook, called on every process after training: ``pair.draft`` to ``out`` (and ``<out>_int8``) on
+        the main process (under ZeRO-3 only it holds the gathered weights). Returns the summary fields naming what
+        was written besides ``path``."""
+        from .draft_init import save_draft
+
+        written = save_draft(pair.draft, pair.tokenizer, out, meta, self.quantize) if pair.dist.is_main_process else {}
+        log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", out.name, out,
+                 meta["selected_step"], meta["validation_loss_nats_per_token"],
+                 meta["target_validation_loss_nats_per_token"])
+        return {"written": written}
 
 
-def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, *, build_draft: Callable,
-                   signal: Callable, budget: Callable, quantize: str) -> dict:
+def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, recipe: Recipe) -> dict:
     """The recipe every draft-training stage shares: load the pair, get the learning signal and the budget, train
-    with checkpoint selection, and save ``<run_dir>/drafts/<name>`` (with ``quantize=int8`` also ``<name>_int8``)
-    with its ``specdraft.json``. A finished draft is reused with ``trainer.resume=true``. Runs with
+    with checkpoint selection, describe and save ``<run_dir>/drafts/<name>`` through ``recipe`` (its hooks say how
+    the stages differ). A finished draft is reused with ``trainer.resume=true``. Runs with
     ``trainer.num_threads`` torch threads (the one-off teacher passes too).
 
-    Returns the draft's metadata plus ``path`` and ``written``.
+    Returns the draft's metadata plus ``path`` and the save hook's fields (``written``; an adaptation's
+    ``adapter_path``).
 
     Raises:
-        ValueError: inconsistent config (:func:`check_draft_config`), a domain without text or prompts.
+        ValueError: inconsistent config (``recipe.check``, e.g. :func:`check_draft_config`), a domain without text
+            or prompts.
     """
     from data.devices import torch_threads
 
-    from .draft_init import save_draft
-
     out = run_dir / "drafts" / name
-    if rc.trainer.resume and (out / "specdraft.json").exists():
-        log.info("%s draft already complete in %s; reusing it (trainer.resume=true)", name, out)
-        return {**read_specdraft_meta(out).to_dict(), "path": str(out), "reused": True}
-    check_draft_config(rc)
+    if rc.trainer.resume and recipe.complete(run_dir, name):
+        log.info("%s already complete in %s; reusing it (trainer.resume=true)", recipe.desc(name), out)
+        return {**read_specdraft_meta(out).to_dict(), "path": str(out), **recipe.outputs(run_dir, name),
+                "reused": True}
+    recipe.check(rc, run_dir, name)
     with torch_threads(rc.trainer.num_threads):
-        pair = load_pair(rc, opts, run_dir, build_draft, events)
-        sig = signal(rc, opts, pair, run_dir)
-        vocab = trim_draft_vocab(rc, pair, sig) if rc.draft.draft_vocab_size else None
-        tcfg, budget_info = budget(rc, run_dir)
-        log.info("%s draft: %d params (target %d), %d training blocks of %d tokens", name, pair.draft_parameters,
-                 pair.target_parameters, sig.blocks.size(0), rc.data.block_size)
+        pair = load_pair(rc, opts, run_dir, recipe, events)
+        sig = recipe.signal(rc, opts, pair, run_dir)
+        vocab = trim_draft_vocab(rc, pair, sig) if recipe.trims_vocab(rc) else None  # distill.vocab
+        tcfg, budget_info = recipe.budget(rc, run_dir)
+        log.info("%s: %d params (target %d), %d training blocks of %d tokens", recipe.desc(name),
+                 pair.draft_parameters, pair.target_parameters, sig.blocks.size(0), rc.data.block_size)
+        section = recipe.selection(rc)
         stats = train(pair.draft, sig.blocks, run_dir / "train" / name, tcfg, sig.step, teacher=sig.teacher,
-                      seed=rc.seed, desc=f"{name} draft", batch_hook=sig.hook,
-                      evaluate=selection_eval(rc, opts, pair, sig.teacher), eval_every=rc.distill.eval_every,
+                      seed=rc.seed, desc=recipe.desc(name), batch_hook=sig.hook,
+                      evaluate=selection_eval(rc, opts, pair, sig.teacher, section), eval_every=section.eval_every,
                       on_step=_step_logger(sig, name, events),
                       on_eval=(lambda s, r: events("train_eval", stage=name, **r)) if events else None)
-        meta = draft_meta(rc, opts, name, pair, sig, stats, tcfg, budget_info)
+        meta = recipe.describe(rc, opts, name, pair, sig, stats, tcfg, budget_info)
         if vocab is not None:
             meta["draft_vocab"] = vocab
-    written: dict = {}
-    if pair.dist.is_main_process:  # under ZeRO-3 only the main process holds the gathered weights
-        written = save_draft(pair.draft, pair.tokenizer, out, meta, quantize)
+    saved = recipe.save(pair, meta, out)
     pair.dist.wait_for_everyone()
-    log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", name, out, meta["selected_step"],
-             meta["validation_loss_nats_per_token"], meta["target_validation_loss_nats_per_token"])
-    return {**meta, "path": str(out), "written": written}
+    return {**meta, "path": str(out), **saved}
 
 
 def distill_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     """Stage ``distill``: the ``draft.init`` draft distilled from the target -> ``drafts/distilled``."""
-    return train_and_save(rc, opts, run_dir, "distilled", events, build_draft=_initial_draft,
-                          signal=distillation_signal, budget=step_budget, quantize=rc.draft.quantize)
+    return train_and_save(rc, opts, run_dir, "distilled", events,
+                          Recipe(_initial_draft, distillation_signal, step_budget, rc.draft.quantize))
 
 
 def baseline_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     """Stage ``baseline``: the same draft, dataset blocks and budget, cross-entropy -> ``drafts/baseline``."""
-    return train_and_save(rc, opts, run_dir, "baseline", events, build_draft=_initial_draft,
-                          signal=cross_entropy_signal, budget=baseline_budget, quantize=rc.draft.quantize)
+    return train_and_save(rc, opts, run_dir, "baseline", events,
+                          Recipe(_initial_draft, cross_entropy_signal, baseline_budget, rc.draft.quantize))
 
 
 def distill_small_stage(rc, opts: DataOptions, run_dir: Path, events=None) -> dict:
     """Stage ``distill_small``: a fresh ``draft.arch`` draft distilled like ``distill`` -> ``drafts/small_distilled``
     (the small-config comparison next to a self-draft or pretrained draft)."""
-    return train_and_save(rc, opts, run_dir, "small_distilled", events, build_draft=_fresh_small_draft,
-                          signal=distillation_signal, budget=step_budget, quantize="none")
+    return train_and_save(rc, opts, run_dir, "small_distilled", events,
+                          Recipe(_fresh_small_draft, distillation_signal, step_budget))

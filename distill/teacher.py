@@ -201,12 +201,13 @@ def make_cached_distill_step(loss_name: str, temperature: float, online_teacher:
     return step
 
 
-def over_kept_ids(teacher, draft):
+def over_kept_ids(teacher, draft, head=None):
     """``teacher`` (a :class:`distill.teacher.TeacherCache`, the target, or ``None``) seen over the kept ids of
-    ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set."""
+    ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set.
+    ``head``: that head, taken before a wrapper (peft's LoRA on the head) hid it; then ``draft`` is not read."""
     from data.draft_vocab import RemappedTeacher, trimmed_head
 
-    head = trimmed_head(draft)
+    head = head if head is not None else trimmed_head(draft)
     if head is None:
         return teacher
     if isinstance(teacher, TeacherCache):

@@ -34,13 +34,13 @@ def _draft_init(rc, opts, run_dir: Path, events) -> dict:
 
 
 def _lora(rc, opts, run_dir: Path, events) -> dict:
-    from distill.lora import adapt_draft
+    from distill.adaptation import adapt_draft
 
     return adapt_draft(rc, opts, run_dir, events=events)
 
 
 def _finetune(rc, opts, run_dir: Path, events) -> dict:
-    from distill.lora import finetune_draft
+    from distill.adaptation import finetune_draft
 
     return finetune_draft(rc, opts, run_dir, events=events)
 

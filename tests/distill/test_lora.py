@@ -12,8 +12,9 @@ import torch
 from tinymodels import tiny_family_lm, tiny_llama
 
 from distill.losses import get_loss
-from distill.lora import (ALL_LINEAR, LoraError, LoraSectionConfig, adaptable_module_names, adapt_draft,
-                          adapted_module_names, merge_lora, wrap_lora)
+from distill.adaptation import adapt_draft
+from distill.lora import (ALL_LINEAR, LoraError, LoraSectionConfig, adaptable_module_names, adapted_module_names,
+                          merge_lora, wrap_lora)
 from distill.trainer import TrainerConfig, make_distill_step, train
 from data.specdraft_meta import SpecdraftMeta
 

@@ -3,9 +3,9 @@
 1. **before**: evaluate the draft ``adapt.draft`` on every configured domain (``eval.domains`` +
    ``eval.extra_domains``) -> ``adapt/before/`` (a full evaluation report);
 2. **adapt**: for each domain whose pooled mean accepted length tau is below ``adapt.min_mean_accepted_length``,
-   LoRA-adapt the draft to that domain by distillation from the target (:func:`distill.lora.adapt_draft`, settings
-   in the ``lora`` section) -> ``drafts/lora_<domain>/`` (merged) + ``adapters/lora_<domain>/``. Domains without
-   training text (test-only benchmarks, user files) are reported as not adaptable;
+   LoRA-adapt the draft to that domain by distillation from the target (:func:`distill.adaptation.adapt_draft`,
+   settings in the ``lora`` section) -> ``drafts/lora_<domain>/`` (merged) + ``adapters/lora_<domain>/``. Domains
+   without training text (test-only benchmarks, user files) are reported as not adaptable;
 3. **after**: evaluate the draft and every adapted draft on every domain -> ``adapt/after/`` (report + routing
    table over every draft);
 4. **keep or refuse** each adapter (:func:`eval.decision.adapter_decision`): kept only where the adapted draft's tau
@@ -79,9 +79,8 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
 
     Raises:
         ValueError: ``lora=none`` (no LoRA settings), a missing draft, and every error of the evaluation and of
-            :func:`distill.lora.adapt_draft`.
+            :func:`distill.adaptation.adapt_draft`.
     """
-    from distill.adaptation import adapt_draft
     from distill.lora import LoraError, resolve_base
     from eval.decision import adapter_decision
 
@@ -96,31 +95,7 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
     before = _evaluate(rc, opts, run_dir / "adapt" / "before", {base_name: str(base_path)}, ev, resume)
     t_before = time.perf_counter() - t0
     threshold = rc.adapt.min_mean_accepted_length
-    domains = list(before["drafts"][base_name])
-    rows: dict[str, dict] = {}
-    drafts = {base_name: str(base_path)}
-    adapt_times = {}
-    for d in domains:
-        tau = before["drafts"][base_name][d]["mean_accepted_length"]
-        row = {"before_mean_accepted_length": tau,
-               "before_measured_speedup": before["drafts"][base_name][d]["measured_speedup"]}
-        if tau is not None and tau >= threshold:
-            row["action"] = "left alone (tau >= threshold)"
-        elif not trainable_domain(d):
-            row["action"] = "not adaptable (no training split: test-only benchmark or user file)"
-        else:
-            name = f"lora_{d}"
-            ev("adapt_domain_start", domain=d, before_mean_accepted_length=tau, threshold=threshold)
-            t1 = time.perf_counter()
-            summary = adapt_draft(rc, opts, run_dir, base=str(base_path), domain=d, name=name, events=events)
-            adapt_times[d] = time.perf_counter() - t1
-            drafts[name] = summary["path"]
-            row.update(action="adapted", adapted_draft=name, adapter=summary["adapter_path"],
-                       reused=bool(summary.get("reused")), adapt_time_s=adapt_times[d],
-                       validation_mean_accepted_length_before=summary.get("base_mean_accepted_length"),
-                       validation_mean_accepted_length_after=summary.get("selected_mean_accepted_length"))
-            ev("adapt_domain_done", domain=d, draft=name, seconds=adapt_times[d])
-        rows[d] = row
+    rows, drafts, adapt_times = _adapt_low_domains(rc, opts, run_dir, base_path, before, ev, events)
     t2 = time.perf_counter()
     retrained = any(r["action"] == "adapted" and not r["reused"] for r in rows.values())
     after = _evaluate(rc, opts, run_dir / "adapt" / "after", drafts, ev, resume and not retrained)
@@ -158,6 +133,44 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
     ev("adapt_done", adapted=[d for d, r in rows.items() if r.get("adapted_draft")],
        kept=[d for d, r in rows.items() if r.get("adapter_kept")], routing=summary["routing"])
     return summary
+
+
+def _adapt_low_domains(rc, opts, run_dir: Path, base_path: Path, before: dict, ev, events):
+    """Step 2: LoRA-adapt the base draft to every domain of the before-evaluation whose tau is below
+    ``adapt.min_mean_accepted_length`` and that has training text (:func:`distill.adaptation.adapt_draft`).
+
+    Returns:
+        ``(rows, drafts, adapt_times)``: per domain its ``adapt.json`` row so far (tau before, the action, the
+        adapted draft), every draft to evaluate after (name -> path, the base first) and seconds per adaptation.
+    """
+    from distill.adaptation import adapt_draft
+
+    base_name, threshold = base_path.name, rc.adapt.min_mean_accepted_length
+    rows: dict[str, dict] = {}
+    drafts = {base_name: str(base_path)}
+    adapt_times = {}
+    for d in before["drafts"][base_name]:
+        tau = before["drafts"][base_name][d]["mean_accepted_length"]
+        row = {"before_mean_accepted_length": tau,
+               "before_measured_speedup": before["drafts"][base_name][d]["measured_speedup"]}
+        if tau is not None and tau >= threshold:
+            row["action"] = "left alone (tau >= threshold)"
+        elif not trainable_domain(d):
+            row["action"] = "not adaptable (no training split: test-only benchmark or user file)"
+        else:
+            name = f"lora_{d}"
+            ev("adapt_domain_start", domain=d, before_mean_accepted_length=tau, threshold=threshold)
+            t1 = time.perf_counter()
+            summary = adapt_draft(rc, opts, run_dir, base=str(base_path), domain=d, name=name, events=events)
+            adapt_times[d] = time.perf_counter() - t1
+            drafts[name] = summary["path"]
+            row.update(action="adapted", adapted_draft=name, adapter=summary["adapter_path"],
+                       reused=bool(summary.get("reused")), adapt_time_s=adapt_times[d],
+                       validation_mean_accepted_length_before=summary.get("base_mean_accepted_length"),
+                       validation_mean_accepted_length_after=summary.get("selected_mean_accepted_length"))
+            ev("adapt_domain_done", domain=d, draft=name, seconds=adapt_times[d])
+        rows[d] = row
+    return rows, drafts, adapt_times
 
 
 def adapted_routing(after: dict, rows: dict, base_name: str, drafts: dict) -> dict:

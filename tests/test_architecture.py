@@ -110,3 +110,41 @@ def test_readme_is_short_and_its_doc_links_resolve():
     assert len(links) >= 10
     missing = sorted({str(base / target) for base, target in links if not (base / target).is_file()})
     assert not missing, f"links to files that do not exist: {missing}"
+
+
+def _function_lengths(path: Path):
+    """(name, lines) of every function in ``path``, from its first decorator (or ``def``) to its last line."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            yield node.name, node.end_lineno - start + 1
+
+
+def test_modules_and_functions_fit_one_screen_per_job():
+    """No product module over 500 lines, no function over 80 (docstrings included), the benchmark script under 300
+    (docs/architecture.md: one job per module, gpt-fast's one screen per job)."""
+    modules = _modules()
+    long_modules = [f"{m} ({len(p.read_text().splitlines())} lines)" for m, p in modules.items()
+                    if len(p.read_text().splitlines()) > 500]
+    long_functions = [f"{m}.{name} ({n} lines)" for m, p in modules.items() for name, n in _function_lengths(p)
+                      if n > 80]
+    assert not long_modules and not long_functions, f"over the limits: {long_modules + long_functions}"
+    assert len((ROOT / "scripts" / "bench_decode.py").read_text().splitlines()) < 300
+
+
+def test_no_package_imports_another_packages_private_names():
+    """A package's underscore names and modules are its own: another package (or a script) imports only public
+    ones."""
+    bad = []
+    files = {**_modules(), **{f"scripts.{p.stem}": p for p in (ROOT / "scripts").glob("*.py")}}
+    for name, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            parts = node.module.split(".")
+            if parts[0] not in PACKAGES or parts[0] == name.split(".")[0]:
+                continue
+            private = [p for p in parts[1:] if p.startswith("_") and p != "__main__"]
+            private += [a.name for a in node.names if a.name.startswith("_")]
+            bad += [f"{name} imports {node.module}: {p}" for p in private]
+    assert not bad, "imports of another package's private names:\n" + "\n".join(bad)

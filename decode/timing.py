@@ -69,7 +69,7 @@ def head_share(model, steps: int = 50) -> dict[str, float]:
     head = model.get_output_embeddings()
     w = head.weight
     x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-    packed = w.t().contiguous()  # the (in, out) copy the lean CPU forward multiplies with (decode/fast_llama.py)
+    packed = w.t().contiguous()  # the (in, out) copy the lean CPU forward multiplies with (decode/fast_weights.py)
     times = {"rows": [], "packed": []}
     for _ in range(steps + 2):  # both layouts alternated; the faster one is what the decoder's forward uses
         with Timer(w.device) as timer:

@@ -180,6 +180,17 @@ def view(c: dict, *extra: str) -> dict:
     return {k: c.get(k) for k in keys}
 
 
+def setting_entry(doc: dict, domain: str, r: dict) -> dict | None:
+    """The sweep / policy entry of draft ``r["draft"]`` at ``r``'s setting on ``domain`` (None: not measured)."""
+    entry = doc["drafts"].get(r["draft"], {}).get(domain)
+    if entry is None:
+        return None
+    policy = r.get("draft_length_policy") or "fixed"
+    if policy != "fixed":
+        return entry.get("policies", {}).get(policy)
+    return entry["sweep"].get(str(r["num_draft_tokens"]))
+
+
 def candidates(doc: dict, domain: str) -> list[dict]:
     """Every measured setting of ``domain`` in a metrics document: ``{"draft", "draft_length_policy",
     "num_draft_tokens", "measured_speedup", "measured_speedup_ci", "expected_speedup", "mean_accepted_length",

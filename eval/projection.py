@@ -7,23 +7,13 @@ import math
 
 from decode.stats import expected_speedup, expected_speedup_mixture
 
-from .decision import FORMULA, SPECULATE, candidates, label, num as _num
+from .decision import FORMULA, SPECULATE, candidates, label, setting_entry
+from .decision import num as _num
 
 
 def _fmt(v, digits: int = 2) -> str:
     x = _num(v)
     return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
-
-
-def _entry(doc: dict, domain: str, r: dict) -> dict | None:
-    """The sweep / policy entry of draft ``r["draft"]`` at ``r``'s setting on ``domain`` (None: not measured)."""
-    entry = doc["drafts"].get(r["draft"], {}).get(domain)
-    if entry is None:
-        return None
-    policy = r.get("draft_length_policy") or "fixed"
-    if policy != "fixed":
-        return entry.get("policies", {}).get(policy)
-    return entry["sweep"].get(str(r["num_draft_tokens"]))
 
 
 def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] | None,
@@ -99,7 +89,7 @@ def deployment_section(doc: dict) -> list[str]:
                 best, best_p = c, p
         best_txt = f"`{best['draft']}` with {label(best)}: {best_p:.2f}x" if best else "n/a"
         if r.get("action") == SPECULATE:
-            e = _entry(doc, d, r) or {}
+            e = setting_entry(doc, d, r) or {}
             ci = e.get("measured_speedup_ci")
             meas = f"{_fmt(e.get('measured_speedup'))}x" + (f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "")
             lines.append(f"| {d} | `{r['draft']}` with {label(r)} | {meas} | "

@@ -18,7 +18,8 @@ import math
 from typing import Any
 
 from .decision import (COMPONENTS_FORMULA, FORMULA, IMPLAUSIBLE_OVER_TAU, MIN_MEAN_ACCEPTED_LENGTH, SPECULATE,
-                       TARGET_ONLY, Decision, candidates, decide_domain, interval, label, num, speedup_bound)
+                       TARGET_ONLY, Decision, candidates, decide_domain, interval, label, num, setting_entry,
+                       speedup_bound)
 from .decision_check import check_consistent
 
 log = logging.getLogger(__name__)
@@ -153,17 +154,6 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ flags
-def _entry(doc: dict, domain: str, r: dict) -> dict | None:
-    """The sweep / policy entry of draft ``r["draft"]`` at ``r``'s setting on ``domain`` (None: not measured)."""
-    entry = doc["drafts"].get(r["draft"], {}).get(domain)
-    if entry is None:
-        return None
-    policy = r.get("draft_length_policy") or "fixed"
-    if policy != "fixed":
-        return entry.get("policies", {}).get(policy)
-    return entry["sweep"].get(str(r["num_draft_tokens"]))
-
-
 def _low_tau_drafts(doc: dict, domain: str) -> tuple[dict[str, float], list[str]]:
     """``({draft: tau at the tables' gamma}, drafts below eval.alert_mean_accepted_length)``."""
     taus = {n: num(by_domain[domain]["mean_accepted_length"]) for n, by_domain in doc["drafts"].items()
@@ -214,7 +204,7 @@ def verdict_line(doc: dict, domain: str) -> str:
         line = f"decode with the target alone: {_why_target_alone(doc, r['basis'])} (fastest " \
                f"{_named(best)}, {_speedup(best)})."
     else:
-        e = _entry(doc, domain, r) or r
+        e = setting_entry(doc, domain, r) or r
         line = (f"use {_named(r)}: measured speedup {_speedup(e)}, tau {_fmt(e.get('mean_accepted_length'))}; "
                 + ("intervals separated." if r["basis"] == "measured" else "tie, broken by the cost model."))
     marks = [f for f in flags(doc, domain) if f != "tie"]
@@ -228,7 +218,7 @@ def verdicts_table(doc: dict) -> list[str]:
     lines = [f"| domain | deploy | measured speedup [{level}% CI] | tau | flags |", "|---|---|---|---|---|"]
     for d, r in doc["recommendation"].items():
         if r["action"] == SPECULATE:
-            e = _entry(doc, d, r) or r
+            e = setting_entry(doc, d, r) or r
             what, speed, tau = _named(r), _speedup(e), _fmt(e.get("mean_accepted_length"))
         else:
             best = r.get("best_measured") or {}
@@ -281,7 +271,7 @@ def _reasoning(doc: dict, d: str, r: dict) -> str:
     """The paragraph of one domain in "How each verdict was reached"."""
     text = r["reason"][0].upper() + r["reason"][1:] + "."
     if r["action"] == SPECULATE:
-        e = _entry(doc, d, r) or {}
+        e = setting_entry(doc, d, r) or {}
         text += (f" Leviathan's formula expects {_fmt(e.get('expected_speedup'))}x"
                  + (f", the measured parts {_fmt(e['expected_speedup_components'])}x"
                     if e.get("expected_speedup_components") is not None else "") + ".")
@@ -290,7 +280,7 @@ def _reasoning(doc: dict, d: str, r: dict) -> str:
         if e.get("projected_speedup") is not None:
             text += f" Projected on the deployment: {_fmt(e['projected_speedup'])}x."
         for n, by_domain in doc["drafts"].items():
-            o = _entry(doc, d, {**r, "draft": n}) if n != r["draft"] and d in by_domain else None
+            o = setting_entry(doc, d, {**r, "draft": n}) if n != r["draft"] and d in by_domain else None
             if o is not None:
                 text += f" `{n}` at the same setting: tau {_fmt(o['mean_accepted_length'])}, " \
                         f"{_fmt(o['measured_speedup'])}x."

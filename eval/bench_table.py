@@ -43,7 +43,7 @@ def _speed_rows(r: dict) -> list[tuple[str, str]]:
          f"{tps['hf_assisted']:.1f}" if hf_ran else SKIPPED),
         ("tokens/s ours speculative", f"{tps['ours_speculative']:.1f}"),
         ("tokens/s transformers generate (target only)", f"{tps['hf_target_only']:.1f}" if hf_ran else SKIPPED),
-        ("ours / transformers", f"{r['ours_over_transformers']:.2f}x" if hf_ran else SKIPPED),
+        ("ours / transformers assisted", f"{r['ours_over_transformers']:.2f}x" if hf_ran else SKIPPED),
         ("ours / transformers generate (target only)", f"{r['ours_over_transformers_target_only']:.2f}x" if hf_ran
          else SKIPPED),
         ("ours / target-only (measured speedup; the faster target-only)", f"{r['ours_over_target_only']:.2f}x"),

@@ -78,7 +78,9 @@ class Decision:
             the fastest setting measured, which it refuses.
         best_measured: the fastest measured setting (draft, policy, gamma, speedup, interval).
         tied_with: ``"draft:label"`` of the settings whose interval overlaps the fastest one's.
-        set_aside: one phrase per setting set aside before the rule (:func:`paying_settings`).
+        set_aside: one phrase per setting set aside before the rule (:func:`paying_settings`);
+            set_aside_reasons: how many for each reason (``low_tau``, ``no_tau``, ``disturbed``);
+            highest_tau: (``low_tau`` decisions) the highest tau any setting of the domain measured.
         tie_pool: the settings a tie was decided among: ``"above_one"`` (intervals above 1), ``"at_least_one"``
             (measured at least 1x), ``"all"`` (every tied setting was), ``"displaced"`` (the interval filter gave
             way, see ``displaced``).
@@ -106,6 +108,8 @@ class Decision:
     best_measured: dict | None = None
     tied_with: list[str] = field(default_factory=list)
     set_aside: list[str] = field(default_factory=list)
+    set_aside_reasons: dict[str, int] = field(default_factory=dict)
+    highest_tau: float | None = None
     tie_pool: str | None = None
     model: str | None = None
     model_error: float | None = None
@@ -330,19 +334,33 @@ def paying_settings(cands: list[dict], min_mean_accepted_length: float,
     aside."""
     kept, dropped = [], []
     for c in cands:
-        tau, s = num(c.get("mean_accepted_length")), num(c.get("measured_speedup"))
-        bound = speedup_bound(c, verify_cost_ratio)
-        name = f"`{c['draft']}` with {label(c)}"
-        if math.isnan(tau) and min_mean_accepted_length > 0:  # no measured tau: nothing says it pays
-            dropped.append(f"{name} (no measured tau)")
-        elif tau < min_mean_accepted_length:
-            dropped.append(f"{name} (tau {tau:.2f} < {min_mean_accepted_length:g})")
-        elif not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
-            dropped.append(f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
-                           f"disturbed timing, re-measure)")
-        else:
+        why = set_aside_reason(c, min_mean_accepted_length, verify_cost_ratio)
+        if why is None:
             kept.append(c)
+            continue
+        tau, s, bound = num(c.get("mean_accepted_length")), num(c.get("measured_speedup")), \
+            speedup_bound(c, verify_cost_ratio)
+        name = f"`{c['draft']}` with {label(c)}"
+        dropped.append({"no_tau": f"{name} (no measured tau)",
+                        "low_tau": f"{name} (tau {tau:.2f} < {min_mean_accepted_length:g})",
+                        "disturbed": f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
+                                     f"disturbed timing, re-measure)"}[why])
     return kept, dropped
+
+
+def set_aside_reason(c: dict, min_mean_accepted_length: float, verify_cost_ratio: dict | None = None) -> str | None:
+    """Why setting ``c`` cannot pay for itself: ``"no_tau"`` (no measured tau), ``"low_tau"`` (tau below
+    ``min_mean_accepted_length``), ``"disturbed"`` (a measured speedup above ``IMPLAUSIBLE_OVER_TAU`` times
+    :func:`speedup_bound`); None when it can."""
+    tau, s = num(c.get("mean_accepted_length")), num(c.get("measured_speedup"))
+    bound = speedup_bound(c, verify_cost_ratio)
+    if math.isnan(tau) and min_mean_accepted_length > 0:  # no measured tau: nothing says it pays
+        return "no_tau"
+    if tau < min_mean_accepted_length:
+        return "low_tau"
+    if not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
+        return "disturbed"
+    return None
 
 
 def decide_domain(every: list[dict], min_mean_accepted_length: float,
@@ -350,10 +368,18 @@ def decide_domain(every: list[dict], min_mean_accepted_length: float,
     """:func:`paying_settings`, then :func:`decide` over what is left (the target alone, basis ``low_tau``, when
     nothing is). Returns ``(decision, the settings the rule ran over)``."""
     cands, dropped = paying_settings(every, min_mean_accepted_length, verify_cost_ratio)
+    reasons: dict[str, int] = {}
+    for c in every:
+        why = set_aside_reason(c, min_mean_accepted_length, verify_cost_ratio)
+        if why is not None:
+            reasons[why] = reasons.get(why, 0) + 1
     valid = [c for c in every if not math.isnan(num(c.get("measured_speedup")))]
     if cands or not valid:
-        return decide(cands).with_(set_aside=dropped), cands
-    return target_alone(max(valid, key=_fastest_order), "low_tau", set_aside=dropped), cands
+        return decide(cands).with_(set_aside=dropped, set_aside_reasons=reasons), cands
+    best = max(valid, key=_fastest_order)
+    return target_alone(best, "low_tau", set_aside=dropped, set_aside_reasons=reasons,
+                        highest_tau=max((num(c.get("mean_accepted_length")) for c in every
+                                       if not math.isnan(num(c.get("mean_accepted_length")))), default=None)), cands
 
 
 def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:

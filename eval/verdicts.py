@@ -81,8 +81,8 @@ def explain(r: Decision) -> str:
         return "no finite measured speedup"
     if r.basis == "low_tau":
         shown = "; ".join(r.set_aside[:4]) + (f"; and {len(r.set_aside) - 4} more" if len(r.set_aside) > 4 else "")
-        return (f"no setting can pay for itself (tau at least eval.min_mean_accepted_length, a measured speedup "
-                f"within {IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)): {shown}")
+        return (f"no setting can pay for itself; each needs tau of at least eval.min_mean_accepted_length and a "
+                f"measured speedup of at most {IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v), and every one failed: {shown}")
     if r.basis == "below_one":
         best = r.best_measured
         lo, hi = interval(best)
@@ -187,11 +187,17 @@ def flags(doc: dict, domain: str) -> list[str]:
     return out
 
 
-def _why_target_alone(doc: dict, basis: str) -> str:
-    if basis == "low_tau":
-        return (f"no setting pays for itself (tau below {doc.get('min_mean_accepted_length', MIN_MEAN_ACCEPTED_LENGTH):g}"
-                f" or disturbed timing)")
-    return "no setting measured faster than the target alone" if basis == "below_one" else basis
+def _why_target_alone(doc: dict, r: dict) -> str:
+    """Why a domain goes to the target alone, in a few words, naming the actual reasons."""
+    if r["basis"] == "below_one":
+        return "no setting measured faster than the target alone"
+    if r["basis"] != "low_tau":
+        return r["basis"]
+    floor = doc.get("min_mean_accepted_length", MIN_MEAN_ACCEPTED_LENGTH)
+    n = r.get("set_aside_reasons") or {}
+    parts = ([f"best tau {_fmt(r.get('highest_tau'))} < {floor:g}"] if n.get("low_tau") or n.get("no_tau") else []) \
+        + ([f"{n['disturbed']} setting(s) faster than tau allows (re-measure)"] if n.get("disturbed") else [])
+    return "no setting pays for itself: " + "; ".join(parts or ["none measured"])
 
 
 def verdict_line(doc: dict, domain: str) -> str:
@@ -201,8 +207,8 @@ def verdict_line(doc: dict, domain: str) -> str:
         return f"{domain}: no measurement."
     if r["action"] == TARGET_ONLY:
         best = r.get("best_measured") or r
-        line = f"decode with the target alone: {_why_target_alone(doc, r['basis'])} (fastest " \
-               f"{_named(best)}, {_speedup(best)})."
+        line = f"decode with the target alone: {_why_target_alone(doc, r)}" + (
+            f" (fastest {_named(best)}, {_speedup(best)})." if r["basis"] == "below_one" else ".")
     else:
         e = setting_entry(doc, domain, r) or r
         line = (f"use {_named(r)}: measured speedup {_speedup(e)}, tau {_fmt(e.get('mean_accepted_length'))}; "
@@ -213,7 +219,8 @@ def verdict_line(doc: dict, domain: str) -> str:
 
 # ------------------------------------------------------------------------------------------------ sections
 def verdicts_table(doc: dict) -> list[str]:
-    """Markdown rows: per domain what to deploy, the measured speedup [interval], tau and the flags."""
+    """Markdown rows: per domain what to deploy, the measured speedup [interval], tau (for the target alone after
+    every setting was set aside: the best tau measured) and the flags."""
     level = int(round(100 * doc.get("confidence", 0.95)))
     lines = [f"| domain | deploy | measured speedup [{level}% CI] | tau | flags |", "|---|---|---|---|---|"]
     for d, r in doc["recommendation"].items():
@@ -223,8 +230,9 @@ def verdicts_table(doc: dict) -> list[str]:
         else:
             best = r.get("best_measured") or {}
             what = "target alone" if r["action"] == TARGET_ONLY else "no measurement"
-            speed = f"1.00x (fastest draft setting {_speedup(best)})" if best else "-"
-            tau = "-"
+            speed = "-" if not best else ("1.00x (no draft setting pays for itself)" if r["basis"] == "low_tau" else
+                                          f"1.00x (fastest draft setting {_speedup(best)})")
+            tau = _fmt(r.get("highest_tau")) if r["basis"] == "low_tau" else "-"
         lines.append(f"| {d} | {what} | {speed} | {tau} | {', '.join(flags(doc, d)) or '-'} |")
     return lines
 
@@ -305,7 +313,7 @@ def reasoning_section(doc: dict) -> list[str]:
     """``## How each verdict was reached``: per domain the rule's path (ties, cost model, settings set aside), the
     cost models' expectations, the other drafts at the same setting and the caveats behind each flag."""
     lines = ["", "## How each verdict was reached", "",
-             "The rule (docs/reports.md, \"Verdicts\"): the fastest measured setting when its interval lies above "
+             "The rule (docs/configuration.md, \"Verdicts\"): the fastest measured setting when its interval lies above "
              "every other one; among overlapping intervals the cost model's pick; the target alone when nothing "
              "measured at least 1x or no setting reaches tau eval.min_mean_accepted_length.", ""]
     return lines + [f"- **{d}**: {_reasoning(doc, d, r)}" for d, r in doc["recommendation"].items()

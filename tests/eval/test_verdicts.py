@@ -542,7 +542,8 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
         r = doc["recommendation"][d]
         assert doc["drafts"]["a"][d]["mean_accepted_length"] == 1.0
         assert (r["action"], r["basis"], r["draft"]) == (TARGET_ONLY, "low_tau", None), r
-        assert "no setting pays for itself" in doc["verdicts"][d]
+        assert "no setting pays for itself: best tau 1.00 < 1.5" in doc["verdicts"][d]  # the actual reason
+        assert r["set_aside_reasons"] == {"low_tau": 1} and r["highest_tau"] == 1.0
         assert recommended_settings(doc)[d]["draft"] is None
     (tmp_path / "drafts" / "a").mkdir(parents=True)
     table = write_routing(tmp_path / "routing.json", doc, {"a": tmp_path / "drafts" / "a"})

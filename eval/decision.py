@@ -48,6 +48,7 @@ own tau allows.
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
@@ -134,8 +135,10 @@ class Decision:
 
 
 def num(x) -> float:
-    """``x`` as a float; NaN for None, booleans, non-numbers and infinities."""
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+    """``x`` as a float (numpy scalars too); NaN for None, booleans, strings, other non-numbers and infinities."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return math.nan
+    return float(x) if math.isfinite(float(x)) else math.nan
 
 
 def _fmt(v, digits: int = 2) -> str:
@@ -150,12 +153,14 @@ def _key(x) -> float:
 
 
 def interval(c) -> tuple[float, float]:
-    """(low, high) of a setting's measured speedup interval (a candidate dict or a :class:`Decision`); its point
-    estimate twice without an interval."""
+    """(low, high) of a setting's measured speedup interval (a candidate dict or a :class:`Decision`), widened to
+    hold its point estimate (a percentile bootstrap of very few resamples can miss it); the point estimate twice
+    without an interval."""
     get = c.get if isinstance(c, dict) else lambda k: getattr(c, k, None)
     ci, s = get("measured_speedup_ci"), num(get("measured_speedup"))
     if ci and len(ci) == 2 and not any(math.isnan(num(v)) for v in ci):
-        return min(num(ci[0]), num(ci[1])), max(num(ci[0]), num(ci[1]))
+        lo, hi = min(num(ci[0]), num(ci[1])), max(num(ci[0]), num(ci[1]))
+        return (lo, hi) if math.isnan(s) else (min(lo, s), max(hi, s))
     return s, s
 
 
@@ -276,7 +281,8 @@ def tie_scope(valid: list[dict], best: dict, tied: list[dict]) -> tuple[list[dic
 def surer_than(pick: dict, pool: list[dict]) -> dict:
     """``pick``, unless settings of ``pool`` measured at least 1x have their whole interval above ``pick``'s
     measured speedup: then the highest measured of those."""
-    surer = [c for c in pool if num(c["measured_speedup"]) >= 1.0 and interval(c)[0] > num(pick["measured_speedup"])]
+    surer = [c for c in pool if c is not pick and num(c["measured_speedup"]) >= 1.0
+             and interval(c)[0] > num(pick["measured_speedup"])]
     return max(surer, key=_tie_pick_order) if surer else pick
 
 
@@ -374,7 +380,8 @@ def decide_domain(every: list[dict], min_mean_accepted_length: float,
         if why is not None:
             reasons[why] = reasons.get(why, 0) + 1
     valid = [c for c in every if not math.isnan(num(c.get("measured_speedup")))]
-    if cands or not valid:
+    measured_kept = [c for c in cands if not math.isnan(num(c.get("measured_speedup")))]
+    if measured_kept or not valid:
         return decide(cands).with_(set_aside=dropped, set_aside_reasons=reasons), cands
     best = max(valid, key=_fastest_order)
     return target_alone(best, "low_tau", set_aside=dropped, set_aside_reasons=reasons,

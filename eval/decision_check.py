@@ -8,18 +8,29 @@ import statistics
 
 
 def _f(x) -> float:
+    if isinstance(x, (bool, str, bytes)) or x is None:
+        return math.nan
     try:
         v = float(x)
     except (TypeError, ValueError):
         return math.nan
-    return v if math.isfinite(v) and not isinstance(x, bool) else math.nan
+    return v if math.isfinite(v) else math.nan
 
 
 def _bounds(c: dict) -> tuple[float, float]:
+    """A setting's interval, holding its point estimate."""
     s, ci = _f(c.get("measured_speedup")), c.get("measured_speedup_ci")
     if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(not math.isnan(_f(v)) for v in ci):
-        return min(map(_f, ci)), max(map(_f, ci))
+        lo, hi = min(map(_f, ci)), max(map(_f, ci))
+        return (lo, hi) if math.isnan(s) else (min(lo, s), max(hi, s))
     return s, s
+
+
+def _order(c: dict) -> tuple:
+    """The order settings are picked in: measured speedup, then tau, then the upper end, smaller gamma, name."""
+    tau = _f(c.get("mean_accepted_length"))
+    return (_f(c["measured_speedup"]), -math.inf if math.isnan(tau) else tau, _bounds(c)[1],
+            -(c["num_draft_tokens"] or 0), c["draft"])
 
 
 def _same(c: dict, d: dict) -> bool:
@@ -70,7 +81,8 @@ def check_consistent(decision, cands: list[dict]) -> None:
     assert chosen is best or _bounds(chosen)[1] >= _bounds(best)[0], "tie pick does not overlap the fastest setting"
     pool = [o for o in valid if o is best or (_f(o["measured_speedup"]) >= 1.0 and
                                              _bounds(o)[1] >= _bounds(best)[0])]
-    assert not any(_bounds(o)[0] > s for o in pool), "a tied setting's whole interval lies above the pick's speedup"
+    assert not any(_bounds(o)[0] > s for o in pool if o is not chosen), \
+        "a tied setting's whole interval lies above the pick's speedup"
     fld = _model(pool)
     above = [o for o in pool if _bounds(o)[0] >= 1.0]
     if above and lo < 1.0:
@@ -79,7 +91,7 @@ def check_consistent(decision, cands: list[dict]) -> None:
     err = _error(valid, fld)
     scope = _scope(pool, above, fld, err)
     near = _near(scope, fld, err)
-    model_pick = max(near, key=lambda o: _f(o["measured_speedup"]))
+    model_pick = max(near, key=_order)
     if d.get("model_pick"):  # overruled: only by a tied setting whose interval lies above the model's pick
         assert _same(model_pick, d["model_pick"]) or \
             _f(model_pick["measured_speedup"]) == _f(d["model_pick"]["measured_speedup"]), "a wrong model pick"
@@ -104,7 +116,7 @@ def _scope(pool: list[dict], above: list[dict], fld: str, err: float) -> list[di
     lies above 1 when there are any; unless some beat that choice on both numbers, then those."""
     if not above:
         return pool
-    pick = max(_near(above, fld, err), key=lambda o: _f(o["measured_speedup"]))
+    pick = max(_near(above, fld, err), key=_order)
     faster = [o for o in pool if _f(o["measured_speedup"]) > _f(pick["measured_speedup"])
               and _f(o.get(fld)) > _f(pick.get(fld)) > 0]
     return faster or above

@@ -155,9 +155,15 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
 
 # ------------------------------------------------------------------------------------------------ flags
 def _low_tau_drafts(doc: dict, domain: str) -> tuple[dict[str, float], list[str]]:
-    """``({draft: tau at the tables' gamma}, drafts below eval.alert_mean_accepted_length)``."""
-    taus = {n: num(by_domain[domain]["mean_accepted_length"]) for n, by_domain in doc["drafts"].items()
-            if domain in by_domain}
+    """``({draft: its highest tau over every gamma and policy measured}, drafts below
+    eval.alert_mean_accepted_length)``."""
+    taus = {}
+    for n, by_domain in doc["drafts"].items():
+        e = by_domain.get(domain)
+        if e is not None:
+            vals = [num(x.get("mean_accepted_length")) for x in
+                    [e, *e.get("sweep", {}).values(), *e.get("policies", {}).values()]]
+            taus[n] = max((v for v in vals if not math.isnan(v)), default=math.nan)
     return taus, [n for n, t in taus.items() if not t >= doc["alert_mean_accepted_length"]]
 
 
@@ -298,7 +304,7 @@ def _reasoning(doc: dict, d: str, r: dict) -> str:
     alert = doc["alert_mean_accepted_length"]
     if taus and len(low) == len(taus):
         text += (f" ALERT: mean accepted length below {alert:g} (eval.alert_mean_accepted_length) for every draft "
-                 f"(best {_fmt(max(taus.values()))}): adapt a draft to this domain.")
+                 f"at every setting (best {_fmt(max(taus.values()))}): adapt a draft to this domain.")
     elif low:
         text += f" Below the alert threshold (tau < {alert:g}): " + ", ".join(f"`{n}` ({_fmt(taus[n])})"
                                                                              for n in low) + "."

@@ -632,3 +632,84 @@ def test_the_verdicts_are_one_row_per_domain_and_short_lines(cands, min_tau, noi
     for row, (d, r) in zip(rows, doc["recommendation"].items()):
         assert ("target alone" in row) == (r["action"] == TARGET_ONLY)
         assert ("NOISY" in row) == r["noisy"]
+
+
+@st.composite
+def grid_tables(draw):
+    """Metric tables on a coarse grid: exact ties of measured speedup and tau, intervals that miss their own point
+    estimate (a bootstrap of very few resamples), settings without a speedup."""
+    grid = st.sampled_from([None, 0.8, 1.0, 1.05, 1.2, 1.4])
+    out, seen = [], set()
+    for _ in range(draw(st.integers(1, 6))):
+        draft, g = draw(st.sampled_from("xyz")), draw(st.sampled_from([1, 2, 3]))
+        if (draft, g) in seen:
+            continue
+        seen.add((draft, g))
+        s, lo, hi = draw(grid), draw(grid), draw(grid)
+        out.append({"draft": draft, "draft_length_policy": "fixed", "num_draft_tokens": g, "measured_speedup": s,
+                    "measured_speedup_ci": None if lo is None or hi is None else [lo, hi],
+                    "expected_speedup": draw(st.sampled_from([1.5, 2.0])),
+                    "expected_speedup_components": draw(st.sampled_from([None, 1.2, 1.5])),
+                    "mean_accepted_length": draw(st.sampled_from([1.6, 2.0, 3.0]))})
+    return out
+
+
+@settings(max_examples=2000, deadline=None)
+@given(cands=grid_tables())
+def test_exact_ties_and_intervals_that_miss_their_estimate_pass_the_oracle(cands):
+    """Found by an adversarial pass: with equal measured speedups the oracle broke the tie otherwise than the rule
+    (by the higher tau), and an interval [1.21, 1.21] around an estimate of 1.20 made the pick 'lie below itself'."""
+    check_consistent(decide(cands), cands)
+
+
+def test_the_two_adversarial_tables():
+    def c(d, g, s, ci, exp, tau):
+        return {"draft": d, "draft_length_policy": "fixed", "num_draft_tokens": g, "measured_speedup": s,
+                "measured_speedup_ci": ci, "expected_speedup": exp, "expected_speedup_components": None,
+                "mean_accepted_length": tau}
+
+    cands = [c("x", 2, 1.4, [0.99, 1.8], 2.0, 2.0), c("y", 1, 1.05, [1.0, 1.15], 1.5, 1.6),
+             c("z", 3, 1.05, [1.0, 1.45], 2.0, 3.0)]
+    r = decide(cands)
+    check_consistent(r, cands)
+    assert (r.draft, r.basis) == ("z", "tie")  # equal measured speedups: the higher tau
+    cands = [c("a", 2, 1.30, [1.10, 1.50], 1.5, 3.0), c("a", 4, 1.20, [1.21, 1.21], 3.0, 3.0)]
+    check_consistent(decide(cands), cands)
+
+
+def test_a_kept_setting_without_a_speedup_does_not_hide_the_ones_set_aside():
+    """gamma 2 has no measured speedup, gamma 4 measured 1.3x at tau 1.0 (set aside): the target alone, basis low_tau,
+    with the reason in the report; not 'no measurement'."""
+    import numpy as np
+
+    from eval.decision import decide_domain
+
+    every = [{"draft": "a", "draft_length_policy": "fixed", "num_draft_tokens": 2, "measured_speedup": None,
+              "measured_speedup_ci": None, "mean_accepted_length": 3.0},
+             {"draft": "a", "draft_length_policy": "fixed", "num_draft_tokens": 4, "measured_speedup": 1.3,
+              "measured_speedup_ci": [1.2, 1.4], "mean_accepted_length": 1.0}]
+    r, _ = decide_domain(every, 1.5)
+    assert (r.action, r.basis, r.set_aside_reasons) == (TARGET_ONLY, "low_tau", {"low_tau": 1})
+    numpy_valued = [{**every[1], "measured_speedup": np.float32(1.6), "mean_accepted_length": np.float32(2.0)}]
+    r = decide(numpy_valued)  # numpy scalars are numbers
+    assert r.action == SPECULATE
+    check_consistent(r, numpy_valued)
+
+
+def test_alert_reads_every_setting_of_a_draft_not_only_the_tables_gamma():
+    """gamma 4 (the tables' gamma) reached tau 1.9, gamma 6 2.4 at 1.6x: the verdict deploys gamma 6 and is no ALERT
+    (alert below 2): the alert is about drafts that accept too little at every setting."""
+    from eval.verdicts import add_decisions, flags
+
+    def e(g, s, tau):
+        return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - .05, s + .05],
+                "expected_speedup": 1.2, "expected_speedup_components": None, "mean_accepted_length": tau,
+                "lossless": True}
+
+    doc = {"context": {}, "alert_mean_accepted_length": 2.0, "drafts": {"a": {"m": {
+        "sweep": {"4": e(4, 1.1, 1.9), "6": e(6, 1.6, 2.4)}, "mean_accepted_length": 1.9}}}}
+    add_decisions(doc)
+    assert doc["recommendation"]["m"]["num_draft_tokens"] == 6 and "ALERT" not in flags(doc, "m")
+    doc["drafts"]["a"]["m"]["sweep"]["6"]["mean_accepted_length"] = 1.95
+    add_decisions(doc)
+    assert "ALERT" in flags(doc, "m")

@@ -369,6 +369,17 @@ def set_aside_reason(c: dict, min_mean_accepted_length: float, verify_cost_ratio
     return None
 
 
+def paying_fixed(doc: dict, draft: str, domain: str) -> list[dict]:
+    """The fixed-gamma settings of ``draft`` on ``domain`` that can pay for themselves (:func:`set_aside_reason` with
+    the document's ``min_mean_accepted_length`` and verify cost ratios) and measured at least 1x: what an engine with
+    a fixed draft length may be given (``serving.json``, ``routing.json``'s default)."""
+    floor = doc.get("min_mean_accepted_length")
+    floor = MIN_MEAN_ACCEPTED_LENGTH if floor is None else float(floor)
+    return [c for c in candidates(doc, domain) if c["draft"] == draft and c["draft_length_policy"] == "fixed"
+            and set_aside_reason(c, floor, doc.get("verify_cost_ratio")) is None
+            and num(c.get("measured_speedup")) >= 1.0]
+
+
 def decide_domain(every: list[dict], min_mean_accepted_length: float,
                   verify_cost_ratio: dict | None = None) -> tuple[Decision, list[dict]]:
     """:func:`paying_settings`, then :func:`decide` over what is left (the target alone, basis ``low_tau``, when

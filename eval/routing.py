@@ -7,10 +7,10 @@ tied settings; a domain where even the fastest setting measured below 1x (its in
 routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers
 behind the choice: for every candidate draft its measured speedup (with interval), mean accepted length, acceptance
 rate and expected speedup at its best gamma.
-``default`` (the fallback for a domain without a route) is the draft with the highest geometric mean of measured
-speedup over the domains it was measured on, among the drafts measured on every domain; the target alone when that
-mean is below 1 (the draft is slower than the target on average where it was measured) or no domain routes to a
-draft.
+``default`` (the fallback for a domain without a route, :func:`default_route`) is the (draft, fixed gamma) with the
+highest geometric mean of measured speedup over every evaluated domain, among the pairs that pay for themselves in
+each (tau floor, tau bound, at least 1x, as the decisions require) and whose draft some domain routes to; the target
+alone when no pair qualifies.
 """
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from pathlib import Path
 
 from data.io import write_json_atomic
 from decode.routing import DEFAULT_KEY, SCHEMA
+
+from .decision import paying_fixed
 
 
 def _entry(doc: dict, draft: str, domain: str, gamma: int | None = None, policy: str = "fixed") -> dict:
@@ -62,31 +64,35 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
         routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
                           **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
                           "candidates": cands}
-    domains = list(routes)
-    default = None
-    full = [n for n in doc["drafts"] if all(d in doc["drafts"][n] for d in domains)]
-    if full and domains:
-        def geo(n: str) -> float:
-            vals = [_finite(_entry(doc, n, d)["measured_speedup"]) for d in domains]
-            return -math.inf if any(v <= 0 for v in vals) else sum(math.log(v) for v in vals) / len(vals)
-
-        best = max(full, key=lambda n: (geo(n), n == doc["recommendation"][domains[0]]["draft"]))
-        g = geo(best)
-        # no draft pays anywhere, or the best one is slower than the target alone on (geometric) average over the
-        # measured domains: a domain nobody measured is decoded with the target alone too
-        # so is the case where the best draft on average is routed nowhere (its settings could not pay for
-        # themselves in any measured domain: eval.min_mean_accepted_length)
-        if all(r["draft"] is None for r in routes.values()) or not g >= 0.0 \
-                or best not in {r["draft"] for r in routes.values()}:
-            default = {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup":
-                       math.exp(g) if math.isfinite(g) else None, "over_domains": domains}
-    if default is None and full and domains:
-        default = {"draft": best, "path": str(Path(draft_paths[best]).resolve()),
-                   "geometric_mean_measured_speedup": math.exp(g) if math.isfinite(g) else None,
-                   "num_draft_tokens": int(doc["num_draft_tokens"]), "over_domains": domains}
+    default = default_route(doc, routes, draft_paths)
     return {"schema": SCHEMA, "metric": "measured_speedup", "num_draft_tokens_swept": doc["num_draft_tokens_swept"],
             "decoding": doc.get("decoding"), "target": doc.get("context", {}).get("target"),
             "routes": routes, DEFAULT_KEY: default}
+
+
+def default_route(doc: dict, routes: dict, draft_paths: dict[str, str | Path]) -> dict | None:
+    """The fallback for a domain without a route: the (draft, fixed gamma) with the highest geometric-mean measured
+    speedup over every evaluated domain, among the pairs that pay for themselves in each of them
+    (:func:`eval.decision.paying_fixed`: tau floor, tau bound, at least 1x) whose draft some domain routes to; the
+    target alone (``target_only``) when no pair qualifies; None when no draft was measured on every domain."""
+    domains = list(routes)
+    full = [n for n in doc["drafts"] if domains and all(d in doc["drafts"][n] for d in domains)]
+    if not full:
+        return None
+    routed = {r["draft"] for r in routes.values() if r["draft"]}
+    best, best_log = None, -math.inf
+    for n in (n for n in full if n in routed):
+        per = [{c["num_draft_tokens"]: c["measured_speedup"] for c in paying_fixed(doc, n, d)} for d in domains]
+        for g in sorted(set.intersection(*(set(p) for p in per))):
+            mean_log = sum(math.log(p[g]) for p in per) / len(per)
+            if mean_log > best_log:
+                best, best_log = (n, g), mean_log
+    if best is None:
+        return {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup": None,
+                "over_domains": domains}
+    return {"draft": best[0], "path": str(Path(draft_paths[best[0]]).resolve()),
+            "geometric_mean_measured_speedup": math.exp(best_log), "num_draft_tokens": int(best[1]),
+            "over_domains": domains}
 
 
 def write_routing(path: str | Path, doc: dict, draft_paths: dict[str, str | Path]) -> dict:

@@ -13,7 +13,8 @@ evaluation's ``recommendation.<domain>``: the highest measured speedup) can chan
   ``draft.generation_config.num_assistant_tokens = G`` and ``num_assistant_tokens_schedule = "constant"``.
 
 Engines take a fixed number of drafted tokens: where the recommendation is a draft-length policy (adaptive,
-confidence) the draft's best fixed gamma is given and the note says so.
+confidence) the draft's fastest fixed gamma among those that pay for themselves (tau floor, tau bound, at least
+1x: :func:`eval.decision.paying_fixed`) is given and the note says so; without one, the target alone.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import json
 import math
 import shlex
 from pathlib import Path
+
+from .decision import paying_fixed
 
 SCHEMA = "specdraft.serving/1"
 
@@ -35,14 +38,20 @@ def recommended_settings(doc: dict) -> dict[str, dict]:
             out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": r.get("measured_speedup"),
                            "note": "serve with the target alone: " + (r.get("reason") or "no draft measured faster")}
             continue
-        gamma, note = r["num_draft_tokens"], ""
+        gamma, note, s = r["num_draft_tokens"], "", r.get("measured_speedup")
         policy = r.get("draft_length_policy", "fixed")
         if policy != "fixed":
-            entry = doc["drafts"][r["draft"]][domain]
-            gamma = entry.get("best_num_draft_tokens", gamma)
+            fixed = paying_fixed(doc, r["draft"], domain)
+            if not fixed:  # no fixed gamma of this draft paid for itself here: an engine would be slower
+                out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": s, "note": (
+                    f"the recommendation is draft_length_policy={policy}, which engines with a fixed draft length "
+                    f"cannot run, and no fixed gamma of `{r['draft']}` paid for itself here: serve with the target "
+                    f"alone (or an engine with adaptive draft lengths)")}
+                continue
+            best = max(fixed, key=lambda c: c["measured_speedup"])
+            gamma, s = best["num_draft_tokens"], best["measured_speedup"]
             note = (f"the recommendation is draft_length_policy={policy}; engines take a fixed count, so this is "
-                    f"the draft's best fixed gamma")
-        s = r.get("measured_speedup")
+                    f"the draft's fastest fixed gamma among those that pay for themselves")
         if isinstance(s, (int, float)) and math.isfinite(s) and s < 1:
             note = (note + "; " if note else "") + (f"measured speedup {s:.2f}x < 1 here: speculative decoding was "
                                                     f"slower than the target alone on this machine")

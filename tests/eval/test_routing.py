@@ -71,16 +71,24 @@ def test_each_domain_routes_to_the_draft_with_the_best_measured_speedup(tmp_path
     assert all(loaded.draft_for(d).target_only == (table["routes"][d]["draft"] is None) for d in domains)
     import math
 
-    geo = {dr: sum(math.log(routing_table(doc, paths)["routes"][d]["candidates"][dr]["measured_speedup"])
-                   for d in domains) for dr in drafts}
-    # the target alone too when no domain routes to a draft, or the best draft is slower than the target on
-    # geometric average over the measured domains (a default that slows unmeasured domains down is the slower path)
-    if all(r["draft"] is None for r in table["routes"].values()) or max(geo.values()) < 0:
+    # the fallback: the (draft, fixed gamma) with the best geometric-mean speedup over the domains, among the pairs
+    # that pay for themselves in every domain (tau floor, tau bound, at least 1x) and whose draft some domain routes
+    # to; else the target alone (computed here from the numbers, not with the router's helpers)
+    floor = doc["min_mean_accepted_length"]
+    routed = {r["draft"] for r in table["routes"].values() if r["draft"]}
+    geo = {}
+    for dr in routed:
+        for g in ("2", "4"):
+            cells = [doc["drafts"][dr][d]["sweep"][g] for d in domains]
+            if all(c["measured_speedup"] >= 1 and c["mean_accepted_length"] >= floor
+                   and c["measured_speedup"] <= 1.1 * c["mean_accepted_length"] for c in cells):
+                geo[(dr, int(g))] = sum(math.log(c["measured_speedup"]) for c in cells)
+    if not geo:
         assert loaded.default.target_only and table[DEFAULT_KEY]["draft"] is None
         assert loaded.draft_for("math").target_only
         return
-    # else the fallback is the draft with the best geometric-mean speedup over the domains
-    assert loaded.default.draft == max(geo, key=geo.get)
+    best = max(geo, key=geo.get)
+    assert (loaded.default.draft, table[DEFAULT_KEY]["num_draft_tokens"]) == best
     assert loaded.draft_for("math") == loaded.default  # unrouted domain -> default
 
 

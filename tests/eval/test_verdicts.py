@@ -713,3 +713,33 @@ def test_alert_reads_every_setting_of_a_draft_not_only_the_tables_gamma():
     doc["drafts"]["a"]["m"]["sweep"]["6"]["mean_accepted_length"] = 1.95
     add_decisions(doc)
     assert "ALERT" in flags(doc, "m")
+
+
+@pytest.mark.parametrize("g4", [(0.8, 2.0), (1.2, 2.0), (1.2, 1.2)])
+def test_serving_and_the_default_route_give_engines_only_a_fixed_gamma_that_pays(tmp_path, g4):
+    """An adversarial table: gamma 2 measured 6.0x at tau 2.0 (disturbed: set aside), an adaptive policy 1.3x at tau
+    3 (the decision). Engines need a fixed gamma: serving.json gives gamma 4 only where it pays (at least 1x, tau at
+    least 1.5), else the target alone; routing.json's default never rests on the set-aside 6.0x."""
+    from eval.routing import routing_table
+    from eval.serving import recommended_settings
+    from eval.verdicts import add_decisions
+
+    def e(g, s, tau):
+        return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - .05, s + .05],
+                "expected_speedup": 1.2, "expected_speedup_components": None, "mean_accepted_length": tau,
+                "lossless": True, "acceptance_rate": 0.5}
+
+    entry = {"sweep": {"2": e(2, 6.0, 2.0), "4": e(4, *g4)}, "policies": {"adaptive": e(8, 1.3, 3.0)},
+             "best_num_draft_tokens": 2, "num_draft_tokens": 4, "mean_accepted_length": g4[1]}
+    doc = {"context": {}, "alert_mean_accepted_length": 1.0, "num_draft_tokens": 4, "num_draft_tokens_swept": [2, 4],
+           "drafts": {"a": {"m": {**entry, **entry["sweep"]["4"]}}}}
+    add_decisions(doc)
+    assert doc["recommendation"]["m"]["draft_length_policy"] == "adaptive"
+    served = recommended_settings(doc)["m"]
+    table = routing_table(doc, {"a": tmp_path})
+    if g4 == (1.2, 2.0):
+        assert (served["draft"], served["num_draft_tokens"], served["measured_speedup"]) == ("a", 4, 1.2)
+        assert (table["default"]["draft"], table["default"]["num_draft_tokens"]) == ("a", 4)
+    else:  # gamma 4 slower than the target, or below the tau floor: no fixed gamma pays
+        assert served["draft"] is None and served["num_draft_tokens"] == 0 and "target" in served["note"]
+        assert table["default"]["target_only"]

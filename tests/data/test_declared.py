@@ -404,7 +404,7 @@ def test_serving_settings_for_each_recommendation(tmp_path):
     assert "assistant_model=draft" in chat["transformers"]["snippet"]
     assert "num_assistant_tokens = 4" in chat["transformers"]["snippet"]
     with pytest.raises(ValueError, match="no checkpoint path"):
-        serving_document(doc, {"distilled": tmp_path / "d"}, "org/target")
+        serving_document(doc, {"baseline": tmp_path / "b"}, "org/target")  # chat's draft has no path
     # a domain whose verdict is the target alone gets no engine settings, and the report row says so
     from eval.serving import serving_markdown
 

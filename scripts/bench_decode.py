@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,6 +53,7 @@ from eval.bench import leviathan_expectation, run_bench  # noqa: E402,F401
 from eval.bench_setup import (FAMILIES, BenchConfig, BenchError, load_prompts,  # noqa: E402,F401
                               read_prompts_file)
 from eval.bench_setup import resolve_device_dtype as _resolve_device_dtype  # noqa: E402
+from data.io import write_text_atomic  # noqa: E402
 from eval.bench_table import format_compare, format_table  # noqa: E402
 
 
@@ -183,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(f"--block-threads: {e}")
     for name in ("num_draft_tokens", "max_new_tokens", "repeats", "num_prompts", "prompt_len", "cost_steps",
-                 "num_threads", "max_prompts", "family_layers"):
+                 "num_threads", "max_prompts", "family_layers", "family_hidden"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.family is not None and args.family_hidden % (2 * max(4, args.family_hidden // 64)):
@@ -191,6 +193,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  f"(max(4, hidden // 64) heads), e.g. 64, 128, 256")
     if args.family_window < 1:
         ap.error("--family-window must be >= 1")
+    if args.json_out and not os.access(Path(args.json_out).resolve().parent, os.W_OK):
+        ap.error(f"--json-out {args.json_out}: its folder does not exist or is not writable; create it or name "
+                 f"another file")
     if args.row_layout_peer is not None:
         if args.row_layout_peer == args.row_layout:
             ap.error(f"--row-layout-peer {args.row_layout_peer} is --row-layout itself: name the other layout")
@@ -231,7 +236,7 @@ def main(argv=None) -> dict:
         print()
         print(format_compare(result))
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(result, indent=2, default=float))
+        write_text_atomic(args.json_out, json.dumps(result, indent=2, default=float) + "\n")
     return result
 
 

@@ -200,7 +200,10 @@ def test_bad_prompt_files_and_numbers_are_one_line_usage_errors(tmp_path, capsys
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err and "Traceback" not in err, (argv, err)
     for argv, needle in ((["--family-layers", "0"], "--family-layers must be >= 1"),
-                         (["--family-hidden", "10"], "--family-hidden 10: must be a multiple")):
+                         (["--family-hidden", "10"], "--family-hidden 10: must be a multiple"),
+                         (["--family-hidden", "0"], "--family-hidden must be >= 1"),
+                         (["--family-hidden", "-8"], "--family-hidden must be >= 1"),
+                         (["--json-out", str(tmp_path / "no" / "such" / "out.json")], "--json-out")):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--family", "llama", *argv])
         assert e.value.code == 2 and needle in capsys.readouterr().err

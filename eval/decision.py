@@ -338,12 +338,20 @@ def paying_settings(cands: list[dict], min_mean_accepted_length: float,
     """``(kept, why_dropped)``: the settings that can pay for themselves (tau >= ``min_mean_accepted_length`` and a
     measured speedup within ``IMPLAUSIBLE_OVER_TAU`` times :func:`speedup_bound`), and one phrase per setting set
     aside."""
-    kept, dropped = [], []
+    kept, dropped, _ = _sort_settings(cands, min_mean_accepted_length, verify_cost_ratio)
+    return kept, dropped
+
+
+def _sort_settings(cands: list[dict], min_mean_accepted_length: float,
+                   verify_cost_ratio: dict | None) -> tuple[list[dict], list[str], dict[str, int]]:
+    """One pass over ``cands``: the kept settings, one phrase per setting set aside, and how many per reason."""
+    kept, dropped, reasons = [], [], {}
     for c in cands:
         why = set_aside_reason(c, min_mean_accepted_length, verify_cost_ratio)
         if why is None:
             kept.append(c)
             continue
+        reasons[why] = reasons.get(why, 0) + 1
         tau, s, bound = num(c.get("mean_accepted_length")), num(c.get("measured_speedup")), \
             speedup_bound(c, verify_cost_ratio)
         name = f"`{c['draft']}` with {label(c)}"
@@ -351,7 +359,7 @@ def paying_settings(cands: list[dict], min_mean_accepted_length: float,
                         "low_tau": f"{name} (tau {tau:.2f} < {min_mean_accepted_length:g})",
                         "disturbed": f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
                                      f"disturbed timing, re-measure)"}[why])
-    return kept, dropped
+    return kept, dropped, reasons
 
 
 def set_aside_reason(c: dict, min_mean_accepted_length: float, verify_cost_ratio: dict | None = None) -> str | None:
@@ -384,12 +392,7 @@ def decide_domain(every: list[dict], min_mean_accepted_length: float,
                   verify_cost_ratio: dict | None = None) -> tuple[Decision, list[dict]]:
     """:func:`paying_settings`, then :func:`decide` over what is left (the target alone, basis ``low_tau``, when
     nothing is). Returns ``(decision, the settings the rule ran over)``."""
-    cands, dropped = paying_settings(every, min_mean_accepted_length, verify_cost_ratio)
-    reasons: dict[str, int] = {}
-    for c in every:
-        why = set_aside_reason(c, min_mean_accepted_length, verify_cost_ratio)
-        if why is not None:
-            reasons[why] = reasons.get(why, 0) + 1
+    cands, dropped, reasons = _sort_settings(every, min_mean_accepted_length, verify_cost_ratio)
     valid = [c for c in every if not math.isnan(num(c.get("measured_speedup")))]
     measured_kept = [c for c in cands if not math.isnan(num(c.get("measured_speedup")))]
     if measured_kept or not valid:

@@ -23,6 +23,9 @@ class DraftConfig:
     # vocabulary (49,152 x 576 for SmolLM2) they are most of a self-draft's weights, and freezing them halves the
     # step time (2-layer self-draft of SmolLM2, 8 x 128 tokens: 1.4 s vs 2.5 s per step on 2 cores)
     train_embeddings: bool = True
+    # train a trimmed output head's rows (draft.draft_vocab_size set): null follows train_embeddings; true trains
+    # only those N x E rows while the full embedding stays frozen (a trimmed head is its own copy, not tied)
+    train_head: bool | None = None
     # a trimmed output head over the N ids the target emits most often in the training answers (null: the full
     # vocabulary); saved as a full-vocabulary export with the id map in specdraft.json (data/draft_vocab.py)
     draft_vocab_size: int | None = None
@@ -35,6 +38,10 @@ class DraftConfig:
                                                   or self.draft_vocab_size < 1):
             raise ValueError(f"draft.draft_vocab_size must be a positive number of kept token ids or null (the "
                              f"full vocabulary), got {self.draft_vocab_size!r}")
+
+        if self.train_head is not None and self.draft_vocab_size is None:
+            raise ValueError("draft.train_head applies to a trimmed head only: set draft.draft_vocab_size=N, or drop "
+                             "draft.train_head (a full head is tied to the embeddings: draft.train_embeddings)")
 
         if self.init not in DRAFT_INITS:
             raise ValueError(f"draft.init must be one of {', '.join(DRAFT_INITS)}, got {self.init!r}")

@@ -141,7 +141,9 @@ def trim_draft_vocab(rc, pair, sig) -> dict:
         counts, on = torch.bincount(pair.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
     kept = kept_token_ids(counts[: pair.shared], rc.draft.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
     head = install_trimmed_head(pair.draft, kept)
-    head.weight.requires_grad_(rc.draft.train_embeddings)  # draft.train_embeddings=false keeps the target's rows
+    # draft.train_head (null: draft.train_embeddings) decides whether the kept rows train or stay the target's
+    train_head = rc.draft.train_embeddings if rc.draft.train_head is None else rc.draft.train_head
+    head.weight.requires_grad_(train_head)
     pair.draft_parameters = count_parameters(pair.draft)
     sig.teacher = over_kept_ids(sig.teacher, pair.draft)
     return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),

@@ -222,3 +222,38 @@ def test_trimmed_draft_vocab_config_errors(tiny_target, tmp_path):
     rc.draft.draft_vocab_size = 10_000
     with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, "):
         distill_stage(rc, rc.data.options(), tmp_path)
+
+
+@pytest.mark.parametrize("train_head", [True, False])
+def test_trimmed_head_rows_train_alone(tiny_target, tmp_path, train_head):
+    """draft.train_head=true with draft.train_embeddings=false: only the N kept head rows move; the embedding stays
+    the target's. false: the head rows stay the target's too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rc = validate({
+        "target": {"name_or_path": str(tiny_target)},
+        "draft": {"init": "layer_pruned", "layers": {"method": "list", "indices": [0]}, "train_embeddings": False,
+                  "train_head": train_head, "draft_vocab_size": 100},
+        "data": {"domain": "code", "block_size": 32, "max_train_blocks": 48},
+        "trainer": {"max_steps": 4, "micro_batch_size": 4, "warmup_steps": 1, "lr": 1e-2},
+        "eval": {"max_prompt_tokens": 32},
+        "distill": {"eval_every": 0},
+    })
+    distill_stage(rc, rc.data.options(), tmp_path, events=_events(tmp_path))
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    export = AutoModelForCausalLM.from_pretrained(tmp_path / "drafts" / "distilled")
+    kept = json.loads((tmp_path / "drafts" / "distilled" / "specdraft.json").read_text())["draft_vocab"]
+    kept = torch.tensor(kept["draft_to_target"])
+    emb = target.get_input_embeddings().weight
+    assert torch.equal(export.get_input_embeddings().weight, emb)
+    moved = (export.lm_head.weight[kept] - emb[kept]).abs().amax().item()
+    assert (moved > 1e-4) if train_head else (moved == 0.0)
+
+
+def test_train_head_config_errors(tiny_target):
+    with pytest.raises(ValueError, match="draft.train_head applies to a trimmed head only"):
+        validate({"target": {"name_or_path": str(tiny_target)}, "draft": {"train_head": True}})
+    with pytest.raises(ValueError, match="draft.train_head: Value 'abc' is not a valid bool"):
+        validate({"target": {"name_or_path": str(tiny_target)}, "draft": {"train_head": "abc",
+                                                                          "draft_vocab_size": 100}})

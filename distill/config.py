@@ -40,8 +40,9 @@ class DraftConfig:
                              f"full vocabulary), got {self.draft_vocab_size!r}")
 
         if self.train_head is not None and self.draft_vocab_size is None:
-            raise ValueError("draft.train_head applies to a trimmed head only: set draft.draft_vocab_size=N, or drop "
-                             "draft.train_head (a full head is tied to the embeddings: draft.train_embeddings)")
+            raise ValueError("draft.train_head applies to a trimmed head only: set draft.draft_vocab_size=N, or set "
+                             "draft.train_head=null (+experiment=distill_med and selfdraft_med set it to true; a full "
+                             "head is tied to the embeddings: draft.train_embeddings)")
 
         if self.init not in DRAFT_INITS:
             raise ValueError(f"draft.init must be one of {', '.join(DRAFT_INITS)}, got {self.init!r}")

@@ -48,6 +48,8 @@ class TrimmedLMHead(nn.Module):
         target_to_draft: ``(V,)`` int64 buffer, the draft row of each target id, ``-1`` outside the kept set.
         out_features: ``V`` (the target's vocabulary: what :func:`decode.common.output_vocab_size` reads).
         force_trimmed: return ``(..., N)`` even in eval mode (set by :func:`trimmed_logits`).
+        quantized: ``None``, or the dynamic int8 Linear over the N rows that the forward uses instead of ``weight``
+            (set by :func:`decode.quantize.quantize_draft`).
 
     ``forward(h (..., E))`` returns ``(..., N)`` logits in training mode (or under :func:`trimmed_logits`), else
     ``(..., V)`` logits equal to those ``N`` values at ``draft_to_target`` and ``-inf`` elsewhere.
@@ -68,6 +70,7 @@ class TrimmedLMHead(nn.Module):
         self.out_features = int(vocab_size)
         self.in_features = int(weight.shape[1])
         self.force_trimmed = False
+        self.quantized = None
 
     @property
     def num_kept(self) -> int:
@@ -77,7 +80,7 @@ class TrimmedLMHead(nn.Module):
         return f"in_features={self.in_features}, kept={self.num_kept}, out_features={self.out_features}"
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # (..., N)
+        logits = F.linear(hidden, self.weight) if self.quantized is None else self.quantized(hidden)  # (..., N)
         if self.training or self.force_trimmed:
             return logits
         return scatter_to_vocab(logits, self.draft_to_target, self.out_features)

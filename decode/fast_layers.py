@@ -15,7 +15,16 @@ from data.draft_vocab import scatter_to_vocab
 
 from .fast_settings import rows_addmm, rows_times
 
-__all__ = ["core", "norm", "head_norm", "softcapped_attention"]
+__all__ = ["core", "norm", "head_norm", "softcapped_attention", "linear"]
+
+
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w^T (+ bias)`` for an unpacked weight ``w (out, in)``, or ``w(x)`` for a dynamic int8 Linear module
+    (:mod:`decode.quantize`: fbgemm's int8 product on its packed weights, activations quantized per call)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    out = w(x)
+    return out if bias is None else out + bias
 
 
 def core(st, tokens: torch.Tensor, rope: list, masks: dict, start: int, end: int, logits_to_keep: int
@@ -70,14 +79,14 @@ def _qkv(st, i: int, hs: torch.Tensor, w_qkv, rope: tuple, start: int, end: int,
         vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
         return qk[:, :, :h_q]  # (B, T, H, D)
     bq, bk, bv = (None, None, None) if b_qkv is None else b_qkv.split([qd, kd, kd])
-    q = F.linear(hs, w_qkv[0], bq).view(bsz, t, h_q, d)  # (B, T, H, D)
-    k = F.linear(hs, w_qkv[1], bk).view(bsz, t, h_kv, d)
+    q = linear(hs, w_qkv[0], bq).view(bsz, t, h_q, d)  # (B, T, H, D)
+    k = linear(hs, w_qkv[1], bk).view(bsz, t, h_kv, d)
     if qk_norm is not None:
         q = head_norm(st, q, qk_norm[0], qk_norm[2])
         k = head_norm(st, k, qk_norm[1], qk_norm[2])
     q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
     torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
-    vbuf[:, start:end] = F.linear(hs, w_qkv[2], bv).view(bsz, t, h_kv, d)
+    vbuf[:, start:end] = linear(hs, w_qkv[2], bv).view(bsz, t, h_kv, d)
     return q
 
 
@@ -106,7 +115,7 @@ def _attention_residual(st, x: torch.Tensor, o: torch.Tensor, w_o, w_rows: tuple
     if st.packed and post is None:  # residual + o_proj in one op (beta * x + o @ W_o, beta = 1)
         return (torch.addmm(x.view(bsz * t, -1), o, w_o) if w_rows is None else
                 rows_addmm(x.view(bsz * t, -1), o, w_rows[1])).view(bsz, t, -1)
-    o = (F.linear(o, w_o) if not st.packed else torch.matmul(o, w_o) if w_rows is None else
+    o = (linear(o, w_o) if not st.packed else torch.matmul(o, w_o) if w_rows is None else
          rows_times(o, w_rows[1])).view(bsz, t, -1)
     if post is not None:  # Gemma: RMSNorm on the attention output before the residual
         o = norm(st, o, post[0][0], post[0][1])
@@ -128,7 +137,7 @@ def _mlp_residual(st, x: torch.Tensor, hs: torch.Tensor, w_gu, w_d, w_rows: tupl
         m = torch.matmul(m, w_d) if w_rows is None else \
             rows_times(m.view(bsz * t, inter), w_rows[3]).view(bsz, t, -1)
     else:
-        m = F.linear(st.act(F.linear(hs, w_gu[0])) * F.linear(hs, w_gu[1]), w_d)
+        m = linear(st.act(linear(hs, w_gu[0])) * linear(hs, w_gu[1]), w_d)
     if post is not None:  # Gemma: RMSNorm on the MLP output before the residual
         m = norm(st, m, post[1][0], post[1][1])
     return x + m
@@ -144,7 +153,7 @@ def _logits(st, x: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
     if head_rows is not None:
         logits = rows_times(hs.reshape(-1, hs.shape[-1]), head_rows[-1]).view(*hs.shape[:2], -1)
     else:
-        logits = torch.matmul(hs, st.lm_w) if st.packed else F.linear(hs, st.lm_w)  # (B, T', V)
+        logits = torch.matmul(hs, st.lm_w) if st.packed else linear(hs, st.lm_w)  # (B, T', V)
     if st.final_softcap is not None:  # Gemma: cap * tanh(logits / cap)
         logits = torch.tanh(logits / st.final_softcap) * st.final_softcap
     if st.vocab_map is not None:  # (B, T', N) -> (B, T', V), -inf outside the kept ids

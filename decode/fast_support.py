@@ -100,9 +100,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "layer count differs from the config"
     if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
         return "Gemma embedding without its embed_scale"
-    if type(model.lm_head) not in (torch.nn.Linear, TrimmedLMHead):  # e.g. int8 dynamic Linear: HF forward
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    # int8 dynamic Linear modules (decode.quantize) run in the lean forward for the families without projection
+    # biases (the module is called with its packed weights); anything else quantized takes the HF forward
+    int8_ok = family not in ("qwen2", "phi3")
+    plain = (torch.nn.Linear, QLinear) if int8_ok else (torch.nn.Linear,)
+    if type(model.lm_head) not in (*plain, TrimmedLMHead):
         return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
-    if getattr(model.lm_head, "bias", None) is not None:
+    if type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is not None or (
+            type(model.lm_head) is QLinear and model.lm_head.bias() is not None):
         return "lm_head has a bias"
     qkv_bias = family == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
     norm_names = ("input_layernorm", "post_attention_layernorm") + (
@@ -116,6 +123,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
                     layer.mlp.down_proj]
         for lin in lins:
             biased = qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)
+            if type(lin) is QLinear and int8_ok and lin.bias() is None:
+                continue
             if type(lin) is not torch.nn.Linear or (lin.bias is not None) != biased:
                 return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
         if not all(hasattr(getattr(layer, n, None), "weight") for n in norm_names):

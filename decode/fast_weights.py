@@ -43,10 +43,29 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def use_packed(model: torch.nn.Module, device: torch.device) -> bool:
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or _int8_modules(model):  # int8 Linear modules are called as they are
         return False
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     return size <= _PACK_MAX_BYTES
+
+
+def _int8_modules(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds dynamic int8 Linear modules (:mod:`decode.quantize`), which the lean forward calls
+    with their own packed int8 weights instead of reading fp32 weights."""
+    from .quantize import is_quantized
+
+    return is_quantized(model)
+
+
+def _weight(lin: torch.nn.Module):
+    """What the unpacked forward multiplies with: the live weight of an ``nn.Linear``; a dynamic int8 Linear (or a
+    trimmed head's int8 rows) as the module itself (see :func:`decode.fast_layers.linear`)."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    if isinstance(lin, QLinear):
+        return lin
+    quantized = getattr(lin, "quantized", None)
+    return quantized if quantized is not None else lin.weight
 
 
 def _same_bits(live: torch.Tensor, snap: torch.Tensor) -> bool:
@@ -108,7 +127,10 @@ def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], t
                     qd, kd = a.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
                     qkv = list(qkv[0].split([qd, kd, kd]))
                     gu = list(gu[0].chunk(2))
-                qkv, gu, o, down = tuple(qkv), tuple(gu), a.o_proj.weight, m.down_proj.weight
+                if not phi3:  # the modules' weights, or int8 modules themselves
+                    qkv = [_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)]
+                    gu = [_weight(m.gate_proj), _weight(m.up_proj)]
+                qkv, gu, o, down = tuple(qkv), tuple(gu), _weight(a.o_proj), _weight(m.down_proj)
             ln2 = getattr(layer, pre_mlp)
             layers.append((layer.input_layernorm.weight, norm_eps(layer.input_layernorm), qkv, o,
                            ln2.weight, norm_eps(ln2), gu, down))
@@ -119,7 +141,7 @@ def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], t
             lm, lm_r = _packed(entry, "lm", [model.lm_head.weight])
             rows_major.append(lm_r)
         else:
-            lm = model.lm_head.weight
+            lm = _weight(model.lm_head)
     return layers, lm, rows_major
 
 
@@ -214,7 +236,7 @@ def read_model(model: torch.nn.Module, device: torch.device, packed: bool, fused
     family = cfg.model_type
     s.gemma = family in GEMMA_FAMILIES
     s.device = device
-    s.dtype = model.lm_head.weight.dtype
+    s.dtype = base.embed_tokens.weight.dtype  # the head's too (an int8 head computes in float32)
     s.embed_w = base.embed_tokens.weight
     # Gemma: embeddings times sqrt(hidden) cast to the weights' dtype (Gemma2TextScaledWordEmbedding)
     s.embed_scale = base.embed_tokens.embed_scale.to(s.dtype) if s.gemma else None
@@ -238,7 +260,8 @@ def read_model(model: torch.nn.Module, device: torch.device, packed: bool, fused
     s.vocab_map = (kept.to(device), int(model.lm_head.out_features)) if kept is not None else None
     s.rows_w = None  # the (out, in) copies when several-row products use them (set per state)
     s.rows_one = None  # the same for one-row products (one-token forwards), when measured faster
-    s.inter = (s.layers[0][7].shape[0] if s.packed else s.layers[0][7].shape[1])
+    down = s.layers[0][7]
+    s.inter = down.shape[0] if s.packed else down.in_features if isinstance(down, torch.nn.Module) else down.shape[1]
     s.norm_w, s.norm_eps = _norm_factor(base.norm.weight, s.gemma), norm_eps(base.norm)
     if s.gemma:  # (1 + w) in fp32, as Gemma2RMSNorm computes it on every call
         s.layers = [(_norm_factor(l1, True), e1, qkv, o, _norm_factor(l2, True), e2, gu, d)
@@ -273,8 +296,8 @@ def _layer_extras(layers, gemma: bool) -> list[tuple]:
     extras = []
     for layer in layers:
         a = layer.self_attn
-        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if getattr(
-            a, "q_proj", None) is not None and a.q_proj.bias is not None else None
+        bias = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) if isinstance(
+            getattr(a, "q_proj", None), torch.nn.Linear) and a.q_proj.bias is not None else None
         qk_norm = (_norm_factor(a.q_norm.weight, gemma), _norm_factor(a.k_norm.weight, gemma),
                    norm_eps(a.q_norm)) if hasattr(a, "q_norm") else None
         post = None

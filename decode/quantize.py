@@ -17,9 +17,13 @@ path in PyTorch core, so :func:`quantize_draft` raises a clear error for a model
 ``draft.quantize=none``). ``torch.ao.quantization`` is marked deprecated in favour of torchao; it still ships with
 the installed torch and is the library the project uses until torchao is a dependency.
 
-The lean decoder forward (``decode/fast_llama.py``) only handles plain ``nn.Linear`` projections; quantized
-modules make :func:`decode.common.new_kv_state` fall back to the Hugging Face forward, which calls the quantized
-modules (greedy speculative decoding stays lossless: the target alone decides every emitted token).
+A trimmed draft head (:class:`data.draft_vocab.TrimmedLMHead`, N kept rows) is quantized the same way: its
+``quantized`` attribute holds the dynamic int8 Linear over its N rows, which its forward then uses (the fp32 rows
+stay for saving). The lean decoder forward (``decode/fast_llama.py``) runs int8 drafts of the Llama-like families
+without projection biases by calling the quantized modules in its own layer loop (the same fbgemm kernels and
+packed weights as the Hugging Face forward, so the two agree to float rounding); other quantized models fall back
+to the Hugging Face forward. Either way greedy speculative decoding stays lossless: the target alone decides every
+emitted token, and sampled decoding uses the int8 draft's own q.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ QUANTIZE_MODES = ("none", "int8")
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
-    """True when ``model`` holds a dynamically quantized Linear module."""
+    """True when ``model`` holds a dynamically quantized Linear module (a quantized trimmed head's included)."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
     return any(isinstance(m, QLinear) for m in model.modules())
@@ -59,11 +63,21 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
                          f"the draft is on {sorted(devices)}. Decode on CPU, or set draft.quantize=none on a GPU.")
     if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
         raise ValueError(f"draft.quantize=int8: {type(model).__name__} has no nn.Linear layer to quantize")
+    from data.draft_vocab import trimmed_head
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.ao -> torchao migration notice
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        return torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8,
-                                                      inplace=False).eval()
+        out = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8,
+                                                     inplace=False).eval()
+        head = trimmed_head(out)
+        if head is not None:  # not an nn.Linear: quantize its N kept rows the same way
+            lin = torch.nn.Linear(head.in_features, head.num_kept, bias=False)
+            with torch.no_grad():
+                lin.weight.copy_(head.weight)
+            head.quantized = torch.ao.quantization.quantize_dynamic(
+                torch.nn.Sequential(lin).eval(), {torch.nn.Linear}, dtype=torch.qint8)[0]
+    return out
 
 
 def check_quantize_meta(path: str | os.PathLike) -> str:

@@ -58,6 +58,7 @@ class BenchConfig:
     dtype: str = "auto"
     target_dtype: str | None = None
     draft_dtype: str | None = None
+    draft_quantize: str = "auto"  # auto: the draft directory's specdraft.json "quantize" | none | int8
     stop_at_eos: bool = False
     cost_steps: int = 32
     seed: int = 0
@@ -221,11 +222,38 @@ def load_models(cfg: BenchConfig):
         except ValueError as e:
             raise BenchError(str(e)) from None
         tokenizer = None if cfg.prompt_ids else tokenizer
+    draft, quantize = _quantized(cfg, draft)
     vocab = min(output_vocab_size(target), output_vocab_size(draft))
     if tokenizer is not None:
         vocab = min(vocab, len(tokenizer))
-    dtypes = {"dtype": dtype, "target_dtype": t_dtype, "draft_dtype": d_dtype}
+    dtypes = {"dtype": dtype, "target_dtype": t_dtype, "draft_dtype": d_dtype if quantize == "none" else quantize}
     return target, draft, tokenizer, device, dtypes, vocab
+
+
+def _quantized(cfg: BenchConfig, draft):
+    """``(draft, mode)``: the draft quantized as ``cfg.draft_quantize`` says (``auto``: as its directory's
+    ``specdraft.json`` records; :mod:`decode.quantize`), for ours and transformers' assisted generation alike.
+
+    Raises:
+        BenchError: an unknown mode, or int8 asked for a draft on a GPU or not in float32 (CPU kernels only).
+    """
+    from decode.quantize import QUANTIZE_MODES, check_quantize_meta, quantize_draft
+
+    mode = cfg.draft_quantize
+    if mode == "auto":
+        try:
+            mode = check_quantize_meta(cfg.draft) if cfg.draft and not cfg.family else "none"
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if mode not in QUANTIZE_MODES:
+        raise BenchError(f"--draft-quantize must be auto or one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    if mode != "none" and next(draft.parameters()).dtype != torch.float32:
+        raise BenchError(f"--draft-quantize {mode}: the int8 kernels take a float32 draft; drop --draft-dtype / "
+                         f"--dtype or use --draft-quantize none")
+    try:
+        return quantize_draft(draft, mode), mode
+    except ValueError as e:
+        raise BenchError(f"--draft-quantize {mode}: {e}") from None
 
 
 def check_context(cfg: BenchConfig, target, draft, prompts: list[torch.Tensor]) -> None:

@@ -3,7 +3,7 @@
 
     python scripts/bench_decode.py --target DIR --draft DIR [--prompts-file F.jsonl --text-field text]
         [--num-draft-tokens 4] [--max-new-tokens 64] [--repeats 3] [--device auto] [--dtype auto]
-        [--target-dtype D] [--draft-dtype D] [--domain medical] [--block-threads auto|off|N]
+        [--target-dtype D] [--draft-dtype D] [--draft-quantize auto|none|int8] [--domain medical] [--block-threads auto|off|N]
         [--draft-length-policy fixed|adaptive|confidence --policy-param max_draft_tokens=8 ...]
         [--prompt-ids --num-prompts 4 --prompt-len 16] [--num-threads 1]
         [--fast-path auto|off] [--json-out F] [--draft-tree 3,2,1 ...] [--chain-gamma 2 ...] [--no-hf]
@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-dtype", help="dtype of the target only (default: --dtype); lossless = equal to "
                                            "target-only decoding in this dtype")
     ap.add_argument("--draft-dtype", help="dtype of the draft only (default: --dtype)")
+    ap.add_argument("--draft-quantize", choices=("auto", "none", "int8"), default="auto",
+                    help="the draft's weights: int8 = dynamic int8 Linear layers (decode/quantize.py, CPU), for "
+                         "ours and transformers' assisted generation alike; auto (default) = as the draft "
+                         "directory's specdraft.json records (drafts/<name>_int8 from draft.quantize=int8)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
     ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio")
     ap.add_argument("--seed", type=int, default=0)

@@ -239,3 +239,32 @@ def test_bench_decode_with_a_trimmed_draft_keeps_the_targets_whole_vocabulary(tm
     assert result["greedy_output_mismatches"]["hf_target_only"] == 0
     assert result["greedy_output_mismatches"]["ours_speculative"] == 0
     assert result["draft_head"]["head_rows"] == 32
+
+
+def test_bench_decode_int8_draft_from_its_directory_and_by_flag(tmp_path, capsys):
+    """``--draft-quantize auto`` quantizes a draft whose specdraft.json says int8 (drafts/<name>_int8), ``int8``
+    any fp32 draft; the trimmed head is quantized too, ours runs it in the lean forward, every method stays
+    lossless; an int8 draft in another dtype is a one-line error."""
+    from data.draft_vocab import draft_vocab_record, install_trimmed_head
+    from data.io import save_hf_atomic
+
+    target, draft = make_pair(seed=4, noise=0.3)
+    head = install_trimmed_head(draft, torch.arange(0, 64, 2))
+    target.save_pretrained(tmp_path / "target")
+    save_hf_atomic(draft, None, tmp_path / "draft_int8", extra={"kind": "distilled", "quantize": "int8",
+                                                                "draft_vocab": draft_vocab_record(head)})
+    bench = _load_script()
+    common = ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft_int8"), "--prompt-ids",
+              "--num-prompts", "2", "--prompt-len", "5", "--num-draft-tokens", "3", "--max-new-tokens", "10",
+              "--repeats", "1", "--cost-steps", "3", "--device", "cpu"]
+    for flag in ("auto", "int8"):
+        result = bench.main(common + ["--draft-quantize", flag])
+        assert "float32, int8" in capsys.readouterr().out
+        assert result["draft_dtype"] == "int8" and result["fast_path_used"]["draft"]
+        assert result["greedy_output_mismatches"]["ours_speculative"] == 0
+        assert result["greedy_output_mismatches"]["hf_assisted"] == 0
+    result = bench.main(common + ["--draft-quantize", "none", "--no-hf"])
+    assert result["draft_dtype"] == "float32"
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="int8 kernels take a float32 draft"):
+        bench.main(common + ["--draft-dtype", "bfloat16"])

@@ -1,6 +1,6 @@
-"""decode.quantize: INT8 drafts (torch.ao dynamic quantization). The decoder falls back from the lean forward to the
-Hugging Face forward for quantized Linear layers, speculative greedy with an INT8 draft equals target greedy, and an
-INT8 draft directory is an fp32 HF checkpoint that our loader quantizes."""
+"""decode.quantize: INT8 drafts (torch.ao dynamic quantization). The lean forward runs Llama-like int8 drafts (a
+biased family falls back to the Hugging Face forward), a trimmed head is quantized too, speculative greedy with an
+INT8 draft equals target greedy, and an INT8 draft directory is an fp32 HF checkpoint that our loader quantizes."""
 from __future__ import annotations
 
 import json
@@ -35,18 +35,72 @@ def test_quantize_replaces_every_linear_and_leaves_the_input_alone():
     assert (a - b).abs().max() < 0.1 * a.abs().max()  # ... and still close to fp32
 
 
-def test_decoder_falls_back_to_the_hf_forward_and_matches_it():
-    assert "quantized" in _unsupported_reason(QDRAFT)
-    assert new_kv_state(DRAFT, 1, torch.device("cpu"), 32).fast
+def test_lean_forward_runs_int8_drafts_and_matches_the_hf_forward():
+    """Llama-like int8 drafts run in the lean forward (the same quantized modules, called in its layer loop), with
+    the Hugging Face int8 forward's logits; fast_path=False still takes the HF forward."""
     state = new_kv_state(QDRAFT, 1, torch.device("cpu"), 32)
-    assert not isinstance(state, FastKVState) and not state.fast
-    with pytest.raises(ValueError, match="quantized"):
-        new_kv_state(QDRAFT, 1, torch.device("cpu"), 32, fast_path=True)
+    assert isinstance(state, FastKVState) and state.fast and not state.packed
+    hf = new_kv_state(QDRAFT, 1, torch.device("cpu"), 32, fast_path=False)
+    assert not isinstance(hf, FastKVState)
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         got = state.forward(ids, logits_to_keep=9)
         ref = QDRAFT(ids).logits
+        # a cached one-token step after the prefill, against the HF forward's own cached step (activations are
+        # quantized per call, so a step is compared with a step, not with a longer forward)
+        hf.forward(ids)
+        step, ref_step = state.forward(ids[:, :1]), hf.forward(ids[:, :1])
     torch.testing.assert_close(got[:, -9:], ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_draft_of_a_biased_family_falls_back_to_the_hf_forward():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    q = quantize_draft(Qwen2ForCausalLM(cfg).eval())
+    assert "quantized" in _unsupported_reason(q)
+    state = new_kv_state(q, 1, torch.device("cpu"), 32)
+    assert not isinstance(state, FastKVState) and not state.fast
+    with pytest.raises(ValueError, match="quantized"):
+        new_kv_state(q, 1, torch.device("cpu"), 32, fast_path=True)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(state.forward(ids, logits_to_keep=9)[:, -9:], q(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_trimmed_head_quantizes_its_rows_and_decodes_losslessly():
+    """A trimmed draft head (data.draft_vocab) is quantized too; its logits stay -inf outside the kept ids, the
+    lean and HF forwards agree, and speculative greedy equals target greedy."""
+    import copy
+
+    from data.draft_vocab import install_trimmed_head, trimmed_head
+
+    trimmed = copy.deepcopy(DRAFT)
+    install_trimmed_head(trimmed, torch.arange(0, 64, 2))  # even ids only: the target's odd argmaxes are missed
+    q = quantize_draft(trimmed.eval())
+    head = trimmed_head(q)
+    assert head is not None and head.quantized is not None and is_quantized(q)
+    assert trimmed_head(trimmed).quantized is None  # the input is left alone
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        ref = q(ids).logits
+        state = new_kv_state(q, 1, torch.device("cpu"), 32)
+        assert isinstance(state, FastKVState)
+        got = state.forward(ids, logits_to_keep=9)[:, -9:]
+        fp32 = trimmed(ids).logits
+    assert torch.isinf(ref[..., 1::2]).all() and torch.isfinite(ref[..., 0::2]).all()
+    assert not torch.equal(ref[..., 0::2], fp32[..., 0::2])  # the rows really are int8
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for seed in range(3):
+        prompts = random_prompts([5, 9], 64, seed)
+        ids, mask = left_pad(prompts)
+        want = autoregressive_generate(TARGET, ids, mask, max_new_tokens=10, eos_token_id=7, pad_token_id=0)
+        out = speculative_generate(TARGET, q, ids, mask, max_new_tokens=10, num_draft_tokens=3,
+                                   eos_token_id=7, pad_token_id=0)
+        assert torch.equal(out.sequences, want.sequences)
 
 
 @settings(max_examples=3, deadline=None)

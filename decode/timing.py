@@ -63,10 +63,21 @@ def block_forward_times_s(model, prompt: torch.Tensor, widths, steps: int, fast_
 def head_share(model, steps: int = 50) -> dict[str, float]:
     """The output head's part of a one-token forward: median seconds of the head's product for one position
     (``(1, E) x (E, N)``, N = the kept rows of a trimmed head, else the vocabulary; the faster of the two weight
-    layouts, as the decoder's forward picks) over ``steps`` calls, as
+    layouts, as the decoder's forward picks; an int8 head's own quantized product) over ``steps`` calls, as
     ``{"head_forward_s", "head_rows"}``; divide by the model's one-token forward (:func:`forward_times_s`) for the
     share."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
     head = model.get_output_embeddings()
+    int8 = head if isinstance(head, QLinear) else getattr(head, "quantized", None)
+    if int8 is not None:  # an int8 head (decode/quantize.py): its own fbgemm product is what the forward runs
+        x = torch.randn(1, int8.in_features)
+        times = []
+        for _ in range(steps + 2):
+            with Timer(x.device) as timer:
+                int8(x)
+            times.append(timer)
+        return {"head_forward_s": statistics.median(t.seconds for t in times[2:]), "head_rows": int(int8.out_features)}
     w = head.weight
     x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
     packed = w.t().contiguous()  # the (in, out) copy the lean CPU forward multiplies with (decode/fast_weights.py)

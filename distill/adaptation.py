@@ -197,7 +197,7 @@ class Adaptation(Recipe):
         from .teacher import over_kept_ids
 
         lc = rc.lora
-        step, teacher, blocks, passes, _ = teacher_signal_data(
+        step, teacher, blocks, passes, _, _ = teacher_signal_data(
             rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
             shared=pair.shared, cut=pair.cut, data_source=lc.data_source, teacher_signal=lc.teacher_signal,
             max_prompts=lc.generation_prompts, tcfg=self.steps(rc, run_dir)[0], run_dir=run_dir, dist=pair.dist)

@@ -138,6 +138,9 @@ class DistillConfig:
     # or the target's generations (as data_source=teacher, with distill.generation)
     off_policy_data: str = "dataset"
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    # data_source=teacher: false counts only the positions whose next token the target generated (its answers), not
+    # the prompts packed before them (torchtune's train_on_input, TRL's completion-only loss)
+    train_on_prompts: bool = True
     # Sampling of the draft's on-policy continuations; null: distill.generation (set it when the teacher data of
     # off_policy_data=teacher needs other settings, e.g. greedy target data and sampled draft rows)
     on_policy_generation: GenerationConfig | None = None
@@ -187,6 +190,10 @@ class DistillConfig:
         if self.off_policy_data not in OFF_POLICY_DATA:
             raise ValueError(f"distill.off_policy_data must be one of {', '.join(OFF_POLICY_DATA)}, "
                              f"got {self.off_policy_data!r}")
+        if not self.train_on_prompts and self.data_source != "teacher":
+            raise ValueError(f"distill.train_on_prompts=false masks the prompts of the target's generated answers, "
+                             f"so it needs distill.data_source=teacher (it is {self.data_source}); set "
+                             f"distill.data_source=teacher or distill.train_on_prompts=true")
         if self.teacher_signal == "cached":
             if self.loss == "reverse_kl" or (self.loss == "generalized_jsd" and self.beta == 1):
                 raise ValueError("reverse KL is infinite against a cached top-k teacher (the draft puts mass outside "

@@ -21,6 +21,7 @@ All generation goes through :func:`decode.autoregressive_generate` (KV cache, sh
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,6 +58,43 @@ def pack_sequences(seqs: list[list[int]], block_size: int) -> torch.Tensor:
         raise ValueError(f"generated sequences hold {stream.numel()} tokens, fewer than one block of {block_size}; "
                          f"raise distill.generation.max_prompts or max_new_tokens")
     return stream[: n * block_size].view(n, block_size)  # (N, block_size)
+
+
+def answer_loss_mask(seqs: list[list[int]], prompt_lengths: list[int], block_size: int) -> torch.Tensor:
+    """BoolTensor ``(N, block_size)`` aligned with :func:`pack_sequences` ``(seqs, block_size)``: ``True`` at the
+    positions whose next token is one the target generated (its answer and the closing EOS), ``False`` where the next
+    token is a prompt token (of the same or the next packed sequence) and at the very end of the stream.
+    ``prompt_lengths[i]`` is how many leading tokens of ``seqs[i]`` are its prompt. The prediction *at* position t is
+    of token t+1, so this is what counts under ``distill.train_on_prompts=false`` (as torchtune's
+    ``train_on_input=False`` or TRL's completion-only loss).
+
+    Raises:
+        ValueError: different numbers of sequences and prompt lengths, or a prompt length outside its sequence.
+    """
+    if len(seqs) != len(prompt_lengths):
+        raise ValueError(f"{len(seqs)} sequences but {len(prompt_lengths)} prompt lengths")
+    flags = []
+    for s, p in zip(seqs, prompt_lengths):
+        if not 0 <= p <= len(s):
+            raise ValueError(f"a prompt of {p} tokens in a sequence of {len(s)}")
+        flags += [False] * p + [True] * (len(s) - p)
+    answer = torch.tensor(flags + [False], dtype=torch.bool)  # (L + 1,): nothing follows the stream
+    n = (answer.numel() - 1) // block_size
+    return answer[1: n * block_size + 1].view(n, block_size)  # (N, block_size): is the NEXT token an answer's?
+
+
+class AnswerMaskHook:
+    """A :data:`distill.step_losses.BatchHook` that counts only the positions of ``mask`` (``(N, T)`` over the
+    training blocks, :func:`answer_loss_mask`) in each micro-batch's loss, by its rows' ``block_index``."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask.bool()
+
+    def __call__(self, batch, step: int, micro: int, student: torch.nn.Module):
+        if batch.block_index is None:
+            return batch
+        rows = self.mask[batch.block_index.cpu()].to(batch.loss_mask.device)  # (B, T)
+        return dataclasses.replace(batch, loss_mask=batch.loss_mask.bool() & rows)
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

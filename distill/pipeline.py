@@ -45,10 +45,16 @@ def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int, num_processes: i
     reads, see :func:`distill.trainer.batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
     these costs the same teacher forwards as the online teacher instead of a pass over the whole domain.
     """
+    rows = _rows_this_run_uses(blocks.size(0), tcfg, seed, num_processes)
+    return blocks if rows is None else blocks[rows]  # (needed, T)
+
+
+def _rows_this_run_uses(n: int, tcfg, seed: int, num_processes: int = 1) -> torch.Tensor | None:
+    """The rows of :func:`blocks_this_run_uses` out of ``n`` blocks (``None``: all of them, in order)."""
     needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # global batch: trainer.global_batch_size or mb x accum x world
-    if needed >= blocks.size(0):
-        return blocks
-    return blocks[batch_indices(blocks.size(0), 0, needed, seed)]  # (needed, T)
+    if needed >= n:
+        return None
+    return batch_indices(n, 0, needed, seed)
 
 
 def matched_wall_clock_budget(run_dir: Path) -> dict:
@@ -204,7 +210,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         ``answer_counts`` is ``(V,)`` float64: how often each id occurs in the target's generated answers (the
         sequences minus their prompts; ``None`` without teacher data), what a trimmed draft vocabulary is counted on.
     """
-    from .generation import generate_teacher_sequences, pack_sequences
+    from .generation import answer_loss_mask, generate_teacher_sequences, pack_sequences
     from .teacher import build_teacher_cache, make_cached_distill_step
 
     dc = rc.distill
@@ -217,7 +223,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
             and dist.is_main_process:
         target.to(dist.device)  # the passes run where training will, on the main process only
     passes: dict = {}
-    answer_counts = None
+    answer_counts = answer_mask = None
     if not dist.is_main_process:  # the one-off teacher passes below write shared caches: main process first
         dist.wait_for_everyone()
     if data_source == "teacher":
@@ -228,10 +234,16 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
             target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
         blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
+        # the sequences come back in the order they were generated: the prompts sorted by length (stable)
+        answer_mask = answer_loss_mask(seqs, [len(p) for p in sorted(prompts, key=len)],
+                                       rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         answer_counts = (torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=shared)
                          - torch.bincount(torch.tensor([t for q in prompts for t in q]), minlength=shared)).double()
     if teacher_signal == "cached":
-        blocks = blocks_this_run_uses(blocks, tcfg, rc.seed, dist.num_processes)
+        rows = _rows_this_run_uses(blocks.size(0), tcfg, rc.seed, dist.num_processes)
+        if rows is not None:
+            blocks = blocks[rows]
+            answer_mask = answer_mask[rows] if answer_mask is not None else None
         teacher, passes["teacher_cache"] = build_teacher_cache(
             target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
             vocab_size=shared, precision=precision)
@@ -241,7 +253,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
     if dist.is_main_process:
         dist.wait_for_everyone()
-    return step, teacher, blocks, passes, answer_counts
+    return step, teacher, blocks, passes, answer_counts, answer_mask
 
 
 def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Signal:
@@ -253,7 +265,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
     from .generation import OnPolicyHook
 
     dc = rc.distill
-    step, teacher, blocks, passes, answer_counts = teacher_signal_data(
+    step, teacher, blocks, passes, answer_counts, answer_mask = teacher_signal_data(
         rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
         shared=pair.shared, cut=pair.cut, data_source="teacher" if dc.uses_teacher_data else "dataset",
         teacher_signal=dc.teacher_signal, max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir,
@@ -262,8 +274,12 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
         pair.target.to("cpu")  # its own ZeRO-3 engine partitions it from host memory, not from a full GPU copy
     hook = OnPolicyHook(dc.on_policy_fraction, dc.on_policy_gen, rc.seed, vocab_size=pair.shared,
                         schedule=dc.on_policy_schedule) if dc.data_source == "on_policy" else None
+    if not dc.train_on_prompts:  # config check: data_source=teacher, so the blocks are prompts + target answers
+        from .generation import AnswerMaskHook
+
+        hook = AnswerMaskHook(answer_mask)
     meta = {"loss": dc.loss, "temperature": dc.temperature, "data_source": dc.data_source,
-            "teacher_signal": dc.teacher_signal, "distilled": True,
+            "teacher_signal": dc.teacher_signal, "distilled": True, "train_on_prompts": dc.train_on_prompts,
             "on_policy_fraction": dc.on_policy_fraction if hook is not None else None,
             "off_policy_data": dc.off_policy_data if hook is not None else None}
     return Signal(step, teacher, blocks, hook, passes, meta, answer_counts)
@@ -337,7 +353,9 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
         "precision": precision, "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
         "budget": budget, "data_fingerprint_sha256": training_fingerprint(pair.weights, opts), **signal.passes,
     }
-    if signal.hook is not None:
+    from .generation import OnPolicyHook
+
+    if isinstance(signal.hook, OnPolicyHook):
         meta["on_policy_generated_batches"] = signal.hook.generated_batches
         meta["on_policy"] = {**signal.hook.summary(), **_online_scoring(signal.step)}
     return meta
@@ -354,10 +372,12 @@ def _step_logger(sig: "Signal", name: str, events):
     """The trainer's ``on_step``: adds the on-policy cost of the log window (draft rows, generated tokens,
     generation and target-scoring seconds, the scheduled fraction) to each train-log record, then emits the
     ``train_step`` event."""
+    from .generation import OnPolicyHook
+
     scored = {"s": 0.0}
 
     def on_step(s: int, r: dict) -> None:
-        if sig.hook is not None:
+        if isinstance(sig.hook, OnPolicyHook):
             r["on_policy_fraction"] = sig.hook.fraction_at(s - 1)  # the fraction scheduled for the step just done
             r.update(sig.hook.window())
             now = _online_scoring(sig.step)
@@ -367,7 +387,7 @@ def _step_logger(sig: "Signal", name: str, events):
         if events:
             events("train_step", stage=name, **r)
 
-    return on_step if (events or sig.hook is not None) else None
+    return on_step if (events or isinstance(sig.hook, OnPolicyHook)) else None
 
 
 class Recipe:

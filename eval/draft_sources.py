@@ -89,7 +89,9 @@ def _int8_vs_fp32(doc: dict, names: list[str], domains: list[str], src: dict) ->
     int8: dict = {}
     for n in names:
         fp = src[n]["fp32_draft"]
-        if src[n]["quantize"] != "int8" or fp not in doc["drafts"]:
+        # its fp32 draft evaluated under its own name (not this int8 draft itself, e.g. eval.drafts naming
+        # drafts/distilled_int8 "distilled", whose specdraft.json names its fp32 draft "distilled" too)
+        if src[n]["quantize"] != "int8" or fp not in doc["drafts"] or fp == n or src[fp]["quantize"] == "int8":
             continue
         rows = {}
         for d in domains:
@@ -115,8 +117,9 @@ def _int8_lines(int8: dict, src: dict) -> list[str]:
         lines += ["", f"### INT8 vs fp32: `{n}` against `{r['fp32_draft']}` (measured, same prompts)", ""]
         paths = {k: src[x]["decoder_forward"] for k, x in (("fp32", r["fp32_draft"]), ("int8", n))}
         if fw["fp32"] and fw["int8"]:
-            note = (" The two ran through different forwards (the lean forward covers plain nn.Linear only), so "
-                    "the int8 figures include the Hugging Face forward's Python overhead."
+            note = (" The two ran through different forwards (the lean forward runs int8 drafts only of the families "
+                    "without projection biases), so the int8 figures include the Hugging Face forward's Python "
+                    "overhead."
                     if paths["fp32"] != paths["int8"] else "")
             lines += [f"One cached draft forward: fp32 {fw['fp32'] * 1e3:.2f} ms ({paths['fp32']} forward), int8 "
                       f"{fw['int8'] * 1e3:.2f} ms ({paths['int8']} forward): the int8 draft runs at "

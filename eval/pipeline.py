@@ -236,7 +236,15 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         paths = {}
     if not need_drafts:  # drafts of this run that earlier stages will write are checked when the eval stage runs
         run_drafts = (Path(run_dir) / "drafts").resolve()
-        paths = {n: p for n, p in paths.items() if p.exists() or run_drafts not in p.resolve().parents}
+        later = {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
+        quantize = getattr(getattr(rc, "draft", None), "quantize", "none")
+        for n, p in later.items():  # <name>_int8 copies are written only under draft.quantize=int8
+            if p.name.endswith("_int8") and quantize != "int8":
+                plain = p.name[: -len("_int8")]
+                raise ValueError(f"eval.drafts.{n} is drafts/{p.name}, which this run writes only with "
+                                 f"draft.quantize=int8 (it is {quantize}): set draft.quantize=int8, or evaluate the "
+                                 f"fp32 draft with eval.drafts.{n}=drafts/{plain}")
+        paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
     for n, path in paths.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")

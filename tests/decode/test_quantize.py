@@ -154,3 +154,44 @@ def test_int8_refuses_a_draft_on_cuda_with_the_reason():
     with pytest.raises(ValueError, match=r"CPU only; the draft is on \['cuda'\]"):
         quantize_draft(DRAFT.to("cuda"))
     DRAFT.to("cpu")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma2", "gemma3", "qwen2", "phi3"])
+def test_int8_drafts_of_each_family_decode_like_their_hf_forward(family):
+    """Every lean-forward family: an int8 draft runs in the lean forward where the family has no projection biases
+    (else the HF forward), its prefill and cached steps equal the HF int8 forward's, and speculative greedy with it
+    equals the target's greedy output."""
+    from eval.bench_setup import family_models
+
+    target, draft = family_models(family, layers=2, hidden=64, window=6, vocab=96, seed=1)
+    q = quantize_draft(draft)
+    lean = new_kv_state(q, 1, torch.device("cpu"), 40)
+    assert isinstance(lean, FastKVState) == (family not in ("qwen2", "phi3"))
+    hf = new_kv_state(q, 1, torch.device("cpu"), 40, fast_path=False)
+    ids = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        torch.testing.assert_close(lean.forward(ids, logits_to_keep=10), hf.forward(ids, logits_to_keep=10),
+                                   rtol=1e-4, atol=1e-4)
+        for t in range(3):  # cached one-token steps, past the sliding window
+            tok = ids[:, t:t + 1]
+            torch.testing.assert_close(lean.forward(tok), hf.forward(tok), rtol=1e-4, atol=1e-4)
+    ids, mask = left_pad(random_prompts([4, 8], 96, 3))
+    want = autoregressive_generate(target, ids, mask, max_new_tokens=10, pad_token_id=0)
+    got = speculative_generate(target, q, ids, mask, max_new_tokens=10, num_draft_tokens=3, pad_token_id=0)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_head_share_times_the_head_the_forward_runs():
+    """decode.timing.head_share: the fp32 head's rows, an int8 draft's quantized head (LM head or trimmed rows)."""
+    import copy
+
+    from data.draft_vocab import install_trimmed_head
+    from decode.timing import head_share
+
+    assert head_share(DRAFT, steps=3)["head_rows"] == 64
+    assert head_share(QDRAFT, steps=3)["head_rows"] == 64
+    trimmed = copy.deepcopy(DRAFT)
+    install_trimmed_head(trimmed, torch.arange(0, 64, 2))
+    for model in (trimmed, quantize_draft(trimmed.eval())):
+        got = head_share(model, steps=3)
+        assert got["head_rows"] == 32 and got["head_forward_s"] > 0

@@ -158,3 +158,19 @@ def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):
         validate({"stages": ["draft_init"]})
     with pytest.raises(ValueError, match="draft.quantize must be one of none, int8"):
         validate({"draft": {"quantize": "int4"}})
+
+
+def test_int8_vs_fp32_needs_the_fp32_draft_under_another_name():
+    """An int8 draft evaluated under its fp32 draft's name (distill_med's eval.drafts: distilled ->
+    drafts/distilled_int8) has no fp32 partner in the run: no INT8 vs fp32 table pairing it with itself."""
+    from eval.draft_sources import _int8_vs_fp32
+
+    entry = {"acceptance_rate": 0.2, "mean_accepted_length": 1.5, "measured_speedup": 1.2,
+             "stats": {"drafted_tokens": 30, "draft_time_s": 0.1}}
+    doc = {"drafts": {"distilled": {"medical": entry}, "plain": {"medical": entry}, "plain_int8": {"medical": entry}},
+           "cost_ratio": {}}
+    src = {"distilled": {"quantize": "int8", "fp32_draft": "distilled"},
+           "plain": {"quantize": "none", "fp32_draft": None},
+           "plain_int8": {"quantize": "int8", "fp32_draft": "plain"}}
+    out = _int8_vs_fp32(doc, ["distilled", "plain", "plain_int8"], ["medical"], src)
+    assert list(out) == ["plain_int8"] and out["plain_int8"]["fp32_draft"] == "plain"

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from distill.config import GenerationConfig
-from distill.generation import OnPolicyHook, generate_teacher_sequences, make_acceptance_eval, pack_sequences
+from distill.generation import (AnswerMaskHook, OnPolicyHook, answer_loss_mask, generate_teacher_sequences,
+                                make_acceptance_eval, pack_sequences)
 from distill.losses import forward_kl
 from distill.trainer import MicroBatch, TrainerConfig, make_distill_step, train
 from tinymodels import tiny_llama
@@ -25,6 +26,49 @@ def test_pack_sequences():
     assert blocks.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     with pytest.raises(ValueError, match="fewer than one block"):
         pack_sequences([[1, 2]], 4)
+
+
+def test_answer_loss_mask_counts_positions_whose_next_token_is_an_answer():
+    # stream 1 2 3 | 4 5 | 6 7 8 9 with prompts [1], [4], [6, 7]: the answers are 2 3, 5, 8 9
+    mask = answer_loss_mask([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [1, 1, 2], 4)
+    assert mask.tolist() == [[True, True, False, True], [False, False, True, True]]
+    with pytest.raises(ValueError, match="3 sequences but 2 prompt lengths"):
+        answer_loss_mask([[1, 2, 3], [4, 5], [6]], [1, 1], 4)
+    with pytest.raises(ValueError, match="a prompt of 3 tokens in a sequence of 2"):
+        answer_loss_mask([[1, 2], [4, 5]], [3, 1], 2)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_answer_loss_mask_matches_the_packed_blocks(seed):
+    """For random sequences and prompt lengths, the mask is True exactly where the token after that position of
+    the packed stream belongs to an answer, block by block, and has the blocks' shape."""
+    g = torch.Generator().manual_seed(seed)
+    seqs, plens, owner = [], [], []
+    for i in range(int(torch.randint(3, 12, (), generator=g))):
+        n = int(torch.randint(1, 15, (), generator=g))
+        p = int(torch.randint(0, n + 1, (), generator=g))
+        seqs.append(torch.randint(0, 50, (n,), generator=g).tolist())
+        plens.append(p)
+        owner += [j >= p for j in range(n)]
+    block = int(torch.randint(2, 9, (), generator=g))
+    if sum(map(len, seqs)) < block:
+        return
+    blocks, mask = pack_sequences(seqs, block), answer_loss_mask(seqs, plens, block)
+    assert mask.shape == blocks.shape and mask.dtype == torch.bool
+    flat = mask.flatten().tolist()
+    want = [owner[i + 1] if i + 1 < len(owner) else False for i in range(len(flat))]
+    assert flat == want
+
+
+def test_answer_mask_hook_masks_rows_by_their_block():
+    mask = torch.tensor([[True, False, True], [False, False, True], [True, True, True]])
+    blocks = torch.arange(9).view(3, 3)
+    batch = MicroBatch.from_blocks(blocks[[2, 0]], torch.tensor([2, 0]))
+    out = AnswerMaskHook(mask)(batch, 0, 0, None)
+    assert out.loss_mask.tolist() == [[True, True, True], [True, False, True]]
+    assert torch.equal(out.input_ids, batch.input_ids) and torch.equal(out.block_index, batch.block_index)
+    generated = MicroBatch(blocks[:1], torch.ones_like(blocks[:1]), torch.ones(1, 3, dtype=torch.bool))
+    assert AnswerMaskHook(mask)(generated, 0, 0, None) is generated  # no block_index: nothing to look up
 
 
 def test_teacher_sequences_are_generated_once_and_reused(tmp_path):

@@ -165,6 +165,7 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("decode.top_k=-1", "decode.top_k"),
         ("distill.loss=bogus", "distill.loss"),
         ("distill.temperature=0", "distill.temperature"),
+        ("distill.train_on_prompts=false", "distill.train_on_prompts"),  # the default data_source is dataset
         ("eval.domains=[nope]", "eval.domains"),
         ("eval.domains=[]", "eval.domains"),
         ("data.domain=nope", "data.domain"),
@@ -276,7 +277,7 @@ def test_yaml_defaults_agree_with_the_dataclass_defaults(options):
     ("lora_med", "{mine: /some/draft}"),  # a new name: Hydra's merge refused it ("Could not override")
     ("lora_med", "{general: /some/draft}"),  # a name the experiment has: Hydra kept the other three beside it
     ("adapt_domains", "{a: /x, b: /y}"),
-    ("distill_med", "{mine: /some/draft}"),  # eval.drafts is null there: the same result
+    ("distill_med", "{mine: /some/draft}"),  # it names its int8 drafts: replaced the same way
 ])
 def test_a_mapping_of_names_on_the_command_line_replaces_the_experiments(experiment, value):
     """``eval.drafts={...}`` evaluates exactly the drafts typed, whatever the experiment names (the rewritten
@@ -313,3 +314,19 @@ def test_eval_with_hydra_flags_after_the_overrides_composes_as_a_run_would():
     assert proc.returncode == 0, proc.stderr[-2000:]
     drafts = OmegaConf.create(proc.stdout).eval.drafts
     assert OmegaConf.to_container(drafts) == {"x": "/n1"}
+
+
+def test_int8_drafts_named_in_eval_drafts_need_draft_quantize_int8(tmp_path):
+    """distill_med evaluates drafts/<name>_int8, which the run writes only with draft.quantize=int8: with it
+    switched off the run stops before any model loads (not after training), naming both fixes; with it on, the
+    drafts the stages will write are not looked for yet."""
+    from eval.pipeline import check_eval_inputs
+
+    rc = _check(compose_cfg(["+experiment=distill_med", "draft.quantize=none"]))
+    with pytest.raises(ValueError, match=r"eval.drafts.distilled is drafts/distilled_int8, which this run writes "
+                                         r"only with draft.quantize=int8 \(it is none\): set draft.quantize=int8, "
+                                         r"or evaluate the fp32 draft with eval.drafts.distilled=drafts/distilled"):
+        check_eval_inputs(rc, tmp_path, need_drafts=False)
+    rc = _check(compose_cfg(["+experiment=distill_med", "target=reference"]))
+    assert rc.draft.quantize == "int8"
+    assert check_eval_inputs(rc, tmp_path, need_drafts=False)[0] == {}

@@ -18,7 +18,8 @@ The fields, by what they describe (absent = ``None``):
 * how it was initialised: ``init``, ``pretrained_from``, ``layers`` / ``layer_method`` / ``target_layers`` /
   ``layer_search`` (layer-pruned self-drafts), ``init_settings`` (reuse key of a saved initial draft);
 * how it was trained: ``loss``, ``temperature``, ``data_source``, ``teacher_signal``, ``distilled``,
-  ``on_policy_fraction``, ``on_policy_generated_batches``, ``off_policy_data`` (the other rows of an on-policy
+  ``train_on_prompts`` (false: only the target's answer positions counted), ``on_policy_fraction``,
+  ``on_policy_generated_batches``, ``off_policy_data`` (the other rows of an on-policy
   run: ``dataset`` / ``teacher``), ``on_policy`` (the draft's generation and target-scoring totals), ``prompt_format``, ``precision``, ``train`` (the
   trainer's statistics: ``steps``, ``train_time_s``, ...), ``trainer`` (its settings), ``budget`` (``kind`` steps /
   wall_clock, seconds), ``teacher_data`` / ``teacher_cache`` (the one-off teacher passes, each with ``time_s``),
@@ -79,6 +80,7 @@ class SpecdraftMeta:
     data_source: Optional[str] = None
     teacher_signal: Optional[str] = None
     distilled: Optional[bool] = None
+    train_on_prompts: Optional[bool] = None
     on_policy_fraction: Optional[float] = None
     on_policy_generated_batches: Optional[int] = None
     off_policy_data: Optional[str] = None

@@ -100,17 +100,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "layer count differs from the config"
     if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
         return "Gemma embedding without its embed_scale"
-    from torch.ao.nn.quantized.dynamic import Linear as QLinear
-
     # int8 dynamic Linear modules (decode.quantize) run in the lean forward for the families without projection
     # biases (the module is called with its packed weights); anything else quantized takes the HF forward
     int8_ok = family not in ("qwen2", "phi3")
-    plain = (torch.nn.Linear, QLinear) if int8_ok else (torch.nn.Linear,)
-    if type(model.lm_head) not in (*plain, TrimmedLMHead):
-        return f"lm_head is a {type(model.lm_head).__name__}, not a plain nn.Linear (quantized / adapted?)"
-    if type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is not None or (
-            type(model.lm_head) is QLinear and model.lm_head.bias() is not None):
-        return "lm_head has a bias"
+    if type(model.lm_head) is not TrimmedLMHead and not _plain_linear(model.lm_head, int8_ok, False):
+        return f"lm_head is a {type(model.lm_head).__name__}: biased, or not a plain nn.Linear (quantized / adapted?)"
     qkv_bias = family == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
     norm_names = ("input_layernorm", "post_attention_layernorm") + (
         ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
@@ -122,10 +116,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
             lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
                     layer.mlp.down_proj]
         for lin in lins:
-            biased = qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)
-            if type(lin) is QLinear and int8_ok and lin.bias() is None:
-                continue
-            if type(lin) is not torch.nn.Linear or (lin.bias is not None) != biased:
+            if not _plain_linear(lin, int8_ok, qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)):
                 return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
         if not all(hasattr(getattr(layer, n, None), "weight") for n in norm_names):
             return "a decoder layer without the family's RMSNorms"
@@ -140,6 +131,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if any(p.device.type == "meta" for p in model.parameters()):
         return "meta parameters"
     return None
+
+
+def _plain_linear(lin: torch.nn.Module, int8_ok: bool, biased: bool) -> bool:
+    """Whether the lean forward runs projection ``lin``: an ``nn.Linear`` with a bias exactly when ``biased``, or,
+    where ``int8_ok``, a dynamic int8 Linear without one."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    if type(lin) is QLinear:
+        return int8_ok and lin.bias() is None
+    return type(lin) is torch.nn.Linear and (lin.bias is not None) == biased
 
 
 def fast_path_supported(model: torch.nn.Module) -> bool:

@@ -33,28 +33,10 @@ from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_
 from .losses import get_loss
 from .models import build_llama, count_parameters
 from .step_losses import cross_entropy_step, evaluate_loss, make_distill_step
-from .trainer import batch_indices, train
+from .trainer import rows_this_run_uses, train
 from .vocab import trim_draft_vocab
 
 log = logging.getLogger(__name__)
-
-
-def blocks_this_run_uses(blocks: torch.Tensor, tcfg, seed: int, num_processes: int = 1) -> torch.Tensor:
-    """The training blocks (N, T) a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch:
-    the first ``max_steps * global batch`` blocks of the trainer's epoch-0 permutation (the blocks an uncached run
-    reads, see :func:`distill.trainer.batch_indices`); all of ``blocks`` otherwise. Caching the teacher for only
-    these costs the same teacher forwards as the online teacher instead of a pass over the whole domain.
-    """
-    rows = _rows_this_run_uses(blocks.size(0), tcfg, seed, num_processes)
-    return blocks if rows is None else blocks[rows]  # (needed, T)
-
-
-def _rows_this_run_uses(n: int, tcfg, seed: int, num_processes: int = 1) -> torch.Tensor | None:
-    """The rows of :func:`blocks_this_run_uses` out of ``n`` blocks (``None``: all of them, in order)."""
-    needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # global batch: trainer.global_batch_size or mb x accum x world
-    if needed >= n:
-        return None
-    return batch_indices(n, 0, needed, seed)
 
 
 def matched_wall_clock_budget(run_dir: Path) -> dict:
@@ -197,7 +179,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
     ``max_prompts`` training prompts of ``weights`` (one domain or a mixture; ``distill.generation``'s other
     sampling settings), packed into ``(N, data.block_size)`` blocks; else ``blocks`` (dataset text). With
     ``teacher_signal="cached"`` the target's top-``distill.cache_top_k`` logits over the blocks the run reads
-    (:func:`blocks_this_run_uses` with ``tcfg``), and a step loss that reads them; else the online teacher.
+    (:func:`distill.trainer.blocks_this_run_uses` with ``tcfg``), and a step loss that reads them; else the online teacher.
     Both one-off passes are stored under ``distill.cache_dir`` (null: ``<run_dir>/teacher_cache``) keyed by their
     content, so another run (or stage) with the same target, prompts and settings reuses them.
     ``score_draft_rows`` (on-policy distillation): micro-batches will also hold the draft's own rows, which no
@@ -240,7 +222,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         answer_counts = (torch.bincount(torch.tensor([t for q in seqs for t in q]), minlength=shared)
                          - torch.bincount(torch.tensor([t for q in prompts for t in q]), minlength=shared)).double()
     if teacher_signal == "cached":
-        rows = _rows_this_run_uses(blocks.size(0), tcfg, rc.seed, dist.num_processes)
+        rows = rows_this_run_uses(blocks.size(0), tcfg, rc.seed, dist.num_processes)
         if rows is not None:
             blocks = blocks[rows]
             answer_mask = answer_mask[rows] if answer_mask is not None else None

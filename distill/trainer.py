@@ -53,7 +53,8 @@ from .step_losses import (BatchHook, EvalFn, MicroBatch, StepLoss, count_tokens,
 from .trainer_config import STRATEGIES, TrainerConfig, cosine_with_warmup
 
 __all__ = [  # the loop, and the trainer's public names from the modules that define them
-    "train", "batch_indices", "BudgetClock", "TrainerConfig", "STRATEGIES", "cosine_with_warmup", "check_launch",
+    "train", "batch_indices", "rows_this_run_uses", "blocks_this_run_uses", "BudgetClock", "TrainerConfig",
+    "STRATEGIES", "cosine_with_warmup", "check_launch",
     "distributed_state", "uses_deepspeed", "prepare_run", "optimizer_parameters", "Run", "TrainState",
     "save_checkpoint", "check_resumable", "CheckpointSelector", "TrainLog", "MicroBatch", "StepLoss", "BatchHook",
     "EvalFn", "cross_entropy_step", "make_distill_step", "count_tokens", "next_token_cross_entropy", "evaluate_loss",
@@ -74,6 +75,23 @@ def batch_indices(num_blocks: int, step: int, global_batch: int, seed: int) -> t
         take = min(global_batch - len(idx), num_blocks - offset)
         idx.extend(perm[offset : offset + take].tolist())
     return torch.tensor(idx)
+
+
+def rows_this_run_uses(num_blocks: int, tcfg: TrainerConfig, seed: int, num_processes: int = 1
+                       ) -> torch.Tensor | None:
+    """The blocks a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch: the first
+    ``max_steps * global batch`` indices of the epoch-0 permutation (:func:`batch_indices`); ``None`` when it reads
+    all of them."""
+    needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # trainer.global_batch_size or mb x accum x world
+    return None if needed >= num_blocks else batch_indices(num_blocks, 0, needed, seed)
+
+
+def blocks_this_run_uses(blocks: torch.Tensor, tcfg: TrainerConfig, seed: int, num_processes: int = 1
+                         ) -> torch.Tensor:
+    """The training blocks (N, T) a run will read (:func:`rows_this_run_uses`): caching the teacher for only these
+    costs the same teacher forwards as the online teacher instead of a pass over the whole domain."""
+    rows = rows_this_run_uses(blocks.size(0), tcfg, seed, num_processes)
+    return blocks if rows is None else blocks[rows]  # (needed, T)
 
 
 class BudgetClock:

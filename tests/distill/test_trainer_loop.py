@@ -170,7 +170,7 @@ def test_num_threads_applies_inside_training_only(tmp_path):
 @given(n=st.integers(2, 300), steps=st.integers(1, 40), mb=st.integers(1, 8), seed=st.integers(0, 5))
 @settings(max_examples=60, deadline=None)
 def test_cached_run_covers_exactly_the_blocks_training_reads(n, steps, mb, seed):
-    from distill.pipeline import blocks_this_run_uses
+    from distill.trainer import blocks_this_run_uses
     from distill.trainer import batch_indices
 
     blocks = torch.arange(n).view(n, 1)  # row i holds i

@@ -21,9 +21,12 @@ A trimmed draft head (:class:`data.draft_vocab.TrimmedLMHead`, N kept rows) is q
 ``quantized`` attribute holds the dynamic int8 Linear over its N rows, which its forward then uses (the fp32 rows
 stay for saving). The lean decoder forward (``decode/fast_llama.py``) runs int8 drafts of the Llama-like families
 without projection biases by calling the quantized modules in its own layer loop (the same fbgemm kernels and
-packed weights as the Hugging Face forward, so the two agree to float rounding); other quantized models fall back
-to the Hugging Face forward. Either way greedy speculative decoding stays lossless: the target alone decides every
-emitted token, and sampled decoding uses the int8 draft's own q.
+packed weights as the Hugging Face forward, so on unpadded rows the two agree to float rounding); other quantized
+models fall back to the Hugging Face forward. Activations are quantized with one scale per call over every row of
+the batch, so a row's int8 logits depend on the other rows, pad positions included (which the two forwards fill
+differently: a left-padded batch differs by about 1e-2 between them, also in its unpadded rows). Either way
+speculative decoding stays lossless: the target alone decides every emitted token, and sampled decoding uses the
+int8 draft's own q from the forward that proposed the token.
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
 
     Raises:
         ValueError: an unknown ``mode``; a model with parameters on a non-CPU device (dynamic int8 kernels are
-            CPU-only in PyTorch); a model without any ``nn.Linear``.
+            CPU-only in PyTorch); a model already int8, without any ``nn.Linear``, or not in float32.
     """
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"draft.quantize must be one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
@@ -61,8 +64,15 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
     if devices != {"cpu"}:
         raise ValueError(f"draft.quantize=int8 uses torch.ao dynamic int8 quantization, whose kernels run on CPU only; "
                          f"the draft is on {sorted(devices)}. Decode on CPU, or set draft.quantize=none on a GPU.")
+    if is_quantized(model):
+        raise ValueError(f"draft.quantize=int8: {type(model).__name__} is already int8; quantize its fp32 draft "
+                         f"(decode.quantize.load_draft does, from the draft directory)")
     if not any(isinstance(m, torch.nn.Linear) for m in model.modules()):
         raise ValueError(f"draft.quantize=int8: {type(model).__name__} has no nn.Linear layer to quantize")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes != {torch.float32}:
+        raise ValueError(f"draft.quantize=int8 takes a float32 draft (the int8 kernels compute in float32); this one "
+                         f"is {', '.join(sorted(str(d)[6:] for d in dtypes))}: load it in float32 (model.float())")
     from data.draft_vocab import trimmed_head
 
     with warnings.catch_warnings():

@@ -211,6 +211,31 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
 
 
+def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
+    """The drafts of ``paths`` that are the run directory's and do not exist yet (an earlier stage writes them)."""
+    run_drafts = (Path(run_dir) / "drafts").resolve()
+    return {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
+
+
+def check_planned_drafts(rc, run_dir: Path, later: dict[str, Path] | None = None) -> None:
+    """Before a training run loads anything: every ``eval.drafts`` entry that its stages must still write can be
+    written; ``drafts/<name>_int8`` only is under ``draft.quantize=int8``.
+
+    Raises:
+        ValueError: an ``_int8`` draft without ``draft.quantize=int8`` (names both fixes).
+    """
+    if later is None:
+        if not rc.eval.drafts or rc.decode.draft_routing:
+            return
+        later = _later_drafts(draft_paths(rc, run_dir), run_dir)
+    quantize = getattr(getattr(rc, "draft", None), "quantize", "none")
+    for n, p in later.items():  # <name>_int8 copies are written only under draft.quantize=int8
+        if p.name.endswith("_int8") and quantize != "int8":
+            raise ValueError(f"eval.drafts.{n} is drafts/{p.name}, which this run writes only with "
+                             f"draft.quantize=int8 (it is {quantize}): set draft.quantize=int8, or evaluate the "
+                             f"fp32 draft with eval.drafts.{n}=drafts/{p.name[:-len('_int8')]}")
+
+
 def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
     """Everything about the evaluation's inputs that can be checked without loading a model: the drafts exist,
     every checkpoint directory is complete and readable, the user domain files exist, and every draft's tokenizer
@@ -235,15 +260,8 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             raise
         paths = {}
     if not need_drafts:  # drafts of this run that earlier stages will write are checked when the eval stage runs
-        run_drafts = (Path(run_dir) / "drafts").resolve()
-        later = {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
-        quantize = getattr(getattr(rc, "draft", None), "quantize", "none")
-        for n, p in later.items():  # <name>_int8 copies are written only under draft.quantize=int8
-            if p.name.endswith("_int8") and quantize != "int8":
-                plain = p.name[: -len("_int8")]
-                raise ValueError(f"eval.drafts.{n} is drafts/{p.name}, which this run writes only with "
-                                 f"draft.quantize=int8 (it is {quantize}): set draft.quantize=int8, or evaluate the "
-                                 f"fp32 draft with eval.drafts.{n}=drafts/{plain}")
+        later = _later_drafts(paths, run_dir)
+        check_planned_drafts(rc, run_dir, later)
         paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
     for n, path in paths.items():  # before a GGUF target's conversion: a typo costs no minute

@@ -95,6 +95,7 @@ def deployment_section(doc: dict) -> list[str]:
             lines.append(f"| {d} | `{r['draft']}` with {label(r)} | {meas} | "
                          f"{_fmt(e.get('projected_speedup'))}x | {best_txt} |")
         else:
-            lines.append(f"| {d} | target alone | {_fmt(r.get('measured_speedup'))}x (fastest setting) | - | "
+            fastest = _fmt(r.get("measured_speedup"))
+            lines.append(f"| {d} | target alone | {fastest}{'' if fastest == 'n/a' else 'x'} (fastest setting) | - | "
                          f"{best_txt} |")
     return lines

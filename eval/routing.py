@@ -105,27 +105,30 @@ def write_routing(path: str | Path, doc: dict, draft_paths: dict[str, str | Path
 def routing_section(table: dict, path: str) -> str:
     """Markdown section of the report: the route of each domain and the numbers of every candidate."""
     def f(x, d=2):
-        return "n/a" if x is None else f"{x:.{d}f}"
+        return "n/a" if x is None or x != x else f"{x:.{d}f}"
+
+    def fx(x):  # a speedup: "1.23x", or "n/a" without the x
+        return "n/a" if x is None or x != x else f"{x:.2f}x"
 
     lines = ["## Routing", "", f"Routing table `{path}` (load it with `decode.draft_routing=PATH`): each domain goes "
              f"to the draft of its verdict (none: decoded with the target alone).", "",
              "| domain | routed draft | gamma | measured speedup | tau | other drafts (tau, speedup) |",
              "|---|---|---|---|---|---|"]
     for d, r in table["routes"].items():
-        others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {f(c['measured_speedup'])}x"
+        others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {fx(c['measured_speedup'])}"
                            for n, c in r["candidates"].items() if n != r["draft"]) or "-"
         if r.get("target_only"):
-            lines.append(f"| {d} | none: the target alone | - | {f(r['measured_speedup'])}x (fastest draft) | - | "
+            lines.append(f"| {d} | none: the target alone | - | {fx(r['measured_speedup'])} (fastest draft) | - | "
                          f"{others} |")
             continue
         policy = r.get("draft_length_policy", "fixed")
         setting = r["num_draft_tokens"] if policy == "fixed" else f"{policy} policy"
-        lines.append(f"| {d} | `{r['draft']}` | {setting} | {f(r['measured_speedup'])}x | "
+        lines.append(f"| {d} | `{r['draft']}` | {setting} | {fx(r['measured_speedup'])} | "
                      f"{f(r['mean_accepted_length'])} | {others} |")
     if table.get(DEFAULT_KEY):
         dflt = table[DEFAULT_KEY]
         who = f"`{dflt['draft']}`" if dflt.get("draft") else "the target alone"
         lines += ["", f"Fallback (`{DEFAULT_KEY}`) for other domains: {who} (geometric-mean measured "
-                      f"speedup {f(dflt['geometric_mean_measured_speedup'])}x over {len(dflt['over_domains'])} "
+                      f"speedup {fx(dflt['geometric_mean_measured_speedup'])} over {len(dflt['over_domains'])} "
                       f"domains)."]
     return "\n".join(lines)

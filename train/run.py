@@ -206,6 +206,10 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     rc = validate(cfg)
     run_dir = Path(run_dir)
     check_draft_config(rc)
+    if "eval" in rc.stages:
+        from eval.pipeline import check_planned_drafts
+
+        check_planned_drafts(rc, run_dir)  # before the target is converted: a config mistake costs no minute
     builds_target = "reference_target" in rc.stages
     if not builds_target:
         resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder

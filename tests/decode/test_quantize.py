@@ -147,6 +147,12 @@ def test_bad_modes_and_devices_are_clear_errors():
         quantize_draft(meta)
     with pytest.raises(ValueError, match="no nn.Linear"):
         quantize_draft(torch.nn.Embedding(4, 4))
+    with pytest.raises(ValueError, match="already int8; quantize its fp32 draft"):
+        quantize_draft(QDRAFT)
+    import copy
+
+    with pytest.raises(ValueError, match=r"takes a float32 draft .* this one is bfloat16: load it in float32"):
+        quantize_draft(copy.deepcopy(DRAFT).to(torch.bfloat16))
 
 
 @pytest.mark.gpu

@@ -696,6 +696,26 @@ def test_a_kept_setting_without_a_speedup_does_not_hide_the_ones_set_aside():
     check_consistent(r, numpy_valued)
 
 
+def test_target_alone_never_records_a_speedup_its_tau_cannot_explain():
+    """A loaded machine timed a tau-1.00 setting at 5.35x (a new user's shrunk distill_med run): the domain goes to
+    the target alone, and the speedup recorded beside it (report, routing.json) is the fastest *plausible* setting's,
+    or none when every one is above 1.1 tau / min(1, v)."""
+    import math
+
+    from eval.decision import decide_domain
+
+    def s(g, speedup, tau):
+        return {"draft": "a", "draft_length_policy": "fixed", "num_draft_tokens": g, "measured_speedup": speedup,
+                "measured_speedup_ci": [speedup * 0.9, speedup * 1.1], "mean_accepted_length": tau}
+
+    every = [s(2, 5.35, 1.0), s(3, 0.92, 1.3)]
+    r, _ = decide_domain(every, 1.5, {"3": {"verify_cost_ratio": 1.0}, "4": {"verify_cost_ratio": 1.0}})
+    assert (r.action, r.basis) == (TARGET_ONLY, "low_tau")
+    assert r.measured_speedup == 0.92 and r.mean_accepted_length == 1.3
+    r, _ = decide_domain([s(2, 5.35, 1.0)], 1.5)
+    assert r.action == TARGET_ONLY and math.isnan(r.measured_speedup)
+
+
 def test_alert_reads_every_setting_of_a_draft_not_only_the_tables_gamma():
     """gamma 4 (the tables' gamma) reached tau 1.9, gamma 6 2.4 at 1.6x: the verdict deploys gamma 6 and is no ALERT
     (alert below 2): the alert is about drafts that accept too little at every setting."""

@@ -330,3 +330,17 @@ def test_int8_drafts_named_in_eval_drafts_need_draft_quantize_int8(tmp_path):
     rc = _check(compose_cfg(["+experiment=distill_med", "target=reference"]))
     assert rc.draft.quantize == "int8"
     assert check_eval_inputs(rc, tmp_path, need_drafts=False)[0] == {}
+
+
+def test_int8_eval_drafts_without_quantize_are_refused_before_the_target_is_converted(tmp_path, monkeypatch):
+    """python -m train's checks refuse distill_med with draft.quantize=none before resolving (converting) the
+    target: with an empty cache the mistake must not cost the minute of conversion first."""
+    import data.gguf_target
+    from train.run import check_before_run
+
+    def no_conversion(rc):
+        raise AssertionError("the target was resolved before the config was refused")
+
+    monkeypatch.setattr(data.gguf_target, "resolve_target", no_conversion)
+    with pytest.raises(ValueError, match="drafts/distilled_int8, which this run writes only with draft.quantize=int8"):
+        check_before_run(compose_cfg(["+experiment=distill_med", "draft.quantize=none"]), tmp_path / "run")

@@ -207,7 +207,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     run_dir = Path(run_dir)
     check_draft_config(rc)
     if "eval" in rc.stages:
-        from eval.pipeline import check_planned_drafts
+        from eval.run_drafts import check_planned_drafts
 
         check_planned_drafts(rc, run_dir)  # before the target is converted: a config mistake costs no minute
     builds_target = "reference_target" in rc.stages

@@ -43,18 +43,12 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def use_packed(model: torch.nn.Module, device: torch.device) -> bool:
-    if torch.device(device).type != "cpu" or _int8_modules(model):  # int8 Linear modules are called as they are
+    from .quantize import is_quantized
+
+    if torch.device(device).type != "cpu" or is_quantized(model):  # int8 Linear modules are called as they are
         return False
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     return size <= _PACK_MAX_BYTES
-
-
-def _int8_modules(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds dynamic int8 Linear modules (:mod:`decode.quantize`), which the lean forward calls
-    with their own packed int8 weights instead of reading fp32 weights."""
-    from .quantize import is_quantized
-
-    return is_quantized(model)
 
 
 def _weight(lin: torch.nn.Module):

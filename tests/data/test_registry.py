@@ -107,15 +107,37 @@ def test_eval_prompts_are_non_empty_and_deterministic(real_data_root, name):
 
 
 def test_load_domain_columns_and_hash_order(real_data_root):
-    from data.splits import hash_unit
+    from data.loading import order_key
 
     ds = load_domain("chat", DataOptions(root=str(real_data_root)))
     assert set(ds) == set(SPLITS)
     for split in SPLITS:
         assert ds[split].column_names == ["id", "source", "prompt", "completion", "messages"]
-        keys = [hash_unit(i) for i in ds[split]["id"]]
+        keys = [order_key(i) for i in ds[split]["id"]]
         assert keys == sorted(keys)
         assert all(row["id"].split("/")[1] == row["source"] for row in ds[split])
+
+
+@pytest.mark.parametrize("domain", ["medical", "code", "chat"])
+def test_first_records_of_a_split_are_a_fair_sample(real_data_root, domain):
+    """Taking a split's first N records (teacher prompts, evaluation prompts) samples its sources in proportion:
+    a source with a fixed split policy (MTS-Dialog's training file, HumanEval's test-only file) must not cluster
+    at the front. Each source's count among the first N is within 5 binomial standard deviations (plus 2 records)
+    of its share of the split: a false failure has probability below 1e-5 per source."""
+    import collections
+    import math
+
+    ds = load_domain(domain, DataOptions(root=str(real_data_root)))
+    for split in SPLITS:
+        rows = ds[split]
+        n = min(256, len(rows) // 2)
+        if n < 20:
+            continue
+        share = collections.Counter(rows["source"])
+        head = collections.Counter(rows.select(range(n))["source"])
+        for src, k in share.items():
+            p = k / len(rows)
+            assert abs(head[src] - n * p) <= 5 * math.sqrt(n * p * (1 - p)) + 2, (domain, split, src, head[src], n * p)
 
 
 def test_unknown_domain_lists_known_ones():

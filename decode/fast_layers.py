@@ -78,15 +78,18 @@ def _qkv(st, i: int, hs: torch.Tensor, w_qkv, rope: tuple, start: int, end: int,
         kbuf[:, start:end] = qk[:, :, h_q:]
         vbuf[:, start:end] = qkv[..., qd + kd:].view(bsz, t, h_kv, d)
         return qk[:, :, :h_q]  # (B, T, H, D)
-    bq, bk, bv = (None, None, None) if b_qkv is None else b_qkv.split([qd, kd, kd])
-    q = linear(hs, w_qkv[0], bq).view(bsz, t, h_q, d)  # (B, T, H, D)
-    k = linear(hs, w_qkv[1], bk).view(bsz, t, h_kv, d)
+    if len(w_qkv) == 1:  # q/k/v rows stacked in one int8 module (decode.quantize.fuse_int8_rows)
+        q, k, v = linear(hs, w_qkv[0], b_qkv).split([qd, kd, kd], -1)
+    else:
+        bq, bk, bv = (None, None, None) if b_qkv is None else b_qkv.split([qd, kd, kd])
+        q, k, v = linear(hs, w_qkv[0], bq), linear(hs, w_qkv[1], bk), linear(hs, w_qkv[2], bv)
+    q, k = q.view(bsz, t, h_q, d), k.view(bsz, t, h_kv, d)  # (B, T, H, D), (B, T, H_kv, D)
     if qk_norm is not None:
         q = head_norm(st, q, qk_norm[0], qk_norm[2])
         k = head_norm(st, k, qk_norm[1], qk_norm[2])
     q = q * cos + q.roll(half, -1) * sin  # apply_rotary_pos_emb
     torch.add(k * cos, k.roll(half, -1) * sin, out=kbuf[:, start:end])
-    vbuf[:, start:end] = linear(hs, w_qkv[2], bv).view(bsz, t, h_kv, d)
+    vbuf[:, start:end] = v.view(bsz, t, h_kv, d)
     return q
 
 
@@ -137,7 +140,11 @@ def _mlp_residual(st, x: torch.Tensor, hs: torch.Tensor, w_gu, w_d, w_rows: tupl
         m = torch.matmul(m, w_d) if w_rows is None else \
             rows_times(m.view(bsz * t, inter), w_rows[3]).view(bsz, t, -1)
     else:
-        m = linear(st.act(linear(hs, w_gu[0])) * linear(hs, w_gu[1]), w_d)
+        if len(w_gu) == 1:  # gate/up rows stacked in one int8 module
+            gu = linear(hs, w_gu[0])  # (B, T, 2 I)
+            m = linear(st.act(gu[..., :inter]) * gu[..., inter:], w_d)
+        else:
+            m = linear(st.act(linear(hs, w_gu[0])) * linear(hs, w_gu[1]), w_d)
     if post is not None:  # Gemma: RMSNorm on the MLP output before the residual
         m = norm(st, m, post[1][0], post[1][1])
     return x + m

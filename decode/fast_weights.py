@@ -62,6 +62,27 @@ def _weight(lin: torch.nn.Module):
     return quantized if quantized is not None else lin.weight
 
 
+_stacked_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _stacked_int8(owner: torch.nn.Module, name: str, parts: list) -> list:
+    """``parts`` (the weights of projections that read one input) as ``[one int8 module]`` when they are per-row
+    int8 modules that :func:`decode.quantize.fuse_int8_rows` stacks exactly, else unchanged. Built once per
+    ``owner`` and reused while its modules are the same objects (int8 modules are immutable once packed)."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    if not all(isinstance(p, QLinear) for p in parts):
+        return parts
+    entry = _stacked_cache.setdefault(owner, {})
+    hit = entry.get(name)
+    if hit is None or len(hit[0]) != len(parts) or any(a is not b for a, b in zip(hit[0], parts)):
+        from .quantize import fuse_int8_rows
+
+        fused = fuse_int8_rows(parts)
+        hit = entry[name] = (tuple(parts), parts if fused is None else [fused])
+    return hit[1]
+
+
 def _same_bits(live: torch.Tensor, snap: torch.Tensor) -> bool:
     """Whether ``live`` holds exactly ``snap``'s bits (same dtype, shape, device; NaN payloads and -0.0 included)."""
     if live.dtype != snap.dtype or live.shape != snap.shape or live.device != snap.device:
@@ -121,9 +142,9 @@ def _layer_weights(model: torch.nn.Module, packed: bool) -> tuple[list[tuple], t
                     qd, kd = a.config.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
                     qkv = list(qkv[0].split([qd, kd, kd]))
                     gu = list(gu[0].chunk(2))
-                if not phi3:  # the modules' weights, or int8 modules themselves
-                    qkv = [_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)]
-                    gu = [_weight(m.gate_proj), _weight(m.up_proj)]
+                if not phi3:  # the modules' weights, or int8 modules themselves (stacked where exact)
+                    qkv = _stacked_int8(a, "qkv", [_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)])
+                    gu = _stacked_int8(m, "gu", [_weight(m.gate_proj), _weight(m.up_proj)])
                 qkv, gu, o, down = tuple(qkv), tuple(gu), _weight(a.o_proj), _weight(m.down_proj)
             ln2 = getattr(layer, pre_mlp)
             layers.append((layer.input_layernorm.weight, norm_eps(layer.input_layernorm), qkv, o,

@@ -1,8 +1,8 @@
 """INT8 drafts: dynamic int8 quantization of a draft's ``nn.Linear`` layers with PyTorch's own quantization
 (in ``decode`` so that evaluation and training both reach it).
 
-``draft.quantize=int8`` applies :func:`torch.ao.quantization.quantize_dynamic` (weights int8 per tensor, stored
-once; activations quantized per batch at run time; Jacob et al. 2018, "Quantization and Training of Neural Networks
+``draft.quantize=int8`` applies :func:`torch.ao.quantization.quantize_dynamic` (weights int8 per output channel,
+stored once; activations quantized per batch at run time; Jacob et al. 2018, "Quantization and Training of Neural Networks
 for Efficient Integer-Arithmetic-Only Inference", affine scheme r = S (q - Z)) to every ``nn.Linear`` of the draft,
 the LM head included; embeddings and norms stay fp32.
 
@@ -36,7 +36,7 @@ import warnings
 import torch
 
 __all__ = ["QUANTIZE_MODES", "quantize_draft", "is_quantized", "check_quantize_meta", "check_quantize_device",
-           "load_draft"]
+           "load_draft", "fuse_int8_rows"]
 
 QUANTIZE_MODES = ("none", "int8")
 
@@ -78,7 +78,7 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.ao -> torchao migration notice
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        out = torch.ao.quantization.quantize_dynamic(model.eval(), {torch.nn.Linear}, dtype=torch.qint8,
+        out = torch.ao.quantization.quantize_dynamic(model.eval(), _PER_CHANNEL(), dtype=torch.qint8,
                                                      inplace=False).eval()
         head = trimmed_head(out)
         if head is not None:  # not an nn.Linear: quantize its N kept rows the same way
@@ -86,7 +86,38 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
             with torch.no_grad():
                 lin.weight.copy_(head.weight)
             head.quantized = torch.ao.quantization.quantize_dynamic(
-                torch.nn.Sequential(lin).eval(), {torch.nn.Linear}, dtype=torch.qint8)[0]
+                torch.nn.Sequential(lin).eval(), _PER_CHANNEL(), dtype=torch.qint8)[0]
+    return out
+
+
+def _PER_CHANNEL() -> dict:
+    """``quantize_dynamic``'s spec: every ``nn.Linear`` with int8 weights per output row (one scale per row, so the
+    rows of several projections can be stacked into one module exactly: :func:`fuse_int8_rows`)."""
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    return {torch.nn.Linear: per_channel_dynamic_qconfig}
+
+
+def fuse_int8_rows(modules) -> torch.nn.Module | None:
+    """One dynamic int8 Linear whose output rows are those of ``modules`` in order (e.g. q/k/v or gate/up
+    projections that read the same input), or ``None`` when they cannot be stacked exactly (not all per-row int8
+    without bias, or different input widths). Exact: each row keeps its int8 values and scale, and the activation
+    is quantized from the same input, so ``fused(x)`` equals ``cat([m(x) for m in modules], -1)`` bit for bit
+    (tested); one call instead of several saves the per-call activation quantization and dispatch (about 20 us a
+    call on the 2-core development machine, a third of an int8 draft forward's products)."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    if len(modules) < 2 or not all(isinstance(m, QLinear) for m in modules):
+        return None
+    ws = [m.weight() for m in modules]
+    if any(w.qscheme() != torch.per_channel_affine or w.q_per_channel_axis() != 0 for w in ws) \
+            or any(m.bias() is not None for m in modules) or len({w.shape[1] for w in ws}) != 1:
+        return None
+    fused = torch._make_per_channel_quantized_tensor(
+        torch.cat([w.int_repr() for w in ws]), torch.cat([w.q_per_channel_scales() for w in ws]).double(),
+        torch.cat([w.q_per_channel_zero_points() for w in ws]).long(), 0)
+    out = QLinear(ws[0].shape[1], fused.shape[0], bias_=False, dtype=torch.qint8)
+    out.set_weight_bias(fused, None)
     return out
 
 

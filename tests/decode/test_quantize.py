@@ -54,6 +54,42 @@ def test_lean_forward_runs_int8_drafts_and_matches_the_hf_forward():
     torch.testing.assert_close(step, ref_step, rtol=1e-5, atol=1e-5)
 
 
+@settings(max_examples=12, deadline=None)
+@given(rows=st.lists(st.integers(1, 40), min_size=2, max_size=3), width=st.integers(1, 48),
+       lead=st.sampled_from([(1,), (3,), (2, 5)]), seed=st.integers(0, 2**16))
+def test_stacked_int8_rows_equal_the_separate_projections_bit_for_bit(rows, width, lead, seed):
+    """fuse_int8_rows (what the lean forward calls for q/k/v and gate/up): per-row int8 weights keep their values
+    and scales and the activation is quantized from the same input, so the stacked product is the separate ones
+    concatenated, exactly, for any row counts, widths and batch shapes."""
+    from decode.quantize import fuse_int8_rows
+
+    g = torch.Generator().manual_seed(seed)
+    lins = torch.nn.Sequential(*[torch.nn.Linear(width, r, bias=False) for r in rows])
+    with torch.no_grad():
+        for m in lins:
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * torch.rand(m.weight.shape[0], 1,
+                                                                              generator=g) * 3)
+    q = list(quantize_draft(lins))
+    fused = fuse_int8_rows(q)
+    x = torch.randn(*lead, width, generator=g) * 2
+    assert fused is not None and torch.equal(fused(x), torch.cat([m(x) for m in q], -1))
+    assert fuse_int8_rows(q[:1]) is None  # nothing to stack
+    assert fuse_int8_rows([*q, torch.nn.Linear(width, 2)]) is None  # not all int8
+
+
+def test_lean_forward_stacks_int8_qkv_and_gate_up():
+    """The lean forward calls one int8 module for q/k/v and one for gate/up per layer (built once, reused while the
+    modules are the same), and its logits are the Hugging Face int8 forward's (test above)."""
+    from decode.fast_weights import _layer_weights as layer_weights
+
+    layers, _, _ = layer_weights(QDRAFT, packed=False)
+    again, _, _ = layer_weights(QDRAFT, packed=False)
+    for (_, _, qkv, _, _, _, gu, _), (_, _, qkv2, _, _, _, gu2, _) in zip(layers, again):
+        assert len(qkv) == 1 and len(gu) == 1 and qkv[0] is qkv2[0] and gu[0] is gu2[0]
+    fp32, _, _ = layer_weights(DRAFT, packed=False)
+    assert all(len(qkv) == 3 and len(gu) == 2 for _, _, qkv, _, _, _, gu, _ in fp32)
+
+
 def test_int8_draft_of_a_biased_family_falls_back_to_the_hf_forward():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

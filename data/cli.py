@@ -385,3 +385,30 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
             hint = quoting_hint(typed)
             msg = msg.rstrip(".") + hint if hint else msg
         fail(code, msg)
+
+
+def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:
+    """``python -m <module>`` with the overrides of the command that made the run in ``run_dir`` (Hydra's
+    ``.hydra/overrides.yaml``; without it ``+experiment=`` the run's ``experiment_name`` from
+    ``resolved_config.json``, else ``experiment_name``), then ``extra``, shell-quoted and pointed at ``run_dir``:
+    ``module="eval"`` re-evaluates the run as it was evaluated, ``module="train", extra=("trainer.resume=true",)``
+    resumes it with the settings it was started with."""
+    import json
+    import shlex
+
+    import yaml
+
+    from .paths import PROJECT_ROOT
+
+    overrides: list[str] = []
+    try:
+        overrides = [str(o) for o in yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or []]
+    except (OSError, yaml.YAMLError, TypeError):
+        try:  # no record of the command: the run's own experiment name
+            experiment_name = json.loads((run_dir / "resolved_config.json").read_text()).get("experiment_name")
+        except (OSError, ValueError, AttributeError):
+            pass
+        if experiment_name and (PROJECT_ROOT / "conf" / "experiment" / f"{experiment_name}.yaml").is_file():
+            overrides = [f"+experiment={experiment_name}"]
+    keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "overwrite=", "trainer.resume="))]
+    return " ".join([f"python -m {module}", *map(shlex.quote, [*keep, *extra, f"hydra.run.dir={run_dir}"])])

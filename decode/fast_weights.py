@@ -68,18 +68,20 @@ _stacked_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.Wea
 def _stacked_int8(owner: torch.nn.Module, name: str, parts: list) -> list:
     """``parts`` (the weights of projections that read one input) as ``[one int8 module]`` when they are per-row
     int8 modules that :func:`decode.quantize.fuse_int8_rows` stacks exactly, else unchanged. Built once per
-    ``owner`` and reused while its modules are the same objects (int8 modules are immutable once packed)."""
+    ``owner`` and reused while its modules and their packed weights are the same objects (``set_weight_bias`` and
+    ``load_state_dict`` repack a module's weights in place: a new packed object, so the stack is rebuilt)."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
     if not all(isinstance(p, QLinear) for p in parts):
         return parts
+    key = tuple(x for p in parts for x in (p, p._packed_params._packed_params))
     entry = _stacked_cache.setdefault(owner, {})
     hit = entry.get(name)
-    if hit is None or len(hit[0]) != len(parts) or any(a is not b for a, b in zip(hit[0], parts)):
+    if hit is None or len(hit[0]) != len(key) or any(a is not b for a, b in zip(hit[0], key)):
         from .quantize import fuse_int8_rows
 
         fused = fuse_int8_rows(parts)
-        hit = entry[name] = (tuple(parts), parts if fused is None else [fused])
+        hit = entry[name] = (key, parts if fused is None else [fused])
     return hit[1]
 
 

@@ -104,11 +104,12 @@ def fuse_int8_rows(modules) -> torch.nn.Module | None:
     without bias, or different input widths). Exact: each row keeps its int8 values and scale, and the activation
     is quantized from the same input, so ``fused(x)`` equals ``cat([m(x) for m in modules], -1)`` bit for bit
     (tested); one call instead of several saves the per-call activation quantization and dispatch (about 20 us a
-    call on the 2-core development machine, a third of an int8 draft forward's products)."""
+    call on the 2-core development machine, a third of an int8 draft forward's products). The stacked module is a
+    copy: while it is kept (``decode.fast_weights``), the stacked projections' int8 weights are held twice."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
-    if len(modules) < 2 or not all(isinstance(m, QLinear) for m in modules):
-        return None
+    if len(modules) < 2 or not all(isinstance(m, QLinear) and m._packed_params.dtype == torch.qint8 for m in modules):
+        return None  # float16 dynamic modules (quantize_dynamic(dtype=torch.float16)) keep their own calls
     ws = [m.weight() for m in modules]
     if any(w.qscheme() != torch.per_channel_affine or w.q_per_channel_axis() != 0 for w in ws) \
             or any(m.bias() is not None for m in modules) or len({w.shape[1] for w in ws}) != 1:

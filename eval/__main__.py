@@ -47,8 +47,30 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
         raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' or "
                          "decode.draft_routing=/path/to/routing.json "
                          "(or hydra.run.dir pointing at a training run directory with drafts/)")
+    _check_same_experiment(rc, run_dir)
     check_eval_inputs(rc, run_dir)
     return rc
+
+
+def _check_same_experiment(rc, run_dir: Path) -> None:
+    """Re-evaluating a training run in place (its report is replaced) takes that run's settings: a run made by
+    ``+experiment=X`` evaluated without it, or with another experiment, would silently use other prompts, gammas
+    and drafts. Raises ValueError naming the run's own command (``data.cli.run_command``) and the way to evaluate
+    its drafts with other settings (a new folder)."""
+    import json
+
+    from data.cli import run_command
+
+    try:
+        stored = json.loads((run_dir / "resolved_config.json").read_text()).get("experiment_name")
+    except (OSError, ValueError, AttributeError):
+        return  # not a training run's folder (or an eval-only one)
+    if stored and stored != rc.experiment_name:
+        raise ValueError(
+            f"{run_dir} holds a {stored!r} run, but this evaluation has the settings of {rc.experiment_name!r} "
+            f"(other prompts, gammas or drafts; its report would replace the run's). Re-evaluate it with its own "
+            f"settings: {run_command(run_dir, 'eval', experiment_name=stored)} ; or evaluate its drafts with these "
+            f"settings into a new folder: eval.drafts='{{name: {run_dir}/drafts/<name>}}' hydra.run.dir=<new dir>")
 
 
 def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:

@@ -90,6 +90,27 @@ def test_lean_forward_stacks_int8_qkv_and_gate_up():
     assert all(len(qkv) == 3 and len(gu) == 2 for _, _, qkv, _, _, _, gu, _ in fp32)
 
 
+def test_stacked_int8_follows_weights_reloaded_in_place_and_skips_float16_modules():
+    """load_state_dict / set_weight_bias repack an int8 module's weights inside the same module object: the lean
+    forward must then run the new weights (no stale stack), and a float16 dynamic draft is not stacked (it runs)."""
+    from decode.quantize import fuse_int8_rows
+
+    _, other = make_pair(seed=9, noise=0.3)
+    a, b = quantize_draft(DRAFT), quantize_draft(other)
+    ids = torch.randint(0, 64, (1, 7), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        new_kv_state(a, 1, torch.device("cpu"), 16).forward(ids)  # builds the stacks for a's weights
+        a.load_state_dict(b.state_dict())
+        got = new_kv_state(a, 1, torch.device("cpu"), 16).forward(ids, logits_to_keep=7)
+        torch.testing.assert_close(got, b(ids).logits, rtol=1e-5, atol=1e-5)
+    half = torch.ao.quantization.quantize_dynamic(DRAFT, {torch.nn.Linear}, dtype=torch.float16)
+    attn = half.model.layers[0].self_attn
+    assert fuse_int8_rows([attn.q_proj, attn.k_proj, attn.v_proj]) is None
+    out = speculative_generate(TARGET, half, ids, max_new_tokens=6, num_draft_tokens=3)
+    ref = autoregressive_generate(TARGET, ids, max_new_tokens=6)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
 def test_int8_draft_of_a_biased_family_falls_back_to_the_hf_forward():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -324,3 +324,26 @@ def test_a_failed_evaluation_keeps_the_record_of_the_command_behind_the_current_
     assert (run_dir / ".hydra-eval" / "overrides.yaml").read_text() == record
     assert (run_dir / "report.md").read_bytes() == report
     assert "eval.prompt_overflow=error" in (run_dir / ".hydra-eval-last" / "overrides.yaml").read_text()
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_reevaluating_a_run_with_another_experiments_settings_is_refused(tmp_path, recorded):
+    """`python -m eval hydra.run.dir=<a smoke run>` without `+experiment=smoke` would replace the run's report with
+    one made under the default settings (48 prompts, other gammas): refused, naming the run's own command (from
+    Hydra's record of it, or from its experiment name) and the new-folder alternative; the same experiment passes."""
+    from types import SimpleNamespace
+
+    from eval.__main__ import _check_same_experiment
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / "resolved_config.json").write_text(json.dumps({"experiment_name": "smoke"}))
+    if recorded:
+        (run / ".hydra" / "overrides.yaml").write_text("- +experiment=smoke\n- seed=3\n- hydra.run.dir=x\n")
+    with pytest.raises(ValueError) as e:
+        _check_same_experiment(SimpleNamespace(experiment_name="default"), run)
+    msg = str(e.value)
+    assert "'smoke' run" in msg and "python -m eval +experiment=smoke" in msg and f"hydra.run.dir={run}" in msg
+    assert ("seed=3" in msg) == recorded and "into a new folder" in msg
+    _check_same_experiment(SimpleNamespace(experiment_name="smoke"), run)  # its own settings: fine
+    _check_same_experiment(SimpleNamespace(experiment_name="default"), tmp_path)  # not a training run: fine

@@ -78,7 +78,7 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning)  # torch.ao -> torchao migration notice
         warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*")
-        out = torch.ao.quantization.quantize_dynamic(model.eval(), _PER_CHANNEL(), dtype=torch.qint8,
+        out = torch.ao.quantization.quantize_dynamic(model.eval(), _per_row_spec(), dtype=torch.qint8,
                                                      inplace=False).eval()
         head = trimmed_head(out)
         if head is not None:  # not an nn.Linear: quantize its N kept rows the same way
@@ -86,11 +86,11 @@ def quantize_draft(model: torch.nn.Module, mode: str = "int8") -> torch.nn.Modul
             with torch.no_grad():
                 lin.weight.copy_(head.weight)
             head.quantized = torch.ao.quantization.quantize_dynamic(
-                torch.nn.Sequential(lin).eval(), _PER_CHANNEL(), dtype=torch.qint8)[0]
+                torch.nn.Sequential(lin).eval(), _per_row_spec(), dtype=torch.qint8)[0]
     return out
 
 
-def _PER_CHANNEL() -> dict:
+def _per_row_spec() -> dict:
     """``quantize_dynamic``'s spec: every ``nn.Linear`` with int8 weights per output row (one scale per row, so the
     rows of several projections can be stacked into one module exactly: :func:`fuse_int8_rows`)."""
     from torch.ao.quantization import per_channel_dynamic_qconfig

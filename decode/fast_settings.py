@@ -42,6 +42,9 @@ COMPILE_MODES = ("auto", "on", "off")
 # with the weight-left form: the one-row layout read the weights at 10 GB/s, the weight-left one at 15 GB/s (28-31
 # GB/s measured for a plain sum). So under ``auto`` the one-row layout is measured too, over all of the model's
 # products in turn (its whole weight set, so the weights come from memory as in a real forward, not from a cache).
+# The weight-left form multiplies one row as two, beside a zero row (:func:`rows_times`): a one-column product goes to
+# MKL's matrix-vector kernel, 57 ms for SmolLM2's products on that machine, against 29 ms as two columns and 39 ms
+# for ``x @ W``; measured so, the one-token forward went from 53-57 ms to 39 ms (session 18).
 ROW_LAYOUTS = ("auto", "weight_left", "activation_left")
 
 
@@ -172,6 +175,11 @@ def graph_count() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- products
+def _two_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x (1, K)`` -> ``(2, K)``: the row and a zero row, in one contiguous buffer (see :func:`rows_times`)."""
+    return torch.cat([x, torch.zeros_like(x)])
+
+
 def rows_times(x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
     """``x (M, K) @ w_rows^T`` -> ``(M, N)`` contiguous, for ``M >= 1`` rows and ``w_rows (N, K)`` contiguous.
 
@@ -180,12 +188,23 @@ def rows_times(x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
     every call. On the 2-core AVX2 machine, the reference target's 25 projections over 5 rows took 2.5 ms this way
     against 3.8 ms (4 rows: 1.9 against 6.3 ms, median of 4 alternated runs; one row stays faster on the ``(K, N)``
     copy: 2.4 ms), which is what made a verify forward cost about twice a one-token forward.
+
+    One row (``M = 1``) is multiplied as two, beside a zero row: a one-column product goes to MKL's matrix-vector
+    kernel, which on the 2-core AMD EPYC streamed SmolLM2-135M-Instruct's 538 MB of weights in 57 ms, against
+    29 ms for the same products over two real rows (and 39 ms for ``x @ W`` on the ``(K, N)`` copies; medians of 7
+    alternated sweeps). The second row's zeros cost no bandwidth, and row 0 is what a two-row product computes for
+    it. Whether one-row forwards use this form is measured per machine (:meth:`LeanSettings.one_row_layout_for`).
     """
+    if x.shape[0] == 1:
+        return torch.mm(w_rows, _two_rows(x).t())[:, 0].unsqueeze(0).contiguous()  # (1, N): column 0 of (N, 2)
     return torch.mm(w_rows, x.t()).t().contiguous()
 
 
 def rows_addmm(res: torch.Tensor, x: torch.Tensor, w_rows: torch.Tensor) -> torch.Tensor:
-    """``res + x @ w_rows^T`` (``res (M, N)``, ``x (M, K)``) in one ``addmm``, the layout of :func:`rows_times`."""
+    """``res + x @ w_rows^T`` (``res (M, N)``, ``x (M, K)``) in one ``addmm``, the layout of :func:`rows_times`
+    (one row multiplied as two, as there)."""
+    if x.shape[0] == 1:
+        return torch.addmm(_two_rows(res).t(), w_rows, _two_rows(x).t())[:, 0].unsqueeze(0).contiguous()
     return torch.addmm(res.t(), w_rows, x.t()).t().contiguous()
 
 

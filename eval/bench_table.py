@@ -99,6 +99,10 @@ def _check_rows(r: dict) -> list[tuple[str, str]]:
          f"{r['row_layout']['setting']}" + ("".join(
              f"; hidden {m['shapes'][0][0]}: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
              f"activation-left {m['activation_left_us']:.0f} us)" for m in r["row_layout"]["measured"]))),
+        ("ours: one-row products (one-token forwards; auto: all of a model's products, one row as two)",
+         f"{r['row_layout']['setting']}" + ("".join(
+             f"; {m['layers']} layers: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
+             f"activation-left {m['activation_left_us']:.0f} us)" for m in r["row_layout"].get("one_row", [])))),
         *([(f"ours / ours with row layout {peer} (tokens/s; its mismatches)",
             f"{r['row_layout']['ours_over_peer']:.2f}x; "
             f"{r['greedy_output_mismatches'][f'ours_speculative_row_layout_{peer}']}")] if peer else []),

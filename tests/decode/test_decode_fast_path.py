@@ -488,10 +488,11 @@ def test_frozen_weights_nests_and_forgets_the_models_on_exit(monkeypatch):
     assert ref() is None  # nothing the block cached keeps the model alive
 
 
-@pytest.mark.parametrize("rows", [2, 5, 17])
+@pytest.mark.parametrize("rows", [1, 2, 5, 17])
 def test_several_row_products_on_the_out_in_copy_match_the_one_row_layout(rows):
     """``_rows_times`` / ``_rows_addmm`` (weight as the left operand) compute ``x @ W^T`` and ``r + x @ W^T`` for
-    any rows, including a transposed (non-contiguous) ``x``, to fp32 rounding; the result is contiguous."""
+    any rows (one row multiplied beside a zero row), including a transposed (non-contiguous) ``x``, to fp32
+    rounding; the result is contiguous."""
     from decode.fast_settings import rows_addmm as _rows_addmm, rows_times as _rows_times
 
     g = torch.Generator().manual_seed(rows)
@@ -583,6 +584,33 @@ def test_both_row_layouts_give_the_hf_logits_and_the_same_greedy_decoding(row_la
     ref = autoregressive_generate(model, prompt, max_new_tokens=16).sequences
     for kw in ({"num_draft_tokens": 4}, {"draft_tree": TokenTree(branching=(2, 2, 1))}):
         assert torch.equal(speculative_generate(model, draft, prompt, max_new_tokens=16, **kw).sequences, ref), kw
+
+
+def test_one_row_forwards_in_the_weight_left_form_give_the_hf_logits_and_target_only_greedy(monkeypatch):
+    """Where ``auto`` measures the weight-left form faster for one row (a one-row product multiplied as two, beside a
+    zero row: the AMD EPYC), one-token forwards use it: their logits are the Hugging Face forward's to fp32
+    rounding, step by step, and speculative greedy decoding still equals target-only greedy decoding."""
+    import decode.fast_settings as fs
+
+    monkeypatch.setattr(fs.SETTINGS, "row_layout", "auto")
+    monkeypatch.setattr(fs.SETTINGS, "one_row_measured", {})
+    monkeypatch.setattr(fs, "_measure_one_row", lambda pairs, threads, rounds=5: ("weight_left", {}))
+    model = _llama(seed=12, num_key_value_heads=2)
+    ids = random_prompts([10], 80, 13)[0][None]
+    with torch.inference_mode():
+        state = FastKVState(model, 1, torch.device("cpu"), packed=True)
+        assert state.rows_one is not None  # the measured one-row layout is the one used
+        steps = torch.cat([state.forward(ids[:, j:j + 1]) for j in range(ids.shape[1])], 1)
+    torch.testing.assert_close(steps, _hf_logits(model, ids, torch.ones_like(ids)), atol=1e-4, rtol=1e-4)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    ref = hf_greedy(model, ids, torch.ones_like(ids), 12)
+    assert torch.equal(autoregressive_generate(model, ids, max_new_tokens=12).sequences, ref)
+    for g in (1, 3):
+        assert torch.equal(speculative_generate(model, draft, ids, max_new_tokens=12, num_draft_tokens=g).sequences,
+                           ref)
 
 
 def test_auto_row_layout_is_measured_once_per_shape_and_thread_count(row_layout, monkeypatch):

@@ -244,7 +244,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
                            tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
-    from decode.fast_llama import compile_enabled, compile_seconds, set_compile
+    from decode.fast_llama import compile_enabled, compile_seconds, row_layout_record, set_compile
     from decode.threads import set_block_threads
 
     set_compile(rc.decode.compile)  # decode.compile: the lean forwards built from here on
@@ -262,7 +262,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "decode_compile": {"setting": rc.decode.compile, "compiled": compile_enabled(device),
                                   "compile_time_s": compile_seconds() - compile_s0},
                "decode_block_threads": {"setting": rc.decode.block_threads, "threads": runtime["block_threads"]},
-               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime}
+               "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime,
+               "row_layout": row_layout_record()}  # what decode.row_layout=auto chose (several rows, one row)
     vocab = {n: {k: v for k, v in m[0].draft_vocab.items() if k != "draft_to_target"}
              for n, m in meta.items() if m[0] is not None and m[0].draft_vocab}
     if vocab:  # trimmed draft vocabularies (data/draft_vocab.py): size and how the kept ids were counted

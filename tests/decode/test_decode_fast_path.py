@@ -586,16 +586,20 @@ def test_both_row_layouts_give_the_hf_logits_and_the_same_greedy_decoding(row_la
         assert torch.equal(speculative_generate(model, draft, prompt, max_new_tokens=16, **kw).sequences, ref), kw
 
 
-def test_one_row_forwards_in_the_weight_left_form_give_the_hf_logits_and_target_only_greedy(monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3"])
+def test_one_row_forwards_in_the_weight_left_form_give_the_hf_logits_and_target_only_greedy(monkeypatch, family):
     """Where ``auto`` measures the weight-left form faster for one row (a one-row product multiplied as two, beside a
     zero row: the AMD EPYC), one-token forwards use it: their logits are the Hugging Face forward's to fp32
-    rounding, step by step, and speculative greedy decoding still equals target-only greedy decoding."""
+    rounding, step by step (biases, post-norms and Gemma's soft-cap included), and speculative greedy decoding still
+    equals target-only greedy decoding."""
     import decode.fast_settings as fs
+    from tinymodels import tiny_family
 
     monkeypatch.setattr(fs.SETTINGS, "row_layout", "auto")
     monkeypatch.setattr(fs.SETTINGS, "one_row_measured", {})
-    monkeypatch.setattr(fs, "_measure_one_row", lambda pairs, threads, rounds=5: ("weight_left", {}))
-    model = _llama(seed=12, num_key_value_heads=2)
+    monkeypatch.setattr(fs, "_measure_one_row", lambda pairs, threads, rounds=7: ("weight_left", {}))
+    model = (_llama(seed=12, num_key_value_heads=2) if family == "llama" else
+             tiny_family(family, vocab_size=80, hidden_size=48, num_heads=6, num_kv_heads=3, seed=4))
     ids = random_prompts([10], 80, 13)[0][None]
     with torch.inference_mode():
         state = FastKVState(model, 1, torch.device("cpu"), packed=True)

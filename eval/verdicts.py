@@ -82,7 +82,8 @@ def explain(r: Decision) -> str:
     if r.basis == "low_tau":
         shown = "; ".join(r.set_aside[:4]) + (f"; and {len(r.set_aside) - 4} more" if len(r.set_aside) > 4 else "")
         return (f"no setting can pay for itself; each needs tau of at least eval.min_mean_accepted_length and a "
-                f"measured speedup of at most {IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v), and every one failed: {shown}")
+                f"measured speedup that tau can explain (at most {IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)), and every "
+                f"one failed: {shown}")
     if r.basis == "below_one":
         best = r.best_measured
         lo, hi = interval(best)

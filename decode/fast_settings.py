@@ -44,7 +44,7 @@ COMPILE_MODES = ("auto", "on", "off")
 # products in turn (its whole weight set, so the weights come from memory as in a real forward, not from a cache).
 # The weight-left form multiplies one row as two, beside a zero row (:func:`rows_times`): a one-column product goes to
 # MKL's matrix-vector kernel, 57 ms for SmolLM2's products on that machine, against 29 ms as two columns and 39 ms
-# for ``x @ W``; measured so, the one-token forward went from 53-57 ms to 39 ms (session 18).
+# for ``x @ W``; measured so, the one-token forward went from 53-57 ms to 38-50 ms (session 18).
 ROW_LAYOUTS = ("auto", "weight_left", "activation_left")
 
 

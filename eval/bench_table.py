@@ -96,19 +96,23 @@ def _check_rows(r: dict) -> list[tuple[str, str]]:
            ("ours uncompiled: outputs differing from target-only",
             f"{r['greedy_output_mismatches']['ours_speculative_uncompiled']}")] if r["compile"]["compiled"] else []),
         ("ours: several-row products (row layout; auto: per model, the timed set of its products)",
-         f"{r['row_layout']['setting']}" + ("".join(
-             f"; hidden {m['shapes'][0][0]}: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
-             f"activation-left {m['activation_left_us']:.0f} us)" for m in r["row_layout"]["measured"]))),
+         _layout_choices(r["row_layout"], "measured", lambda m: f"hidden {m['shapes'][0][0]}")),
         ("ours: one-row products (one-token forwards; auto: all of a model's products, one row as two)",
-         f"{r['row_layout']['setting']}" + ("".join(
-             f"; {m['layers']} layers: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
-             f"activation-left {m['activation_left_us']:.0f} us)" for m in r["row_layout"].get("one_row", [])))),
+         _layout_choices(r["row_layout"], "one_row", lambda m: f"{m['layers']} layers")),
         *([(f"ours / ours with row layout {peer} (tokens/s; its mismatches)",
             f"{r['row_layout']['ours_over_peer']:.2f}x; "
             f"{r['greedy_output_mismatches'][f'ours_speculative_row_layout_{peer}']}")] if peer else []),
         ("transformers: outputs differing from target-only (of prompts x repeats)",
          f"{r['greedy_output_mismatches']['hf_assisted']} of {calls}" if hf_ran else SKIPPED),
     ]
+
+
+def _layout_choices(record: dict, kind: str, label) -> str:
+    """The setting, then per model measured under ``auto`` (``record[kind]``, see ``row_layout_record``): its
+    ``label(m)``, the chosen layout and the two forms' timed sweeps."""
+    return record["setting"] + "".join(
+        f"; {label(m)}: {m['chosen']} (weight-left {m['weight_left_us']:.0f} us, "
+        f"activation-left {m['activation_left_us']:.0f} us)" for m in record.get(kind, []))
 
 
 def format_table(r: dict) -> str:

@@ -221,6 +221,10 @@ def _start(student, teacher, out_dir: Path, cfg: TrainerConfig, seed: int, desc:
     from accelerate.utils import set_seed
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.warmup_steps >= cfg.max_steps:  # legal (a short run may want a constant ramp), rarely what was meant
+        log.warning("%s: trainer.warmup_steps=%d >= trainer.max_steps=%d: the learning rate only ramps up and never "
+                    "decays (it reaches trainer.lr at the last step at most); set trainer.warmup_steps below "
+                    "trainer.max_steps for the cosine decay", desc, cfg.warmup_steps, cfg.max_steps)
     clock = BudgetClock(cfg)  # the schedule reads it from the first step
     run = prepare_run(student, teacher, cfg, lambda s: cosine_with_warmup(
         s, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio, clock.progress()))

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from data.devices import runtime_record, torch_threads
 from decode import AcceptanceStats, autoregressive_generate, expected_speedup, frozen_weights, speculative_generate
@@ -275,7 +276,9 @@ def _time_methods(methods: dict[str, Callable], prompts: list[torch.Tensor], rep
     seconds, tokens = {m: 0.0 for m in methods}, {m: 0 for m in methods}
     stats: dict[str, list[AcceptanceStats]] = {m: [] for m in methods}
     mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
-    with LoadMeter() as meter:  # other processes' load while timing: a disturbed run says so
+    # one bar step per prompt round (every method once), on stderr: the table comes only at the end
+    bar = tqdm(total=repeats * len(prompts), desc=f"bench {len(methods)} methods", unit="round", dynamic_ncols=True)
+    with bar, LoadMeter() as meter:  # other processes' load while timing: a disturbed run says so
         for _ in range(repeats):
             for p in prompts:
                 results, times = alternated_rounds({m: functools.partial(fn, p) for m, fn in methods.items()}, device)
@@ -291,6 +294,7 @@ def _time_methods(methods: dict[str, Callable], prompts: list[torch.Tensor], rep
                 for m, o in outputs.items():
                     if m != "target_only":
                         mismatches[m] += int(o.shape != ref.shape or not torch.equal(o, ref))
+                bar.update(1)
     tps = {m: tokens[m] / seconds[m] if seconds[m] > 0 else NAN for m in methods}
     for peer in ("hf_assisted", "hf_target_only"):  # skipped (no_hf): NaN, no mismatches
         tps.setdefault(peer, NAN)

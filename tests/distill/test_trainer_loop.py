@@ -179,3 +179,15 @@ def test_cached_run_covers_exactly_the_blocks_training_reads(n, steps, mb, seed)
     read = {i for s in range(steps) for i in batch_indices(n, s, mb, seed).tolist()}
     assert set(kept) == read and len(kept) == len(set(kept))  # no block twice, none missing, none extra
     assert len(kept) == min(n, steps * mb)
+
+
+@pytest.mark.parametrize("warmup, warned", [(3, True), (5, True), (2, False)])
+def test_warmup_that_covers_every_step_is_warned(tmp_path, caplog, warmup, warned):
+    # max_steps=3: a warmup of 3 or more never reaches the cosine decay; the warning names both keys
+    student = tiny_llama(vocab_size=V, hidden_size=32, seed=3)
+    with caplog.at_level("WARNING", logger="distill.trainer"):
+        train(student, _blocks(), tmp_path, _cfg(warmup_steps=warmup))
+    hits = [r.getMessage() for r in caplog.records if "never decays" in r.getMessage()]
+    assert bool(hits) is warned
+    if warned:
+        assert f"trainer.warmup_steps={warmup}" in hits[0] and "trainer.max_steps=3" in hits[0]

@@ -180,6 +180,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
 
     rc = validate(cfg)
     run_dir = Path(run_dir)
+    _check_launch_env(rc)
     check_draft_config(rc)
     if "eval" in rc.stages:
         from eval.run_drafts import check_planned_drafts
@@ -245,6 +246,19 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
             raise
         events("stage_end", stage=stage, seconds=time.perf_counter() - t0)
     return results
+
+
+def _check_launch_env(rc: RootConfig) -> None:
+    """:func:`distill.launch.check_launch` from the launch environment alone (``WORLD_SIZE``,
+    ``ACCELERATE_USE_DEEPSPEED`` and the DeepSpeed config that ``accelerate launch`` exports), so that a strategy that
+    does not fit the launch is refused before Hydra creates the run directory and before any process group starts;
+    :func:`_check_launch` checks the same against the initialised distributed state."""
+    from distill.launch import check_launch, launch_zero_stage, uses_deepspeed
+
+    processes, deepspeed, stage = int(os.environ.get("WORLD_SIZE", "1") or 1), uses_deepspeed(), launch_zero_stage()
+    check_launch(rc.trainer, processes, deepspeed, stage)
+    if "reference_target" in rc.stages:
+        check_launch(rc.reference.trainer, processes, deepspeed, stage)
 
 
 def _check_launch(rc: RootConfig):

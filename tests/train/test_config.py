@@ -238,7 +238,9 @@ def test_cli_strategy_that_does_not_fit_the_launch_fails_before_any_model(tmp_pa
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "not launched with DeepSpeed" in out, out[-2000:]
     assert "accelerate launch --config_file conf/accelerate/deepspeed_zero2.yaml" in out
-    assert not (tmp_path / "run" / "resolved_config.json").exists()
+    assert out.count("not launched with DeepSpeed") == 1, out[-2000:]  # one error line, not a log line and a copy
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: trainer.strategy=deepspeed_zero2")
+    assert not (tmp_path / "run").exists()  # refused before Hydra creates the run directory
 
 
 def _leaves(node, prefix: str = "") -> dict:

@@ -46,7 +46,8 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
     if not rc.eval.drafts and not rc.decode.draft_routing and not (run_dir / "drafts").is_dir():
         raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' or "
                          "decode.draft_routing=/path/to/routing.json "
-                         "(or hydra.run.dir pointing at a training run directory with drafts/)")
+                         "(or hydra.run.dir pointing at a training run directory with drafts/; "
+                         f"{run_dir} {'has no drafts/ folder' if run_dir.is_dir() else 'does not exist'})")
     _check_same_experiment(rc, run_dir)
     check_eval_inputs(rc, run_dir)
     return rc

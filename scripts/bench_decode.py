@@ -78,9 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-ids", action="store_true", help="random token-id prompts, no tokenizer needed")
     ap.add_argument("--num-prompts", type=int, default=4, help="number of random prompts (--prompt-ids)")
     ap.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt (--prompt-ids)")
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--num-draft-tokens", type=int, default=4, help="gamma: tokens the draft proposes per verify step "
+                    "(default 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per decode (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over the prompts, every method once per prompt "
+                    "per round (default 3)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16")
     ap.add_argument("--target-dtype", help="dtype of the target only (default: --dtype); lossless = equal to "
@@ -91,8 +93,8 @@ def _parser() -> argparse.ArgumentParser:
                          "ours and transformers' assisted generation alike; auto (default) = as the draft "
                          "directory's specdraft.json records (drafts/<name>_int8 from draft.quantize=int8)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
-    ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio (default 32)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --prompt-ids and of the random --family models (default 0)")
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
                     help="ours: lean forward where supported (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3; auto) or the "
@@ -181,7 +183,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             get_domain(args.domain)
         except ValueError as e:
-            ap.error(f"--domain: {e}")
+            ap.error(f"--domain: {e}".replace("Fix eval.domains / data.domain", "Fix --domain"))  # this flag, not Hydra keys
     from decode.threads import parse_block_threads
 
     try:

@@ -169,6 +169,7 @@ def test_domain_prompts_and_argument_errors(capsys):
     assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
     for argv, needle in ((["--domain", "medical", "--prompt-ids"], "alternatives"),
                          (["--domain", "nope"], "--domain: unknown domain 'nope'"),
+                         (["--domain", "medicl"], "Fix --domain, or declare it"),
                          (["--block-threads", "0"], "--block-threads: decode.block_threads must be auto, off")):
         with pytest.raises(SystemExit) as e:
             bench.parse_args(["--target", ref, "--draft", ref, *argv])

@@ -347,3 +347,17 @@ def test_reevaluating_a_run_with_another_experiments_settings_is_refused(tmp_pat
     assert ("seed=3" in msg) == recorded and "into a new folder" in msg
     _check_same_experiment(SimpleNamespace(experiment_name="smoke"), run)  # its own settings: fine
     _check_same_experiment(SimpleNamespace(experiment_name="default"), tmp_path)  # not a training run: fine
+
+
+@pytest.mark.parametrize("make_dir", [False, True])
+def test_a_run_dir_without_drafts_is_named_in_the_error(tmp_path, make_dir):
+    """No eval.drafts and a hydra.run.dir without drafts/: the message says whether the folder is missing (a typo in
+    the run's path) or holds no drafts/ folder."""
+    from eval.__main__ import check_before_eval
+
+    run_dir = tmp_path / "outputs" / "smoke" / "typo"
+    if make_dir:
+        run_dir.mkdir(parents=True)
+    with pytest.raises(ValueError) as ei:
+        check_before_eval(compose_config(["eval.domains=[chat]"]), run_dir)
+    assert f"{run_dir} {'has no drafts/ folder' if make_dir else 'does not exist'}" in str(ei.value)

@@ -114,8 +114,12 @@ def fail(code: int, message: str) -> NoReturn:
     """Print ``error: <message>`` as the last thing on stderr (and log it to the run's log file when Hydra's
     logging is set up), then exit with ``code``."""
     _close_progress_bars()
-    if logging.getLogger().handlers:
-        log.error("%s", message)
+    # the run's log file keeps the error; the console gets it once, as the line below (not also as a log line)
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if files:
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+        for handler in files:
+            handler.handle(record)
     sys.stdout.flush()
     sys.stderr.flush()
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -93,8 +93,10 @@ def _parser() -> argparse.ArgumentParser:
                          "ours and transformers' assisted generation alike; auto (default) = as the draft "
                          "directory's specdraft.json records (drafts/<name>_int8 from draft.quantize=int8)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
-    ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio (default 32)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of --prompt-ids and of the random --family models (default 0)")
+    ap.add_argument("--cost-steps", type=int, default=32, help="single-token forwards timed for the cost ratio "
+                    "(default 32)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --prompt-ids and of the random --family "
+                    "models (default 0)")
     ap.add_argument("--num-threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--fast-path", choices=("auto", "off"), default="auto",
                     help="ours: lean forward where supported (Llama, Mistral, Qwen2/3, Gemma-2/3, Phi-3; auto) or the "
@@ -183,7 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             get_domain(args.domain)
         except ValueError as e:
-            ap.error(f"--domain: {e}".replace("Fix eval.domains / data.domain", "Fix --domain"))  # this flag, not Hydra keys
+            # the fix is this flag, not the Hydra keys the shared message names
+            ap.error(f"--domain: {e}".replace("Fix eval.domains / data.domain", "Fix --domain"))
     from decode.threads import parse_block_threads
 
     try:

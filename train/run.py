@@ -253,9 +253,15 @@ def _check_launch_env(rc: RootConfig) -> None:
     ``ACCELERATE_USE_DEEPSPEED`` and the DeepSpeed config that ``accelerate launch`` exports), so that a strategy that
     does not fit the launch is refused before Hydra creates the run directory and before any process group starts;
     :func:`_check_launch` checks the same against the initialised distributed state."""
-    from distill.launch import check_launch, launch_zero_stage, uses_deepspeed
+    from distill.launch import launch_zero_stage, uses_deepspeed
 
-    processes, deepspeed, stage = int(os.environ.get("WORLD_SIZE", "1") or 1), uses_deepspeed(), launch_zero_stage()
+    _check_strategies(rc, int(os.environ.get("WORLD_SIZE", "1") or 1), uses_deepspeed(), launch_zero_stage())
+
+
+def _check_strategies(rc: RootConfig, processes: int, deepspeed: bool, stage: int | None) -> None:
+    """:func:`distill.launch.check_launch` for every trainer the run's stages use (the reference target's too)."""
+    from distill.launch import check_launch
+
     check_launch(rc.trainer, processes, deepspeed, stage)
     if "reference_target" in rc.stages:
         check_launch(rc.reference.trainer, processes, deepspeed, stage)
@@ -264,13 +270,10 @@ def _check_launch_env(rc: RootConfig) -> None:
 def _check_launch(rc: RootConfig):
     """The distributed state, after checking that ``trainer.strategy`` and the global batch fit the launch (before
     any model loads)."""
-    from distill.launch import check_launch, distributed_state, launch_zero_stage, uses_deepspeed
+    from distill.launch import distributed_state, launch_zero_stage, uses_deepspeed
 
     dist = distributed_state()
-    deepspeed, stage = uses_deepspeed(), launch_zero_stage()
-    check_launch(rc.trainer, dist.num_processes, deepspeed, stage)
-    if "reference_target" in rc.stages:
-        check_launch(rc.reference.trainer, dist.num_processes, deepspeed, stage)
+    _check_strategies(rc, dist.num_processes, uses_deepspeed(), launch_zero_stage())
     lora_stages = [s for s in rc.stages if s in ("lora", "finetune", "adapt")]
     if lora_stages and dist.num_processes > 1:
         raise ValueError(f"stages {lora_stages} run in one process (LoRA drafts are small); launched with "

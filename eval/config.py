@@ -66,6 +66,32 @@ class DeploymentConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The engine check (``eval.engine``): the target alone and with each draft in llama.cpp's ``llama-server`` on
+    the evaluation's prompts (greedy), its own acceptance counters and tokens/s beside ours (:mod:`eval.engine`)."""
+
+    enabled: str = "auto"  # auto (when llama.cpp is installed: python scripts/install_engine.py) | true | false
+    target_format: str = "source"  # source: the target's own GGUF file when it came from one (else q8_0) | f32 | q8_0
+    draft_format: str = "q8_0"  # the drafts' GGUF type: q8_0 | f16 | f32
+    num_draft_tokens: int | None = None  # gamma in the engine; null: decode.num_draft_tokens
+    threads: int | None = None  # llama-server threads; null: eval.num_threads, else every core
+    max_prompts: int | None = None  # prompts per domain; null: eval.max_prompts (the same prompts as ours)
+
+    def __post_init__(self):
+        self.enabled = str(self.enabled).lower()
+        if self.enabled not in ("auto", "true", "false"):
+            raise ValueError(f"eval.engine.enabled must be auto, true or false, got {self.enabled!r}")
+        if self.target_format not in ("source", "f32", "f16", "q8_0"):
+            raise ValueError(f"eval.engine.target_format must be source, f32, f16 or q8_0, got {self.target_format!r}")
+        if self.draft_format not in ("f32", "f16", "q8_0"):
+            raise ValueError(f"eval.engine.draft_format must be f32, f16 or q8_0, got {self.draft_format!r}")
+        for k in ("num_draft_tokens", "threads", "max_prompts"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ValueError(f"eval.engine.{k} must be null or >= 1, got {v}")
+
+
+@dataclass
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
@@ -98,6 +124,7 @@ class EvalConfig:
     noisy_relative_width: float = 0.5  # a domain's timing is noisy when its speedup interval is wider than this x
     # the estimate (or other processes kept a quarter core busy: eval.timing.load_record)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # llama.cpp beside our decoder (see the class)
 
     def __post_init__(self):
         for key, low in (("max_prompts", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 2)):

@@ -139,6 +139,7 @@ class _Evaluation:
     def __post_init__(self):
         self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         self.device = next(self.target.parameters()).device  # sampling draws on the models' device
+        self.target_outputs: dict[str, dict[str, list[int]]] = {}  # domain -> prompt id -> target-only greedy ids
 
     def target_only(self, ids: torch.Tensor, seed: int):
         g = torch.Generator(device=self.device).manual_seed(seed)
@@ -177,6 +178,7 @@ class _Evaluation:
         """``(rows, prompts truncated, target-only summary)`` of one domain; prompt i decodes with seed
         ``seed + i``."""
         rows: list[dict] = []
+        outputs = self.target_outputs.setdefault(domain, {})
         truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
         runs = len(prompts) * (1 + len(self.settings) * len(self.drafts)) * self.trials
         bar = tqdm(total=runs, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
@@ -185,6 +187,7 @@ class _Evaluation:
             truncated_total += truncated
             ref, t_ref, first, t_spec = self.paired_trials(ids, seed + i, bar)
             tgt_tokens, tgt_time = tgt_tokens + int(ref.num_new_tokens[0]), tgt_time + sum(t_ref) / len(t_ref)
+            outputs[p.id] = ref.sequences[0, ids.size(1): ids.size(1) + int(ref.num_new_tokens[0])].tolist()
             for k, (policy_name, gamma, _) in enumerate(self.settings):
                 for name in self.drafts:
                     out, policy = first[(k, name)]
@@ -240,7 +243,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
         (:func:`eval.timing.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
         "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
-        "target_only"}`` (``machine_load``: :func:`eval.timing.load_record` per domain; ``target_only``: per domain the
+        "target_only", "target_outputs"}`` (``target_outputs``: domain -> prompt id -> the target-only greedy ids of
+        the first trial; ``machine_load``: :func:`eval.timing.load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
@@ -279,4 +283,4 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
             "max_new_tokens": max_new_tokens, "sampling": decode_kwargs, "truncated_prompts": truncated_total,
             "draft_length_policies": list(policies), "timing_trials": ev.trials, "machine_load": load,
-            "target_only": target_only}
+            "target_only": target_only, "target_outputs": ev.target_outputs}

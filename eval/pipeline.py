@@ -273,6 +273,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                                     "target_only": {d: results["target_only"][d] for d, n in routed.items()
                                                     if n is None and d in results["target_only"]}}
     sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts})
+    sections.append(_engine_check(rc, {n: paths[n] for n in drafts}, prompts, tokenizer, results, run_dir, ev))
     doc, routing_path = _write_report_set(rc, run_dir, results, context, sections, serving, domains, routed,
                                           {n: paths[n] for n in drafts}, _deployment(rc, target, drafts),
                                           command_record, ev)
@@ -363,6 +364,7 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
                "truncated_prompts": sum(p["truncated_prompts"] for p in parts),
                "machine_load": {d: x for p in parts for d, x in p["machine_load"].items()},
                "target_only": {d: x for p in parts for d, x in p["target_only"].items()},
+               "target_outputs": {d: x for p in parts for d, x in p["target_outputs"].items()},
                "draft_length_policy_settings": policy_settings}
     return results, runtime
 
@@ -390,6 +392,37 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     serving = ServingSection(draft_paths, str(rc.target.name_or_path))
     sections.append(serving)
     return sections, serving
+
+
+def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict, run_dir: Path, ev):
+    """The "Engine check" report section (:mod:`eval.engine`): llama.cpp serving the target alone and with each
+    draft on the same prompts, when ``eval.engine`` asks for it and the engine is installed (else one line saying
+    why not). An engine failure is reported in the section, never loses the evaluation."""
+    from data.tokenization import encode_prompt
+
+    from .engine import EngineSection, engine_wanted, run_engine_check
+
+    ec = rc.eval.engine
+    kw = dict(samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed)
+    wanted, reason = engine_wanted(ec)
+    if not wanted or not draft_paths:
+        reason = reason if not wanted else "no drafts to serve"
+        log.info("engine check skipped: %s", reason)
+        return EngineSection(None, reason, None, **kw)
+    cap = ec.max_prompts or rc.eval.max_prompts
+    ids = {d: [(p.id, encode_prompt(tokenizer, p.text, rc.eval.max_prompt_tokens)[0][0].tolist()) for p in ps[:cap]]
+           for d, ps in prompts.items() if ps}
+    try:
+        raw = run_engine_check(ec, target_path=rc.target.name_or_path, draft_paths=draft_paths, prompt_ids=ids,
+                               max_new_tokens=rc.eval.max_new_tokens,
+                               num_draft_tokens=ec.num_draft_tokens or rc.decode.num_draft_tokens,
+                               threads=ec.threads or rc.eval.num_threads, out_dir=run_dir / "gguf", events=ev)
+    except Exception as e:  # noqa: BLE001 - the engine is an add-on: its failure must not lose the evaluation
+        if ec.enabled == "true":
+            raise
+        log.warning("engine check failed: %s", e)
+        return EngineSection(None, f"the engine check failed: {e}", None, **kw)
+    return EngineSection(raw, "", results.get("target_outputs"), **kw)
 
 
 def _deployment(rc, target, drafts: dict) -> dict | None:

@@ -222,6 +222,11 @@ def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outty
     if arch is None:
         raise GGUFExportError(f"{folder}: architecture {archs} is not exported by specdraft (it writes "
                               f"{', '.join(ARCHITECTURES)}); convert it with llama.cpp's convert_hf_to_gguf.py")
+    window = cfg.get("sliding_window")
+    if window and (cfg.get("use_sliding_window", True)) and int(window) < int(cfg.get("max_position_embeddings", 0)):
+        raise GGUFExportError(f"{folder}: a sliding window of {window} tokens is not exported by specdraft (llama.cpp's "
+                              f"{arch} graph attends to the whole context); convert with llama.cpp's "
+                              f"convert_hf_to_gguf.py")
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
     state = _read_state_dict(folder)
@@ -320,3 +325,41 @@ def gguf_tokenizer_matches(path: str | os.PathLike, reference: str | os.PathLike
     ka = {k for k in a.fields if k.startswith("tokenizer.")}
     kb = {k for k in b.fields if k.startswith("tokenizer.")}
     return sorted((ka ^ kb) | {k for k in ka & kb if a.fields[k].contents() != b.fields[k].contents()})
+
+
+def source_gguf(target_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted target came from (the ``source`` record of its ``specdraft.json``, written by
+    :func:`data.gguf_target.convert_gguf`), if that package is still installed; else None."""
+    from data.checkpoints import read_specdraft_meta
+    from data.gguf_target import locate_gguf
+
+    try:
+        src = read_specdraft_meta(target_path).extra.get("source") if Path(target_path).is_dir() else None
+        if isinstance(src, dict) and src.get("package") and src.get("gguf_file"):
+            return locate_gguf(src["package"], src["gguf_file"])
+    except CheckpointError:
+        pass
+    return None
+
+
+def export_once(folder: str | os.PathLike, out: str | os.PathLike, outtype: str,
+                tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+    """``out``, exported from ``folder`` by :func:`export_gguf` unless it exists and is newer than every file of
+    ``folder`` (a checkpoint saved again is exported again)."""
+    folder, out = Path(folder), Path(out)
+    newest = max((p.stat().st_mtime for p in folder.iterdir() if p.is_file()), default=0)
+    if out.is_file() and out.stat().st_mtime >= newest:
+        return out
+    return export_gguf(folder, out, outtype=outtype, tokenizer_gguf=tokenizer_gguf).path
+
+
+def target_gguf(target_path: str | os.PathLike, fmt: str, out_dir: str | os.PathLike) -> tuple[Path, str]:
+    """The target as llama.cpp serves it, and a phrase saying which file that is: ``fmt="source"`` takes the GGUF
+    file the target was converted from (SmolLM2's Q4_1 file) when there is one, else exports ``q8_0``; ``f32`` /
+    ``f16`` / ``q8_0`` export the Hugging Face folder into ``out_dir`` (once, :func:`export_once`)."""
+    source = source_gguf(target_path)
+    if fmt == "source" and source is not None:
+        return source, f"the target's own file {source.name}"
+    fmt = "q8_0" if fmt == "source" else fmt
+    out = export_once(target_path, Path(out_dir) / f"target-{fmt}.gguf", fmt, source)
+    return out, f"exported from {target_path} as {fmt}"

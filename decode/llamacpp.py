@@ -38,7 +38,7 @@ class EngineError(RuntimeError):
     """The engine is missing, failed to start, or answered with an error; the message names the fix."""
 
 
-class EngineNotInstalled(EngineError):
+class EngineNotInstalled(EngineError, ValueError):
     """No ``llama-server`` was found: run :data:`INSTALL_COMMAND` (or set ``$SPECDRAFT_LLAMA_SERVER``)."""
 
 
@@ -220,23 +220,34 @@ class LlamaServer:
         text = self._log.read().decode("utf-8", "replace").strip().splitlines()
         return " | ".join(text[-lines:])
 
-    def complete(self, prompt_ids: list[int], max_new_tokens: int, *, n_probs: int = 0,
+    def complete(self, prompt_ids: list[int], max_new_tokens: int, *, n_probs: int = 0, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  timeout_s: float = 600.0) -> EngineCompletion:
-        """Greedy continuation of ``prompt_ids`` (token ids, sent as they are: no BOS added, no template applied),
-        at most ``max_new_tokens`` tokens, stopping at EOS; ``n_probs``: top-k probabilities per generated token."""
-        body = {"prompt": [int(i) for i in prompt_ids], "n_predict": int(max_new_tokens), "temperature": 0.0,
-                "top_k": 1, "cache_prompt": False, "return_tokens": True, "samplers": ["top_k"],
-                "n_probs": int(n_probs), "post_sampling_probs": False, "stream": False}
-        if n_probs:
-            body.pop("samplers")  # the soft labels are the model's distribution: no sampler may cut it before
-            body.pop("top_k")
+        """The continuation of ``prompt_ids`` (token ids, sent as they are: no BOS added, no template applied), at
+        most ``max_new_tokens`` tokens, stopping at EOS. ``temperature == 0``: greedy; else sampling with
+        temperature, then top-k (0: off), then top-p (1: off), in that order (as transformers), from ``seed``;
+        no other llama.cpp sampler runs. ``n_probs``: top-k probabilities of the model's distribution per
+        generated token (before sampling)."""
+        body = {"prompt": [int(i) for i in prompt_ids], "n_predict": int(max_new_tokens), "cache_prompt": False,
+                "return_tokens": True, "n_probs": int(n_probs), "post_sampling_probs": False, "stream": False}
+        if temperature == 0:
+            body.update(temperature=0.0, top_k=1, samplers=["top_k"])
+        else:
+            body.update(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                        samplers=["temperature", "top_k", "top_p"])
+        if seed is not None:
+            body["seed"] = int(seed)
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout_s) as r:
                 return parse_completion(json.loads(r.read()))
         except urllib.error.HTTPError as e:
-            return parse_completion(json.loads(e.read() or b"{}") or {"error": str(e)})
+            try:
+                doc = json.loads(e.read() or b"{}")
+            except ValueError:
+                doc = {}
+            return parse_completion(doc if "error" in doc else {"error": f"HTTP {e.code}: {e.reason}"})
         except (urllib.error.URLError, OSError) as e:
             raise EngineError(f"llama-server did not answer: {e}; {self.log_tail()}") from e
 

@@ -68,6 +68,9 @@ class GenerationConfig:
     max_prompts: int = 512  # teacher data: training prompts used (the first ones in hash order)
     max_prompt_tokens: int = 128  # teacher data: longer prompts keep their last tokens
     batch_size: int = 32  # teacher data: prompts generated together (left padded); also prompts per stored shard
+    engine: str = "ours"  # teacher data: ours (our decoder, float32 target) | llama_cpp (llama-server, parallel slots)
+    engine_slots: int = 8  # llama_cpp: requests decoded at once (llama-server -np)
+    engine_target_format: str = "source"  # llama_cpp: the target's own GGUF file (SmolLM2: Q4_1) | f32 | f16 | q8_0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -78,6 +81,13 @@ class GenerationConfig:
             raise ValueError(f"distill.generation.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"distill.generation.top_p must be in (0, 1], got {self.top_p}")
+        if self.engine not in ("ours", "llama_cpp"):
+            raise ValueError(f"distill.generation.engine must be ours or llama_cpp, got {self.engine!r}")
+        if self.engine_slots < 1:
+            raise ValueError(f"distill.generation.engine_slots must be >= 1, got {self.engine_slots}")
+        if self.engine_target_format not in ("source", "f32", "f16", "q8_0"):
+            raise ValueError(f"distill.generation.engine_target_format must be source, f32, f16 or q8_0, got "
+                             f"{self.engine_target_format!r}")
         if self.max_prompts < 1 or self.max_prompt_tokens < 2 or self.batch_size < 1:
             raise ValueError("distill.generation.max_prompts and batch_size must be >= 1, max_prompt_tokens >= 2")
 

@@ -183,6 +183,84 @@ def generate_teacher_sequences(
     return seqs, info
 
 
+def generate_teacher_sequences_engine(
+    target_path: str | os.PathLike, prompts: list[list[int]], gen: GenerationConfig, root: str | os.PathLike, *,
+    seed: int, eos_token_id: int | None, threads: int | None = None,
+) -> tuple[list[list[int]], dict]:
+    """:func:`generate_teacher_sequences` through llama.cpp (``distill.generation.engine=llama_cpp``): the target
+    served by ``llama-server`` with ``gen.engine_slots`` parallel slots, each shard's prompts sent concurrently.
+    The same store layout and returned sequences (``prompt + answer + EOS``, prompts sorted by length), under
+    ``root/sequences-<key>/`` with the engine, its version and the served target file in the key, so answers of
+    the two engines never mix. The target file is ``gen.engine_target_format`` (:func:`decode.gguf_export.target_gguf`:
+    SmolLM2's own Q4_1 file by default, the model users serve). Sampling (temperature > 0) seeds request ``j`` of
+    shard ``i`` from ``(seed, i, j)``.
+
+    Raises:
+        decode.llamacpp.EngineNotInstalled: llama.cpp is not installed (the message names the install command).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from data.gguf_target import sha256_file
+    from decode.gguf_export import target_gguf
+    from decode.llamacpp import LlamaServer, find_engine
+
+    if not prompts:
+        raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")
+    engine = find_engine()
+    t0 = time.perf_counter()
+    order = sorted(prompts, key=len)
+    served, served_from = target_gguf(target_path, gen.engine_target_format, Path(root) / "gguf")
+    meta = {"kind": "teacher_sequences", "engine": engine.describe(), "served_sha256": sha256_file(served),
+            "prompts_sha256": _prompts_fingerprint(order), "generation": asdict(gen), "seed": seed,
+            "eos_token_id": eos_token_id}
+    key = hashlib.sha256(json.dumps(meta, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    bs = gen.batch_size
+    store = ShardStore(Path(root) / f"sequences-{key}", meta, -(-len(order) // bs))
+    ctx = max(len(p) for p in order) + gen.max_new_tokens + 8
+    threads = int(threads or os.cpu_count() or 1)
+    server: list = []  # started at the first shard that needs computing (a fully cached pass starts nothing)
+
+    def compute(i: int) -> dict[str, torch.Tensor]:
+        if not server:
+            server.append(LlamaServer(engine, served, threads=threads, slots=gen.engine_slots,
+                                      ctx_size=ctx).__enter__())
+        s = server[0]
+        part = order[i * bs : (i + 1) * bs]
+        sampling = {} if gen.temperature == 0 else {"temperature": gen.temperature, "top_k": gen.top_k,
+                                                    "top_p": gen.top_p}
+
+        def one(j: int):
+            extra = dict(sampling, seed=derived_seed(seed, "teacher_engine", i, j) % (2 ** 31)) if sampling else {}
+            return s.complete(part[j], gen.max_new_tokens, **extra).tokens
+
+        with ThreadPoolExecutor(max_workers=gen.engine_slots) as pool:
+            answers = list(pool.map(one, range(len(part))))
+        seqs = []
+        for p, new in zip(part, answers):
+            seq = list(p) + list(new)
+            if eos_token_id is not None and (not new or new[-1] != eos_token_id):
+                seq.append(eos_token_id)
+            seqs.append(seq)
+        return {"tokens": torch.tensor([t for q in seqs for t in q], dtype=torch.int32),
+                "lengths": torch.tensor([len(q) for q in seqs], dtype=torch.int64)}
+
+    try:
+        counts = store.ensure(compute, desc=f"teacher sequences (llama.cpp, {gen.engine_slots} slots)")
+    finally:
+        if server:
+            server[0].__exit__(None, None, None)
+    seqs: list[list[int]] = []
+    for i in range(store.num_shards):
+        shard = store.load(i)
+        seqs.extend(t.tolist() for t in torch.split(shard["tokens"].long(), shard["lengths"].tolist()))
+    info = {"path": str(store.root), **counts, "num_sequences": len(seqs), "engine": engine.describe(),
+            "served": served_from, "generated_tokens": sum(len(q) for q in seqs) - sum(len(p) for p in order),
+            "time_s": time.perf_counter() - t0}
+    log.info("teacher sequences (llama.cpp) %s: %d shards reused, %d generated, %.1f s", store.root,
+             counts["reused"], counts["computed"], info["time_s"])
+    return seqs, info
+
+
 class OnPolicyHook:
     """A trainer ``batch_hook`` for GKD-style on-policy distillation (see the module docstring).
 

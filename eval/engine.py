@@ -56,53 +56,21 @@ def engine_wanted(ec) -> tuple[bool, str]:
     return engine_available()
 
 
-def _source_gguf(target_path: str | os.PathLike) -> Path | None:
-    """The GGUF file a converted target came from (its ``specdraft.json`` source record), if still installed."""
-    from data.checkpoints import read_specdraft_meta
-    from data.errors import CheckpointError
-    from data.gguf_target import locate_gguf
-
-    try:
-        src = read_specdraft_meta(target_path).extra.get("source") if Path(target_path).is_dir() else None
-    except CheckpointError:
-        return None
-    if not isinstance(src, dict) or not src.get("package") or not src.get("file"):
-        return None
-    try:
-        return locate_gguf(src["package"], src["file"])
-    except CheckpointError:
-        return None
-
-
 def prepare_ggufs(ec, target_path: str | os.PathLike, draft_paths: dict[str, Path], out_dir: Path) -> dict:
     """The target's and each draft's GGUF file under ``out_dir`` (exported once; an existing file newer than its
     checkpoint is reused). Returns ``{"target": path, "target_from": str, "drafts": {name: path}}``."""
-    from decode.gguf_export import export_gguf, vocab_compatibility
+    from decode.gguf_export import export_once, source_gguf, target_gguf, vocab_compatibility
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    source = _source_gguf(target_path)
-    if ec.target_format == "source" and source is not None:
-        target_gguf, target_from = source, f"the target's own file {source.name}"
-    else:
-        fmt = "q8_0" if ec.target_format == "source" else ec.target_format
-        target_gguf = _export_once(export_gguf, Path(target_path), out_dir / f"target-{fmt}.gguf", fmt, source)
-        target_from = f"exported from {target_path} as {fmt}"
+    target_file, target_from = target_gguf(target_path, ec.target_format, out_dir)
+    source = source_gguf(target_path)
     drafts = {}
     for name, path in draft_paths.items():
-        drafts[name] = _export_once(export_gguf, Path(path), out_dir / f"{name}-{ec.draft_format}.gguf",
-                                    ec.draft_format, source)
-        bad = vocab_compatibility(target_gguf, drafts[name])
+        drafts[name] = export_once(Path(path), out_dir / f"{name}-{ec.draft_format}.gguf", ec.draft_format, source)
+        bad = vocab_compatibility(target_file, drafts[name])
         if bad:
             raise ValueError(f"draft {name!r} exported to {drafts[name]} fails llama.cpp's vocabulary check against "
                              f"the target: {bad[0]}")
-    return {"target": target_gguf, "target_from": target_from, "drafts": drafts}
-
-
-def _export_once(export_gguf, folder: Path, out: Path, fmt: str, tokenizer_gguf: Path | None) -> Path:
-    newest = max((p.stat().st_mtime for p in folder.iterdir() if p.is_file()), default=0)
-    if out.is_file() and out.stat().st_mtime >= newest:
-        return out
-    return export_gguf(folder, out, outtype=fmt, tokenizer_gguf=tokenizer_gguf).path
+    return {"target": target_file, "target_from": target_from, "drafts": drafts}
 
 
 def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_ids: dict[str, list[tuple[str, list[int]]]],

@@ -165,6 +165,23 @@ def check_draft_source(rc: RootConfig) -> None:
         check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
 
 
+def _check_engine(rc: RootConfig) -> None:
+    """llama.cpp must be installed where the config asks for it outright: teacher data through it
+    (``distill.generation.engine=llama_cpp``) or ``eval.engine.enabled=true`` (``auto`` skips when absent).
+
+    Raises:
+        decode.llamacpp.EngineNotInstalled: a ``ValueError`` naming the install command.
+    """
+    from decode.llamacpp import find_engine
+
+    dc = rc.distill
+    teacher_data = dc.data_source == "teacher" or (dc.data_source == "on_policy" and dc.off_policy_data == "teacher")
+    teacher = any(s in rc.stages for s in ("distill", "distill_small")) and teacher_data \
+        and dc.generation.engine == "llama_cpp"
+    if teacher or ("eval" in rc.stages and rc.eval.engine.enabled == "true"):
+        find_engine()
+
+
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:
     """Every check that needs no model weights, in the order a user would fix them: the typed config, cross-section
     settings, the target path, the run-directory policy and resume consistency, and (with an eval stage) the eval
@@ -182,6 +199,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     run_dir = Path(run_dir)
     _check_launch_env(rc)
     check_draft_config(rc)
+    _check_engine(rc)
     if "eval" in rc.stages:
         from eval.run_drafts import check_planned_drafts
 

@@ -65,7 +65,9 @@ def prepare_ggufs(ec, target_path: str | os.PathLike, draft_paths: dict[str, Pat
     source = source_gguf(target_path)
     drafts = {}
     for name, path in draft_paths.items():
-        drafts[name] = export_once(Path(path), out_dir / f"{name}-{ec.draft_format}.gguf", ec.draft_format, source)
+        # named after the checkpoint's folder, as serving.json names it (eval/serving.py)
+        drafts[name] = export_once(Path(path), out_dir / f"{Path(path).name}-{ec.draft_format}.gguf",
+                                   ec.draft_format, source)
         bad = vocab_compatibility(target_file, drafts[name])
         if bad:
             raise ValueError(f"draft {name!r} exported to {drafts[name]} fails llama.cpp's vocabulary check against "

@@ -272,7 +272,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
                                     "target_only": {d: results["target_only"][d] for d, n in routed.items()
                                                     if n is None and d in results["target_only"]}}
-    sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts})
+    sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts}, run_dir)
     sections.append(_engine_check(rc, {n: paths[n] for n in drafts}, prompts, tokenizer, results, run_dir, ev))
     doc, routing_path = _write_report_set(rc, run_dir, results, context, sections, serving, domains, routed,
                                           {n: paths[n] for n in drafts}, _deployment(rc, target, drafts),
@@ -369,7 +369,7 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
     return results, runtime
 
 
-def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict) -> tuple:
+def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict, run_dir: Path) -> tuple:
     """The report's extra sections (training, draft sources, prompt format, serving settings); the serving
     section is returned too (its document is written as ``serving.json``)."""
     from data.chat import Renderer
@@ -389,7 +389,7 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
     sections.append(prompt_format_section(context.get("prompt_formats") or {}))
-    serving = ServingSection(draft_paths, str(rc.target.name_or_path))
+    serving = ServingSection(draft_paths, str(rc.target.name_or_path), run_dir / "gguf")
     sections.append(serving)
     return sections, serving
 

@@ -403,6 +403,14 @@ def test_serving_settings_for_each_recommendation(tmp_path):
     assert a[a.index("--speculative-draft-model-path") + 1] == str(tmp_path / "d")
     assert "assistant_model=draft" in chat["transformers"]["snippet"]
     assert "num_assistant_tokens = 4" in chat["transformers"]["snippet"]
+    lc = chat["llama_cpp"]  # no run folder given: the drafts' GGUF exports sit in <run dir>/gguf
+    assert lc["draft_gguf"] == str(tmp_path.parent / "gguf" / "d-q8_0.gguf")
+    assert lc["args"][lc["args"].index("-md") + 1] == lc["draft_gguf"]
+    assert lc["args"][lc["args"].index("--spec-draft-n-max") + 1] == "4" and "draft-simple" in lc["args"]
+    assert lc["command"].startswith("llama-server -m ") and "scripts/export_gguf.py" in lc["export"]
+    pinned = serving_document(doc, {"distilled": tmp_path / "d", "baseline": tmp_path / "b"}, "org/target",
+                              gguf_dir=tmp_path / "g")
+    assert pinned["domains"]["chat"]["llama_cpp"]["target_gguf"] == str(tmp_path / "g" / "target-q8_0.gguf")
     with pytest.raises(ValueError, match="no checkpoint path"):
         serving_document(doc, {"baseline": tmp_path / "b"}, "org/target")  # chat's draft has no path
     # a domain whose verdict is the target alone gets no engine settings, and the report row says so

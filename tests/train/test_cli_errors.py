@@ -374,3 +374,18 @@ def test_a_value_of_the_wrong_shape_or_range_names_the_key_and_the_fix(override,
     with pytest.raises(ValueError) as e:
         validate(compose_config([override]))
     assert str(e.value).startswith("invalid config: ") and expected in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("case", ["teacher_engine", "eval_engine"])
+def test_an_engine_the_config_needs_but_is_not_installed_is_refused_before_any_work(case, tmp_path):
+    """distill.generation.engine=llama_cpp or eval.engine.enabled=true without llama.cpp: one error line naming the
+    install command, exit 2, no run folder (eval.engine.enabled=auto only skips the check; tests/eval/test_engine.py)."""
+    env = {**cli_env(), "SPECDRAFT_CACHE": str(tmp_path / "cache")}
+    env.pop("SPECDRAFT_LLAMA_SERVER", None)
+    args = {"teacher_engine": ["distill.data_source=teacher", "distill.generation.engine=llama_cpp"],
+            "eval_engine": ["eval.engine.enabled=true"]}[case]
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", *args, f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert_clean_error(proc, 2, "llama.cpp is not installed", "python scripts/install_engine.py")
+    assert not run_dir.exists()

@@ -190,6 +190,28 @@ def _tensor(name: str, data: np.ndarray, outtype: str):
     return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
 
 
+def _add_tensors(w, state: dict[str, np.ndarray], folder: Path, arch: str, outtype: str, n_head: int,
+                 n_kv: int) -> int:
+    """Add every tensor of ``state`` under its GGUF name (q/k rows permuted for llama); returns how many."""
+    n = 0
+    for hf_name in sorted(state):
+        gname = gguf_name(hf_name)
+        if gname is None:
+            if "rotary_emb" in hf_name:
+                continue
+            raise GGUFExportError(f"{folder}: tensor {hf_name!r} has no GGUF name in specdraft's {arch} mapping; "
+                                  f"convert with llama.cpp's convert_hf_to_gguf.py")
+        data = state[hf_name]
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            data = _permute(data, n_head)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            data = _permute(data, n_kv)
+        arr, raw = _tensor(gname, data, outtype)
+        w.add_tensor(gname, arr, raw_dtype=raw)
+        n += 1
+    return n
+
+
 def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outtype: str = "f32",
                 tokenizer_gguf: str | os.PathLike | None = None, pre: str = "gpt-2",
                 name: str | None = None) -> ExportResult:
@@ -246,22 +268,7 @@ def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outty
             _copy_tokenizer(w, Path(tokenizer_gguf))
         else:
             _write_hf_tokenizer(w, folder, pre)
-        n = 0
-        for hf_name in sorted(state):
-            gname = gguf_name(hf_name)
-            if gname is None:
-                if "rotary_emb" in hf_name:
-                    continue
-                raise GGUFExportError(f"{folder}: tensor {hf_name!r} has no GGUF name in specdraft's {arch} mapping; "
-                                      f"convert with llama.cpp's convert_hf_to_gguf.py")
-            data = state[hf_name]
-            if arch == "llama" and hf_name.endswith("q_proj.weight"):
-                data = _permute(data, n_head)
-            elif arch == "llama" and hf_name.endswith("k_proj.weight"):
-                data = _permute(data, n_kv)
-            arr, raw = _tensor(gname, data, outtype)
-            w.add_tensor(gname, arr, raw_dtype=raw)
-            n += 1
+        n = _add_tensors(w, state, folder, arch, outtype, n_head, n_kv)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

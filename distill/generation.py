@@ -117,7 +117,7 @@ def _prompts_fingerprint(prompts: list[list[int]]) -> str:
 def generate_teacher_sequences(
     target: torch.nn.Module, prompts: list[list[int]], gen: GenerationConfig, root: str | os.PathLike, *,
     seed: int, eos_token_id: int | None, pad_token_id: int | None, vocab_size: int | None = None,
-    target_fingerprint: str | None = None, precision: str = "no",
+    target_fingerprint: str | None = None, precision: str = "no", target_path: str | os.PathLike | None = None,
 ) -> tuple[list[list[int]], dict]:
     """The target's continuations of ``prompts`` (token id lists), generated once and stored under
     ``root/sequences-<key>/`` (reused on rerun; a killed pass resumes at the first unfinished shard).
@@ -128,9 +128,16 @@ def generate_teacher_sequences(
     the run's ``trainer.mixed_precision``; the target generates in it (:func:`data.devices.run_precision`; part of
     the cache key unless ``no``).
 
+    With ``gen.engine == "llama_cpp"`` the answers come from llama.cpp instead
+    (:func:`generate_teacher_sequences_engine`, serving the target saved at ``target_path``).
+
     Returns:
         (sequences, info) with ``path``, shard counts, ``num_sequences``, ``generated_tokens`` and ``time_s``.
     """
+    if gen.engine == "llama_cpp":
+        if target_path is None:
+            raise ValueError("distill.generation.engine=llama_cpp needs the target's folder (target_path)")
+        return generate_teacher_sequences_engine(target_path, prompts, gen, root, seed=seed, eos_token_id=eos_token_id)
     from data.devices import run_precision
     from decode import autoregressive_generate
 

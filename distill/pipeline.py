@@ -192,8 +192,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         ``answer_counts`` is ``(V,)`` float64: how often each id occurs in the target's generated answers (the
         sequences minus their prompts; ``None`` without teacher data), what a trimmed draft vocabulary is counted on.
     """
-    from .generation import (answer_loss_mask, generate_teacher_sequences, generate_teacher_sequences_engine,
-                             pack_sequences)
+    from .generation import answer_loss_mask, generate_teacher_sequences, pack_sequences
     from .teacher import build_teacher_cache, make_cached_distill_step
 
     dc = rc.distill
@@ -213,13 +212,10 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         texts = training_prompts(weights, "train", opts, max_prompts, tokenizer, rc.seed)
         prompts = [encode_prompt(tokenizer, t, dc.generation.max_prompt_tokens)[0][0].tolist() for t in texts]
         gen = replace(dc.generation, max_prompts=max_prompts)
-        if gen.engine == "llama_cpp":  # the target's answers through llama-server (distill.generation.engine)
-            seqs, passes["teacher_data"] = generate_teacher_sequences_engine(
-                rc.target.name_or_path, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id)
-        else:
-            seqs, passes["teacher_data"] = generate_teacher_sequences(
-                target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision)
+        seqs, passes["teacher_data"] = generate_teacher_sequences(  # distill.generation.engine: ours or llama.cpp
+            target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision,
+            target_path=rc.target.name_or_path)
         blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         # the sequences come back in the order they were generated: the prompts sorted by length (stable)
         answer_mask = answer_loss_mask(seqs, [len(p) for p in sorted(prompts, key=len)],

@@ -70,7 +70,7 @@ class GenerationConfig:
     batch_size: int = 32  # teacher data: prompts generated together (left padded); also prompts per stored shard
     engine: str = "ours"  # teacher data: ours (our decoder, float32 target) | llama_cpp (llama-server, parallel slots)
     engine_slots: int = 8  # llama_cpp: requests decoded at once (llama-server -np)
-    engine_target_format: str = "source"  # llama_cpp: the target's own GGUF file (SmolLM2: Q4_1) | f32 | f16 | q8_0
+    engine_target_format: str = "q8_0"  # llama_cpp: q8_0 | f16 | f32 export of the target, or source (its own GGUF file)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -92,7 +92,7 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ctx = 1 << max(8, math.ceil(math.log2(need)))
     runs, alone_tps, commands = {}, {}, {}
 
-    def serve(name: str, target_gguf, draft_gguf=None, domains=None) -> dict:
+    def serve(name: str, target_gguf, draft_gguf=None, domains=None, n_probs: int = 0) -> dict:
         t0 = time.perf_counter()
         with LlamaServer(engine, target_gguf, draft_gguf, num_draft_tokens=num_draft_tokens, threads=threads,
                          ctx_size=ctx) as s:
@@ -102,14 +102,18 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
             for domain, ps in (domains or prompt_ids).items():
                 out[domain] = []
                 for pid, ids in ps:
-                    r = s.complete(ids, max_new_tokens)
+                    r = s.complete(ids, max_new_tokens, n_probs=n_probs)
                     out[domain].append({"id": pid, "tokens": r.tokens, "predicted_n": r.predicted_n,
                                         "predicted_ms": r.predicted_ms, "draft_n": r.draft_n,
                                         "draft_n_accepted": r.draft_n_accepted})
+                    if n_probs:  # the gap between the two most probable tokens, in nats, per generated token
+                        out[domain][-1]["top2_gap"] = [
+                            math.log(row[0][1] / row[1][1]) if len(row) > 1 and row[1][1] > 0 else None
+                            for row in r.top_probs]
         ev("eval_engine_run", name=name, seconds=time.perf_counter() - t0)
         return out
 
-    runs["target"] = serve("target", files["target"])
+    runs["target"] = serve("target", files["target"], n_probs=2)  # top-2 gaps: where a near-tie could flip
     first = dict([next(iter(prompt_ids.items()))])  # c: each draft served alone on the first domain's prompts
     for name, g in files["drafts"].items():
         alone = serve(f"{name} alone", g, domains=first)
@@ -176,18 +180,31 @@ def summarize(raw: dict, own: dict | None = None, target_outputs: dict | None = 
                  "tokens_per_s": tps, "target_tokens_per_s": base_tps, "speedup": speedup, "speedup_ci": speed_ci,
                  "cost_ratio": c, "verify_cost_ratio": v, "prompts": len(pairs),
                  "lossless": all(r["tokens"] == b["tokens"] for r, b in pairs),
-                 "greedy_differs": sum(r["tokens"] != b["tokens"] for r, b in pairs)}
+                 "greedy_differs": sum(r["tokens"] != b["tokens"] for r, b in pairs),
+                 "differences": [_difference(r, b) for r, b in pairs if r["tokens"] != b["tokens"]]}
             e["expected_speedup"] = (expected_speedup(alpha, gamma, c, v) if all(
                 map(math.isfinite, (alpha, c, v))) and v > 0 else None)
             e["verdict"] = "speculate" if speed_ci and speed_ci[0] > 1 else "target alone"
             mine = ((own or {}).get(name) or {}).get(domain)
-            if mine is not None and mine.get("num_draft_tokens") == gamma:
+            if mine is not None and mine.get("num_draft_tokens") != gamma:  # ours at the engine's gamma, if swept
+                mine = (mine.get("sweep") or {}).get(str(gamma))
+            if mine is not None:
                 e["own_acceptance_rate"] = mine.get("acceptance_rate")
                 e["own_acceptance_rate_ci"] = mine.get("acceptance_rate_ci")
                 e["own_mean_accepted_length"] = mine.get("mean_accepted_length")
                 e["agree"] = _overlap(e["acceptance_rate_ci"], e["own_acceptance_rate_ci"])
             out["drafts"][name][domain] = e
     return out
+
+
+def _difference(spec: dict, alone: dict) -> dict:
+    """Where the greedy output with a draft first leaves the target alone's: the prompt, the position (0-based,
+    in generated tokens) and the target alone's gap between its two most probable tokens there (nats; a near-tie
+    that llama.cpp's multi-token verify forward can break the other way from its one-token forward)."""
+    a, b = spec["tokens"], alone["tokens"]
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    gaps = alone.get("top2_gap") or []
+    return {"id": spec["id"], "position": i, "top2_gap_nats": gaps[i] if i < len(gaps) else None}
 
 
 def _ratio(a: float, b: float) -> float:
@@ -236,6 +253,16 @@ def engine_markdown(summary: dict) -> str:
                 f"{_f(e['speedup'])}x{_ci(e['speedup_ci'])} | {_f(e['cost_ratio'], '.3f')} | "
                 f"{_f(e['verify_cost_ratio'])} | {_f(e['expected_speedup'])}x | {e['verdict']} | "
                 f"{'yes' if e['lossless'] else 'NO (' + str(e['greedy_differs']) + ' prompts)'} |")
+    diffs = [(n, d, x) for n, bd in summary["drafts"].items() for d, e in bd.items() for x in e.get("differences", [])]
+    if diffs:
+        gaps = [x["top2_gap_nats"] for _, _, x in diffs if x["top2_gap_nats"] is not None]
+        lines += ["", f"Not lossless in the engine on {len(diffs)} (draft, prompt) pair(s): "
+                  + "; ".join(f"{n}/{d} at token {x['position']} (top-2 gap {_f(x['top2_gap_nats'], '.3f')} nats)"
+                              for n, d, x in diffs[:6])
+                  + (". Each is a near-tie of the target's logits that llama.cpp's multi-token verify forward breaks "
+                     "the other way from its one-token forward (its kernels differ with the batch); our decoder "
+                     "gives the target's own greedy output on every prompt." if gaps and max(gaps) < 0.1 else
+                     ". Not every one is a near-tie of the target's logits: check the engine build.")]
     differs = summary.get("target_greedy_differs") or {}
     disagree = [(n, d) for n, bd in summary["drafts"].items() for d, e in bd.items() if e.get("agree") is False]
     if differs:

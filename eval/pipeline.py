@@ -415,7 +415,7 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
     try:
         raw = run_engine_check(ec, target_path=rc.target.name_or_path, draft_paths=draft_paths, prompt_ids=ids,
                                max_new_tokens=rc.eval.max_new_tokens,
-                               num_draft_tokens=ec.num_draft_tokens or rc.decode.num_draft_tokens,
+                               num_draft_tokens=ec.num_draft_tokens or _primary_gamma(rc),
                                threads=ec.threads or rc.eval.num_threads, out_dir=run_dir / "gguf", events=ev)
     except Exception as e:  # noqa: BLE001 - the engine is an add-on: its failure must not lose the evaluation
         if ec.enabled == "true":
@@ -423,6 +423,13 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
         log.warning("engine check failed: %s", e)
         return EngineSection(None, f"the engine check failed: {e}", None, **kw)
     return EngineSection(raw, "", results.get("target_outputs"), **kw)
+
+
+def _primary_gamma(rc) -> int:
+    """The gamma the report's per-draft entries are at: the swept value closest to ``decode.num_draft_tokens``
+    (the smaller on a tie), as :mod:`eval.metrics` picks it."""
+    want = rc.decode.num_draft_tokens
+    return min(rc.eval.sweep(want), key=lambda g: (abs(g - want), g))
 
 
 def _deployment(rc, target, drafts: dict) -> dict | None:

@@ -5,7 +5,7 @@ checks its sha256, builds ``llama-server`` with cmake and the C++ compiler of th
 instruction set, no network features), and keeps llama.cpp's ``convert_hf_to_gguf.py`` with its ``gguf-py`` beside
 it. Everything lands in ``$SPECDRAFT_CACHE/engine/llama.cpp-<version>/`` (default ``~/.cache/specdraft``), recorded
 in ``engine.json`` there, which :func:`decode.llamacpp.find_engine` reads. A second run with the same version does
-nothing (``--force`` rebuilds). On 2 CPU cores the build takes about 25 minutes.
+nothing (``--force`` rebuilds). On 2 CPU cores the build takes 10-12 minutes.
 
 Needs: cmake >= 3.14 (``pip install -c constraints.txt -e ".[engine]"`` brings one) and a C++17 compiler
 (``apt-get install g++``).

@@ -91,7 +91,8 @@ RAW = {"schema": "x", "engine": "llama.cpp (test)", "target_gguf": "t.gguf", "ta
        "drafts_gguf": {"d": "d-q8_0.gguf"}, "num_draft_tokens": 3, "threads": 2,
        "commands": {"target": ["llama-server"]},
        "alone_tokens_per_s": {"target": 100.0, "d": 500.0},
-       "runs": {"target": {"med": [_row("a", [1, 2, 3], 10, 100.0), _row("b", [4, 5], 10, 100.0)]},
+       "runs": {"target": {"med": [_row("a", [1, 2, 3], 10, 100.0),
+                                   {**_row("b", [4, 5], 10, 100.0), "top2_gap": [2.0, 0.04]}]},
                 "d": {"med": [_row("a", [1, 2, 3], 10, 50.0, 6, 3), _row("b", [4, 6], 10, 80.0, 6, 1)]}}}
 
 
@@ -108,6 +109,7 @@ def test_summary_pools_counts_and_checks_outputs():
     assert e["cost_ratio"] == pytest.approx(0.2)
     assert e["verify_cost_ratio"] == pytest.approx((130.0 / steps) / 10.0 - 3 * 0.2)
     assert e["lossless"] is False and e["greedy_differs"] == 1  # prompt b: [4, 6] against the target's [4, 5]
+    assert e["differences"] == [{"id": "b", "position": 1, "top2_gap_nats": 0.04}]
     assert e["agree"] is True and e["own_acceptance_rate"] == 0.3
     lo, hi = e["acceptance_rate_ci"]
     assert lo <= e["acceptance_rate"] <= hi
@@ -115,6 +117,7 @@ def test_summary_pools_counts_and_checks_outputs():
     assert s["target_greedy_differs"] == {"med": {"prompts": 2, "differ": 1}}
     md = engine_markdown(s)
     assert "| d | med | 0.33" in md and "NO (1 prompts)" in md and "1/2" in md
+    assert "d/med at token 1 (top-2 gap 0.040 nats)" in md and "near-tie" in md
 
 
 def test_summary_disagreement_and_other_gamma():
@@ -123,6 +126,10 @@ def test_summary_disagreement_and_other_gamma():
     assert e["agree"] is False
     other = {"d": {"med": {"num_draft_tokens": 2, "acceptance_rate": 0.3, "acceptance_rate_ci": [0.2, 0.4]}}}
     assert "agree" not in summarize(RAW, other, samples=0)["drafts"]["d"]["med"]  # another gamma: not compared
+    other["d"]["med"]["sweep"] = {"3": {"num_draft_tokens": 3, "acceptance_rate": 0.35,
+                                        "acceptance_rate_ci": [0.3, 0.4]}}
+    e = summarize(RAW, other, samples=200)["drafts"]["d"]["med"]
+    assert e["own_acceptance_rate"] == 0.35 and e["agree"] is True  # ours at the engine's gamma, from the sweep
     assert "do not agree (d/med)" in engine_markdown(summarize(RAW, far, samples=200))
 
 
@@ -198,3 +205,15 @@ def test_engine_teacher_sequences_match_our_greedy_answers(tiny_ggufs, tmp_path)
     again, info2 = generate_teacher_sequences_engine(folder, prompts, gen, tmp_path / "cache", seed=0,
                                                      eos_token_id=tok.eos_token_id, threads=1)
     assert again == seqs and info2["reused"] == 2 and info2["computed"] == 0  # resumable store, nothing served
+
+
+def test_vllm_check_reads_vllms_recorded_spec_decode_counters():
+    """scripts/check_vllm.py's parser on vLLM 0.32.0's own /metrics text (recorded on this CPU)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_vllm_script", FIXTURES.parents[2] / "scripts" / "check_vllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    c = mod._counters((FIXTURES / "vllm_metrics.txt").read_text())
+    assert c == {"num_drafts": 31.0, "num_draft_tokens": 93.0, "num_accepted_tokens": 0.0}
+    assert all(math.isnan(v) for v in mod._counters("no metrics").values())

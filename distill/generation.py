@@ -209,7 +209,7 @@ def generate_teacher_sequences_engine(
 
     from data.gguf_target import sha256_file
     from decode.gguf_export import target_gguf
-    from decode.llamacpp import LlamaServer, find_engine
+    from decode.llamacpp import LlamaServer, find_engine, free_cores
 
     if not prompts:
         raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")
@@ -224,7 +224,7 @@ def generate_teacher_sequences_engine(
     bs = gen.batch_size
     store = ShardStore(Path(root) / f"sequences-{key}", meta, -(-len(order) // bs))
     ctx = max(len(p) for p in order) + gen.max_new_tokens + 8
-    threads = int(threads or os.cpu_count() or 1)
+    threads = int(threads or free_cores())  # the cores free now: llama.cpp's threads spin on a busy core
     server: list = []  # started at the first shard that needs computing (a fully cached pass starts nothing)
 
     def compute(i: int) -> dict[str, torch.Tensor]:

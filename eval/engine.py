@@ -82,11 +82,11 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ``{"engine", "target_gguf", "target_from", "drafts_gguf", "num_draft_tokens", "threads", "runs": {"target" | draft
     name: {domain: [per-prompt {"id", "tokens", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted"}]}},
     "alone_tokens_per_s": {name: tokens/s served alone}, "commands": {name: argv}}``."""
-    from decode.llamacpp import LlamaServer, find_engine
+    from decode.llamacpp import LlamaServer, find_engine, free_cores
 
     ev = events or (lambda *a, **k: None)
     engine = find_engine()
-    threads = int(threads or os.cpu_count() or 1)
+    threads = int(threads or free_cores())  # the cores free now: llama.cpp's threads spin on a busy core
     files = prepare_ggufs(ec, target_path, draft_paths, out_dir)
     need = max(len(ids) for ps in prompt_ids.values() for _, ids in ps) + max_new_tokens + num_draft_tokens + 8
     ctx = 1 << max(8, math.ceil(math.log2(need)))
@@ -231,8 +231,9 @@ def _ci(ci, spec: str = ".2f") -> str:
     return f" [{_f(ci[0], spec)}, {_f(ci[1], spec)}]" if ci else ""
 
 
-def engine_markdown(summary: dict) -> str:
-    """The report's "Engine check" section for a :func:`summarize` record."""
+def engine_markdown(summary: dict, ours_lossless: bool | None = None) -> str:
+    """The report's "Engine check" section for a :func:`summarize` record (``ours_lossless``: metrics.json's
+    ``lossless_all``, said beside the engine's divergences)."""
     g = summary["num_draft_tokens"]
     lines = ["## Engine check (llama.cpp)", "",
              f"{summary['engine']}, `llama-server` with {summary['threads']} thread(s); target: "
@@ -260,8 +261,9 @@ def engine_markdown(summary: dict) -> str:
                   + "; ".join(f"{n}/{d} at token {x['position']} (top-2 gap {_f(x['top2_gap_nats'], '.3f')} nats)"
                               for n, d, x in diffs[:6])
                   + (". Each is a near-tie of the target's logits that llama.cpp's multi-token verify forward breaks "
-                     "the other way from its one-token forward (its kernels differ with the batch); our decoder "
-                     "gives the target's own greedy output on every prompt." if gaps and max(gaps) < 0.1 else
+                     "the other way from its one-token forward (its kernels differ with the batch)"
+                     + ("; our decoder gives the target's own greedy output on every prompt." if ours_lossless else ".")
+                     if gaps and max(gaps) < 0.1 else
                      ". Not every one is a near-tie of the target's logits: check the engine build.")]
     differs = summary.get("target_greedy_differs") or {}
     disagree = [(n, d) for n, bd in summary["drafts"].items() for d, e in bd.items() if e.get("agree") is False]
@@ -297,4 +299,4 @@ class EngineSection:
         summary = summarize(self.raw, doc.get("drafts"), self.target_outputs, **self.kw)
         summary["drafts_gguf"] = self.raw.get("drafts_gguf")
         doc["engine"] = summary
-        return engine_markdown(summary)
+        return engine_markdown(summary, doc.get("lossless_all"))

@@ -119,21 +119,31 @@ def _add_hparams(w, cfg: dict, arch: str) -> None:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_vocab_size(int(cfg["vocab_size"]))
-    scaling = cfg.get("rope_scaling") or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
+    for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):  # transformers 4 / 5 keys
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind not in (None, "default"):
+            break
     if kind not in (None, "default"):
         raise GGUFExportError(f"rope_scaling {kind!r} is not exported by specdraft; convert with llama.cpp's "
                               f"convert_hf_to_gguf.py (python scripts/install_engine.py installs it)")
 
 
-def _copy_tokenizer(w, tokenizer_gguf: Path) -> None:
+def _copy_tokenizer(w, tokenizer_gguf: Path, vocab_size: int) -> None:
     import gguf
 
+    if not tokenizer_gguf.is_file():
+        raise GGUFExportError(f"the tokenizer's GGUF file {tokenizer_gguf} does not exist: pass the target's own GGUF "
+                              f"file, or none to write the folder's tokenizer.json")
     reader = gguf.GGUFReader(str(tokenizer_gguf))
     keys = [k for k in reader.fields if k.startswith("tokenizer.")]
     if "tokenizer.ggml.tokens" not in keys:
         raise GGUFExportError(f"{tokenizer_gguf} holds no tokenizer (no tokenizer.ggml.tokens): pass the target's own "
                               f"GGUF file, or none to write the folder's tokenizer.json")
+    n = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n != vocab_size:  # llama.cpp refuses a token_embd / output whose rows differ from the token count
+        raise GGUFExportError(f"the model has {vocab_size} vocabulary rows but {tokenizer_gguf.name} has {n} tokens: "
+                              f"this checkpoint is not a draft of that target (a draft must keep the target's "
+                              f"vocabulary; a trimmed head is saved with all {n} rows)")
     for k in keys:
         f = reader.fields[k]
         sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
@@ -235,6 +245,8 @@ def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outty
     folder, out_file = Path(folder), Path(out_file)
     if outtype not in OUTTYPES:
         raise GGUFExportError(f"GGUF outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    if out_file.is_dir():
+        raise GGUFExportError(f"{out_file} is a folder: name the .gguf file to write")
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise GGUFExportError(f"{folder} is not a Hugging Face checkpoint (no config.json)")
@@ -265,7 +277,7 @@ def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outty
         w.add_file_type(ftype)
         _add_hparams(w, cfg, arch)
         if tokenizer_gguf is not None:
-            _copy_tokenizer(w, Path(tokenizer_gguf))
+            _copy_tokenizer(w, Path(tokenizer_gguf), int(cfg["vocab_size"]))
         else:
             _write_hf_tokenizer(w, folder, pre)
         n = _add_tensors(w, state, folder, arch, outtype, n_head, n_kv)
@@ -368,5 +380,16 @@ def target_gguf(target_path: str | os.PathLike, fmt: str, out_dir: str | os.Path
     if fmt == "source" and source is not None:
         return source, f"the target's own file {source.name}"
     fmt = "q8_0" if fmt == "source" else fmt
-    out = export_once(target_path, Path(out_dir) / f"target-{fmt}.gguf", fmt, source)
+    out = export_once(target_path, Path(out_dir) / target_export_name(target_path, fmt), fmt, source)
     return out, f"exported from {target_path} as {fmt}"
+
+
+def target_export_name(target_path: str | os.PathLike, fmt: str) -> str:
+    """``target-<key>-<fmt>.gguf``: the key hashes the folder's resolved path and its weight files' names, sizes
+    and times, so a store shared by runs (``distill.cache_dir``) never serves one target's export for another."""
+    import hashlib
+
+    folder = Path(target_path).resolve()
+    parts = [str(folder)] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                             for p in sorted(folder.glob("*.safetensors"))]
+    return f"target-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:12]}-{fmt}.gguf"

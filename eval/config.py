@@ -71,10 +71,10 @@ class EngineConfig:
     the evaluation's prompts (greedy), its own acceptance counters and tokens/s beside ours (:mod:`eval.engine`)."""
 
     enabled: str = "auto"  # auto (when llama.cpp is installed: python scripts/install_engine.py) | true | false
-    target_format: str = "source"  # source: the target's own GGUF file when it came from one (else q8_0) | f32 | q8_0
+    target_format: str = "source"  # source: the target's own GGUF file when it came from one (else q8_0) | f32 | f16 | q8_0
     draft_format: str = "q8_0"  # the drafts' GGUF type: q8_0 | f16 | f32
     num_draft_tokens: int | None = None  # gamma in the engine; null: decode.num_draft_tokens
-    threads: int | None = None  # llama-server threads; null: eval.num_threads, else every core
+    threads: int | None = None  # llama-server threads; null: eval.num_threads, else the cores free at its start
     max_prompts: int | None = None  # prompts per domain; null: eval.max_prompts (the same prompts as ours)
 
     def __post_init__(self):

@@ -389,7 +389,8 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     prompt_format = Renderer(tokenizer).format
     context["prompt_format"] = prompt_format
     sections.append(prompt_format_section(context.get("prompt_formats") or {}))
-    serving = ServingSection(draft_paths, str(rc.target.name_or_path), run_dir / "gguf")
+    formats = {"target_format": rc.eval.engine.target_format, "draft_format": rc.eval.engine.draft_format}
+    serving = ServingSection(draft_paths, str(rc.target.name_or_path), run_dir / "gguf", formats)
     sections.append(serving)
     return sections, serving
 
@@ -418,9 +419,7 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
                                num_draft_tokens=ec.num_draft_tokens or _primary_gamma(rc),
                                threads=ec.threads or rc.eval.num_threads, out_dir=run_dir / "gguf", events=ev)
     except Exception as e:  # noqa: BLE001 - the engine is an add-on: its failure must not lose the evaluation
-        if ec.enabled == "true":
-            raise
-        log.warning("engine check failed: %s", e)
+        (log.error if ec.enabled == "true" else log.warning)("engine check failed: %s", e)
         return EngineSection(None, f"the engine check failed: {e}", None, **kw)
     return EngineSection(raw, "", results.get("target_outputs"), **kw)
 

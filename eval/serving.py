@@ -61,26 +61,30 @@ def recommended_settings(doc: dict) -> dict[str, dict]:
     return out
 
 
-def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None) -> dict:
+def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None,
+                       target_format: str = "source", draft_format: str = "q8_0") -> dict:
     """llama.cpp's ``llama-server`` command for one (draft, gamma): the target's GGUF file (its own file when it was
     converted from one, else the q8_0 export the engine check writes), the draft's q8_0 export under ``gguf_dir``
     (``<run dir>/gguf``, written by the engine check; the ``export`` command writes it otherwise), greedy chain
     drafting of exactly gamma tokens."""
-    from decode.gguf_export import source_gguf
+    from decode.gguf_export import source_gguf, target_export_name
 
     src = source_gguf(target)
     gdir = Path(gguf_dir) if gguf_dir is not None else Path(draft_path).parent.parent / "gguf"
-    target_gguf = str(src) if src is not None else str(gdir / "target-q8_0.gguf")
-    draft_gguf = str(gdir / f"{Path(draft_path).name}-q8_0.gguf")
+    tfmt = "q8_0" if target_format == "source" else target_format
+    target_gguf = str(src) if src is not None and target_format == "source" else str(
+        gdir / (target_export_name(target, tfmt) if Path(target).is_dir() else f"target-{tfmt}.gguf"))
+    draft_gguf = str(gdir / f"{Path(draft_path).name}-{draft_format}.gguf")
     args = ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma),
             "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-    export = ["python", "scripts/export_gguf.py", draft_path, draft_gguf, "--outtype", "q8_0", "--target", target]
+    export = ["python", "scripts/export_gguf.py", draft_path, draft_gguf, "--outtype", draft_format, "--target", target]
     return {"target_gguf": target_gguf, "draft_gguf": draft_gguf, "args": args,
             "command": "llama-server " + " ".join(map(shlex.quote, args)),
             "export": " ".join(map(shlex.quote, export))}
 
 
-def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None = None) -> dict:
+def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None = None,
+                    formats: dict | None = None) -> dict:
     """The vLLM / SGLang / llama.cpp / transformers settings for one (draft, gamma)."""
     spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": gamma}
     sglang = ["--model-path", target, "--speculative-algorithm", "STANDALONE",
@@ -101,13 +105,13 @@ def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Pa
         "vllm": {"speculative_config": spec,
                  "command": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"},
         "sglang": {"args": sglang, "command": "python -m sglang.launch_server " + " ".join(map(shlex.quote, sglang))},
-        "llama_cpp": llama_cpp_settings(target, draft_path, gamma, gguf_dir),
+        "llama_cpp": llama_cpp_settings(target, draft_path, gamma, gguf_dir, **(formats or {})),
         "transformers": {"num_assistant_tokens": gamma, "snippet": hf},
     }
 
 
 def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
-                     gguf_dir: str | Path | None = None) -> dict:
+                     gguf_dir: str | Path | None = None, formats: dict | None = None) -> dict:
     """``serving.json``: ``{"schema", "target", "domains": {domain: {"draft", "draft_path", "num_draft_tokens",
     "measured_speedup", "note", "vllm", "sglang", "llama_cpp", "transformers"}}}`` (``gguf_dir``: where the
     drafts' GGUF exports are, ``<run dir>/gguf``).
@@ -124,7 +128,7 @@ def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
         if r["draft"] not in draft_paths:
             raise ValueError(f"serving settings: no checkpoint path for recommended draft {r['draft']!r}")
         path = str(Path(draft_paths[r["draft"]]).resolve())
-        gguf = {"gguf_dir": gguf_dir}
+        gguf = {"gguf_dir": gguf_dir, "formats": formats}
         domains[domain] = {**r, "draft_path": path, **engine_settings(target_path, path, r["num_draft_tokens"], **gguf)}
     return {"schema": SCHEMA, "target": target_path, "domains": domains}
 
@@ -155,9 +159,11 @@ class ServingSection:
     """A report section callable ``f(doc) -> markdown``; ``document`` holds the last :func:`serving_document`
     (the caller writes it to ``serving.json``)."""
 
-    def __init__(self, draft_paths: dict[str, str | Path], target: str, gguf_dir: str | Path | None = None):
-        self.draft_paths, self.target, self.gguf_dir, self.document = draft_paths, target, gguf_dir, None
+    def __init__(self, draft_paths: dict[str, str | Path], target: str, gguf_dir: str | Path | None = None,
+                 formats: dict | None = None):
+        self.draft_paths, self.target, self.gguf_dir, self.formats = draft_paths, target, gguf_dir, formats
+        self.document = None
 
     def __call__(self, doc: dict) -> str:
-        self.document = serving_document(doc, self.draft_paths, self.target, self.gguf_dir)
+        self.document = serving_document(doc, self.draft_paths, self.target, self.gguf_dir, self.formats)
         return serving_markdown(self.document)

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args(argv)
 
+    if not (Path(args.python).is_file() and os.access(args.python, os.X_OK)):
+        print(f"error: --python {args.python} is not an executable Python: point it at the vLLM virtualenv's "
+              f"bin/python", file=sys.stderr)
+        return 2
     serving_path = args.run_dir / "serving.json"
     if not serving_path.is_file():
         print(f"error: {serving_path} does not exist: evaluate the run first (python -m eval ...)", file=sys.stderr)

@@ -28,11 +28,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=Path, default=None, help="the target's folder: tokenizer and vocabulary check")
     ap.add_argument("--tokenizer-gguf", type=Path, default=None, help="copy the tokenizer of this GGUF file")
     args = ap.parse_args(argv)
+    if args.target is not None and not (args.target / "config.json").is_file():
+        print(f"error: --target {args.target} is not a Hugging Face model folder (no config.json)", file=sys.stderr)
+        return 2
     source = args.tokenizer_gguf or (source_gguf(args.target) if args.target else None)
+    if source is None:
+        print("note: no GGUF file of the target to copy the tokenizer from or check against (pass --target of a "
+              "target converted from GGUF, or --tokenizer-gguf): writing the folder's tokenizer.json", file=sys.stderr)
     try:
         res = export_gguf(args.folder, args.out, outtype=args.outtype, tokenizer_gguf=source)
         bad = vocab_compatibility(source, res.path) if source else []
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if bad:

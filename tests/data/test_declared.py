@@ -411,6 +411,11 @@ def test_serving_settings_for_each_recommendation(tmp_path):
     pinned = serving_document(doc, {"distilled": tmp_path / "d", "baseline": tmp_path / "b"}, "org/target",
                               gguf_dir=tmp_path / "g")
     assert pinned["domains"]["chat"]["llama_cpp"]["target_gguf"] == str(tmp_path / "g" / "target-q8_0.gguf")
+    f16 = serving_document(doc, {"distilled": tmp_path / "d", "baseline": tmp_path / "b"}, "org/target",
+                           gguf_dir=tmp_path / "g", formats={"target_format": "f16", "draft_format": "f16"})
+    lc = f16["domains"]["chat"]["llama_cpp"]  # the files the engine check writes with eval.engine.*_format=f16
+    assert lc["draft_gguf"] == str(tmp_path / "g" / "d-f16.gguf") and lc["target_gguf"].endswith("-f16.gguf")
+    assert "--outtype f16" in lc["export"]
     with pytest.raises(ValueError, match="no checkpoint path"):
         serving_document(doc, {"baseline": tmp_path / "b"}, "org/target")  # chat's draft has no path
     # a domain whose verdict is the target alone gets no engine settings, and the report row says so

@@ -220,9 +220,33 @@ def test_source_file_and_export_once(tmp_path, converted):
     assert source_gguf(folder) == source
     assert target_gguf(folder, "source", tmp_path) == (source, "the target's own file tiny.gguf")
     out, what = target_gguf(folder, "q8_0", tmp_path)
-    assert out == tmp_path / "target-q8_0.gguf" and "q8_0" in what
+    assert out.name.startswith("target-") and out.name.endswith("-q8_0.gguf") and "q8_0" in what
     mtime = out.stat().st_mtime_ns
     assert export_once(folder, out, "q8_0", source) == out and out.stat().st_mtime_ns == mtime  # reused
     (folder / "config.json").write_text(json.dumps(json.loads((folder / "config.json").read_text())))
     export_once(folder, out, "q8_0", source)
     assert out.stat().st_mtime_ns >= mtime  # the checkpoint was saved again: exported again
+
+
+def test_refusals_rope_scaling_wrong_vocabulary_and_shared_store_names(tmp_path, converted):
+    """Rope scaling (transformers 5 writes it to rope_parameters) is refused, not dropped; a checkpoint whose
+    vocabulary rows differ from the copied tokenizer's tokens is refused (llama.cpp would not load it); two targets
+    exported into one store get different files."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from decode.gguf_export import target_export_name
+
+    folder, source = converted
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4})
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "scaled")
+    with pytest.raises(GGUFExportError, match="rope_scaling 'linear'"):
+        export_gguf(tmp_path / "scaled", tmp_path / "s.gguf", tokenizer_gguf=source)
+    small = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    with pytest.raises(GGUFExportError, match="40 vocabulary rows but tiny.gguf has 64 tokens"):
+        export_gguf(tmp_path / "small", tmp_path / "v.gguf", tokenizer_gguf=source)
+    with pytest.raises(GGUFExportError, match="is a folder"):
+        export_gguf(folder, tmp_path, tokenizer_gguf=source)
+    assert target_export_name(folder, "q8_0") != target_export_name(tmp_path / "small", "q8_0")
+    assert target_export_name(folder, "q8_0") != target_export_name(folder, "f32")

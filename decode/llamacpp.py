@@ -10,8 +10,8 @@ What the server reports per request (``/completion``, llama.cpp ``tools/server``
 with ``return_tokens``), ``timings.predicted_n`` / ``predicted_ms`` (generated tokens and their wall time, prompt
 excluded), ``timings.prompt_n`` / ``prompt_ms``, and, in speculative mode, ``timings.draft_n`` (drafted tokens) and
 ``timings.draft_n_accepted`` (of those, accepted by the target). :func:`parse_completion` turns one response into an
-:class:`EngineCompletion`; ``completion_probabilities`` (with ``n_probs``) become the top-k soft labels of teacher
-data (:func:`top_k_from_probs`).
+:class:`EngineCompletion`; ``completion_probabilities`` (with ``n_probs``) give the top-k probabilities of each generated
+token (the engine check reads the target's top-2 gap from them).
 """
 from __future__ import annotations
 
@@ -42,12 +42,10 @@ class EngineNotInstalled(EngineError, ValueError):
     """No ``llama-server`` was found: run :data:`INSTALL_COMMAND` (or set ``$SPECDRAFT_LLAMA_SERVER``)."""
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft")
-
-
 def engine_dir() -> Path:
     """Where :data:`INSTALL_COMMAND` installs llama.cpp: ``$SPECDRAFT_CACHE/engine/llama.cpp-<version>``."""
+    from data.tokenization import cache_root
+
     return cache_root() / "engine" / f"llama.cpp-{ENGINE_VERSION}"
 
 
@@ -139,21 +137,6 @@ def parse_completion(resp: dict) -> EngineCompletion:
         predicted_ms=float(t.get("predicted_ms", 0.0)), prompt_n=int(t.get("prompt_n", 0)),
         prompt_ms=float(t.get("prompt_ms", 0.0)), draft_n=int(t.get("draft_n", 0)),
         draft_n_accepted=int(t.get("draft_n_accepted", 0)), stop_type=resp.get("stop_type"), top_probs=probs)
-
-
-def top_k_from_probs(top_probs: list[list[tuple[int, float]]], k: int):
-    """Per-token top-k soft labels from the engine: ``(ids (T, k) int64, logprobs (T, k) float32)``, sorted by
-    probability, padded with id 0 / log-prob -inf where the engine returned fewer than ``k``."""
-    import torch
-
-    ids = torch.zeros((len(top_probs), k), dtype=torch.long)
-    lp = torch.full((len(top_probs), k), -math.inf, dtype=torch.float32)
-    for t, row in enumerate(top_probs):
-        row = sorted(row, key=lambda r: -r[1])[:k]
-        for j, (i, p) in enumerate(row):
-            ids[t, j] = i
-            lp[t, j] = math.log(p) if p > 0 else -math.inf
-    return ids, lp
 
 
 def _core_times() -> dict[str, tuple[int, int]] | None:

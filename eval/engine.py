@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .metrics import bootstrap_ratio_ci
+from .metrics import _cell_seed, _ratio, bootstrap_ratio_ci
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def summarize(raw: dict, own: dict | None = None, target_outputs: dict | None = 
             alpha = float(acc.sum() / drafted.sum()) if drafted.sum() else math.nan
             tps, base_tps = _ratio(n_new.sum(), ms.sum() / 1000), _ratio(b_new.sum(), b_ms.sum() / 1000)
             speedup = _ratio(tps, base_tps)
-            cell = dict(seed=seed + _cell(name, domain), samples=samples, confidence=confidence)
+            cell = dict(seed=_cell_seed(seed, "engine", name, domain), samples=samples, confidence=confidence)
             speed_ci = bootstrap_ratio_ci(n_new, ms, num2=b_new, den2=b_ms, **cell)
             t1_ms = 1000.0 / base_tps if base_tps else math.nan
             v = float((ms.sum() / steps.sum()) / t1_ms - gamma * c) if math.isfinite(c) and t1_ms else math.nan
@@ -205,16 +205,6 @@ def _difference(spec: dict, alone: dict) -> dict:
     i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     gaps = alone.get("top2_gap") or []
     return {"id": spec["id"], "position": i, "top2_gap_nats": gaps[i] if i < len(gaps) else None}
-
-
-def _ratio(a: float, b: float) -> float:
-    return float(a / b) if b else math.nan
-
-
-def _cell(*key) -> int:
-    import hashlib
-
-    return int.from_bytes(hashlib.sha256("/".join(key).encode()).digest()[:4], "big")
 
 
 def _overlap(a, b) -> bool | None:

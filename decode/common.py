@@ -416,3 +416,16 @@ def prefill(states, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> No
         pm = None if bool(attention_mask.all()) else attention_mask[:, :-1]
         for state in states:
             state.forward(input_ids[:, :-1], pm)
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to ``(B, P)`` ids and attention mask (1 = real token)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids, mask

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from decode.common import left_pad
 from .config import GenerationConfig, OnPolicySchedule
 from .shards import ShardStore
 from .step_losses import EvalFn, MicroBatch
@@ -95,19 +96,6 @@ class AnswerMaskHook:
             return batch
         rows = self.mask[batch.block_index.cpu()].to(batch.loss_mask.device)  # (B, T)
         return dataclasses.replace(batch, loss_mask=batch.loss_mask.bool() & rows)
-
-
-def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to ``(B, P)`` ids and attention mask (1 = real token)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if not p:
-            raise ValueError("empty prompt: every prompt needs at least one token")
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids, mask
 
 
 def _prompts_fingerprint(prompts: list[list[int]]) -> str:

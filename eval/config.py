@@ -92,6 +92,30 @@ class EngineConfig:
 
 
 @dataclass
+class HeldoutConfig:
+    """The held-out acceptance measurement (``eval.heldout``, :mod:`eval.heldout`): each draft replayed on the
+    target's greedy answers to test prompts that are no near-duplicate of a training record, beside training
+    prompts."""
+
+    enabled: bool = True
+    max_prompts: int = 32  # held-out prompts per built-in domain
+    train_prompts: int = 16  # training prompts of each training domain replayed beside them (0: none)
+    max_new_tokens: int = 64  # tokens of each greedy target answer
+    max_gamma: int = 5  # alpha at draft positions 1..max_gamma, tau at gamma 1..max_gamma
+    near_duplicate_jaccard: float = 0.7  # IDF-weighted word Jaccard at which a test prompt repeats a training one
+    batch_size: int = 16  # prompts per target generation batch and per draft forward
+
+    def __post_init__(self):
+        for key, low in (("max_prompts", 1), ("train_prompts", 0), ("max_new_tokens", 1), ("max_gamma", 1),
+                         ("batch_size", 1)):
+            if getattr(self, key) < low:
+                raise ValueError(f"eval.heldout.{key} must be >= {low}, got {getattr(self, key)}")
+        if not 0 < self.near_duplicate_jaccard <= 1:
+            raise ValueError(f"eval.heldout.near_duplicate_jaccard must be in (0, 1], got "
+                             f"{self.near_duplicate_jaccard}")
+
+
+@dataclass
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
@@ -125,6 +149,7 @@ class EvalConfig:
     # the estimate (or other processes kept a quarter core busy: eval.timing.load_record)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
     engine: EngineConfig = field(default_factory=EngineConfig)  # llama.cpp beside our decoder (see the class)
+    heldout: HeldoutConfig = field(default_factory=HeldoutConfig)  # held-out acceptance per draft position
 
     def __post_init__(self):
         for key, low in (("max_prompts", 1), ("max_new_tokens", 1), ("max_prompt_tokens", 2)):

@@ -274,6 +274,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                                                     if n is None and d in results["target_only"]}}
     sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts}, run_dir)
     sections.append(_engine_check(rc, {n: paths[n] for n in drafts}, prompts, tokenizer, results, run_dir, ev))
+    sections.append(_heldout(rc, opts, target, tokenizer, drafts, ev))
     doc, routing_path = _write_report_set(rc, run_dir, results, context, sections, serving, domains, routed,
                                           {n: paths[n] for n in drafts}, _deployment(rc, target, drafts),
                                           command_record, ev)
@@ -422,6 +423,24 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
         (log.error if ec.enabled == "true" else log.warning)("engine check failed: %s", e)
         return EngineSection(None, f"the engine check failed: {e}", None, **kw)
     return EngineSection(raw, "", results.get("target_outputs"), **kw)
+
+
+def _heldout(rc, opts: DataOptions, target, tokenizer, drafts: dict, ev):
+    """The "Held-out acceptance" report section (:mod:`eval.heldout`) over ``eval.domains`` (the built-in ones:
+    a user's file has no training split to hold out from), beside the training prompts of the drafts' domains."""
+    from .heldout import HeldoutSection, measure_heldout
+
+    hc = rc.eval.heldout
+    if not hc.enabled or not drafts or not rc.eval.domains:
+        return HeldoutSection(None, "eval.heldout.enabled=false" if not hc.enabled else "no drafts or domains")
+    train_domains = list(rc.data.mixture) if rc.data.mixture else [rc.data.domain]
+    with torch_threads(rc.eval.num_threads):
+        record = measure_heldout(target, tokenizer, drafts, list(rc.eval.domains), train_domains, opts, hc,
+                                 max_prompt_tokens=rc.eval.max_prompt_tokens, samples=rc.eval.bootstrap_samples,
+                                 confidence=rc.eval.confidence, seed=rc.seed)
+    ev("eval_heldout", prompts=record["prompts"], near_duplicates_removed=record["near_duplicates_removed"],
+       alpha_1={n: {d: s["alpha"][0] for d, s in per.items()} for n, per in record["drafts"].items()})
+    return HeldoutSection(record)
 
 
 def _primary_gamma(rc) -> int:

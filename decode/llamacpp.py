@@ -139,40 +139,6 @@ def parse_completion(resp: dict) -> EngineCompletion:
         draft_n_accepted=int(t.get("draft_n_accepted", 0)), stop_type=resp.get("stop_type"), top_probs=probs)
 
 
-def _core_times() -> dict[str, tuple[int, int]] | None:
-    """cpuN -> (idle jiffies, total jiffies) from /proc/stat, or None where it cannot be read."""
-    try:
-        lines = Path("/proc/stat").read_text().splitlines()
-    except OSError:
-        return None
-    out = {}
-    for line in lines:
-        parts = line.split()
-        if parts and parts[0].startswith("cpu") and parts[0] != "cpu":
-            v = [int(x) for x in parts[1:]]
-            out[parts[0]] = (v[3] + (v[4] if len(v) > 4 else 0), sum(v))
-    return out
-
-
-def free_cores(window_s: float = 0.5) -> int:
-    """How many of this process's cores are free now: the idle capacity, in cores, of a ``window_s`` sample of
-    /proc/stat (summed over cores, rounded down unless within 0.3 of the next whole core), at least 1, at most the
-    affinity mask's count. llama.cpp's threads spin-wait for each other, so a
-    thread placed on a core another process holds stalls every step: on 2 cores with one busy, 2 threads ran
-    several times slower than 1 (docs/engine.md). Where /proc/stat cannot be read: every core of the mask."""
-    from .threads import available_cores
-
-    cores = available_cores()
-    a = _core_times()
-    if a is None:
-        return cores
-    time.sleep(window_s)
-    b = _core_times() or {}
-    idle = sum((i1 - a[k][0]) / (t1 - a[k][1]) for k, (i1, t1) in b.items() if k in a and t1 > a[k][1])
-    return max(1, min(cores, int(idle + 0.3)))  # idle capacity in cores (a busy process that moves between
-    # cores still takes one), rounded down unless nearly whole
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

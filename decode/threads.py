@@ -27,15 +27,20 @@ passes and the top-k cache's batched forward follow the setting; training steps 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import time
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
 log = logging.getLogger(__name__)
 
 __all__ = ["set_block_threads", "block_thread_count", "resolved_block_threads", "parse_block_threads",
-           "block_threads_setting", "available_cores", "BlockThreads"]
+           "block_threads_setting", "available_cores", "BlockThreads", "free_cores", "FreeCoreThreads",
+           "following_free_cores"]
 
 _setting = "auto"
 _threads: int | None = None  # the count _setting resolves to on a CPU (None: off); set with the setting, not per forward
@@ -126,3 +131,96 @@ class BlockThreads:
 
 
 set_block_threads(_setting)  # resolve the default once, at import
+
+
+def _core_times() -> dict[str, tuple[int, int]] | None:
+    """cpuN -> (idle jiffies, total jiffies) from /proc/stat, or None where it cannot be read."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    out = {}
+    for line in lines:
+        parts = line.split()
+        if parts and parts[0].startswith("cpu") and parts[0] != "cpu":
+            v = [int(x) for x in parts[1:]]
+            out[parts[0]] = (v[3] + (v[4] if len(v) > 4 else 0), sum(v))
+    return out
+
+
+def free_cores(window_s: float = 0.5) -> int:
+    """How many of this process's cores are free now: the idle capacity, in cores, of a ``window_s`` sample of
+    /proc/stat (summed over cores, rounded down unless within 0.3 of the next whole core), at least 1, at most the
+    affinity mask's count. llama.cpp's threads spin-wait for each other, so a
+    thread placed on a core another process holds stalls every step: on 2 cores with one busy, 2 threads ran
+    several times slower than 1 (docs/engine.md); torch's OpenMP threads spin-wait likewise (:class:`FreeCoreThreads`). Where /proc/stat cannot be read: every core of the mask."""
+    cores = available_cores()
+    a = _core_times()
+    if a is None:
+        return cores
+    time.sleep(window_s)
+    b = _core_times() or {}
+    idle = sum((i1 - a[k][0]) / (t1 - a[k][1]) for k, (i1, t1) in b.items() if k in a and t1 > a[k][1])
+    return max(1, min(cores, int(idle + 0.3)))  # idle capacity in cores (a busy process that moves between
+    # cores still takes one), rounded down unless nearly whole
+
+class FreeCoreThreads:
+    """Torch threads that follow the cores other processes leave free, re-measured between steps.
+
+    ``update()`` (call it between training steps or teacher batches) measures, since the previous call, the idle
+    capacity of this process's cores (/proc/stat) plus this process's own CPU time (``time.process_time``, all its
+    threads): what other processes leave. It sets ``torch.set_num_threads`` to that many cores (rounded down unless
+    within 0.3 of the next, at least 1, at most the affinity mask) and returns the count. Why: torch's OpenMP
+    threads wait for each other at every parallel region; one thread on a core another process holds stalls the
+    rest. Measured on the 2-core development machine (docs/results.md, "Throughput on a shared machine"): a
+    distillation step at 2 threads with another process on one core ran many times slower than at 1 thread.
+
+    The first count comes from a ``window_s`` sample at construction. Checks are at most every ``every_s`` seconds
+    (a shorter interval returns the current count unchanged). Restores the previous thread count on ``close()``.
+    """
+
+    def __init__(self, window_s: float = 0.2, every_s: float = 5.0):
+        self._clock = time.monotonic
+        self.every_s = every_s
+        self.prev = torch.get_num_threads()
+        self.threads = free_cores(window_s)
+        self.changes: list[tuple[float, int]] = [(0.0, self.threads)]
+        self._t0 = self._clock()
+        self._mark()
+        torch.set_num_threads(self.threads)
+
+    def _mark(self) -> None:
+        self._last = (self._clock(), _core_times(), time.process_time())
+
+    def update(self) -> int:
+        t_last, cores_last, own_last = self._last
+        now = self._clock()
+        if now - t_last < self.every_s or cores_last is None:
+            return self.threads
+        cores_now = _core_times() or {}
+        own = time.process_time() - own_last
+        idle = sum((i1 - cores_last[k][0]) / (t1 - cores_last[k][1])
+                   for k, (i1, t1) in cores_now.items() if k in cores_last and t1 > cores_last[k][1])
+        left = idle + own / max(now - t_last, 1e-9)  # cores idle plus the ones this process kept busy
+        n = max(1, min(available_cores(), int(left + 0.3)))
+        self._mark()
+        if n != self.threads:
+            log.info("torch threads %d -> %d (cores other processes leave free)", self.threads, n)
+            self.threads = n
+            self.changes.append((round(now - self._t0, 1), n))
+            torch.set_num_threads(n)
+        return n
+
+    def close(self) -> None:
+        torch.set_num_threads(self.prev)
+
+
+@contextlib.contextmanager
+def following_free_cores(every_s: float = 5.0) -> Iterator[Callable[[], int]]:
+    """A block whose torch threads follow the free cores: yields :meth:`FreeCoreThreads.update` (call it between
+    batches); the previous count is restored after."""
+    follow = FreeCoreThreads(every_s=every_s)
+    try:
+        yield follow.update
+    finally:
+        follow.close()

@@ -128,6 +128,7 @@ def generate_teacher_sequences(
         return generate_teacher_sequences_engine(target_path, prompts, gen, root, seed=seed, eos_token_id=eos_token_id)
     from data.devices import run_precision
     from decode import autoregressive_generate
+    from decode.threads import following_free_cores
 
     from .teacher import model_fingerprint
 
@@ -146,6 +147,7 @@ def generate_teacher_sequences(
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
 
     def compute(i: int) -> dict[str, torch.Tensor]:
+        update_threads()  # the cores other processes leave free
         part = order[i * bs : (i + 1) * bs]
         ids, mask = left_pad(part, pad)  # (b, P) each
         g = torch.Generator(device=device).manual_seed(derived_seed(seed, "teacher_sequences", i))
@@ -165,7 +167,8 @@ def generate_teacher_sequences(
         return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                 "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)}
 
-    counts = store.ensure(compute, desc="teacher sequences")
+    with following_free_cores() as update_threads:
+        counts = store.ensure(compute, desc="teacher sequences")
     seqs: list[list[int]] = []
     for i in range(store.num_shards):
         shard = store.load(i)
@@ -197,7 +200,8 @@ def generate_teacher_sequences_engine(
 
     from data.gguf_target import sha256_file
     from decode.gguf_export import target_gguf
-    from decode.llamacpp import LlamaServer, find_engine, free_cores
+    from decode.llamacpp import LlamaServer, find_engine
+    from decode.threads import free_cores
 
     if not prompts:
         raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")

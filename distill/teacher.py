@@ -97,7 +97,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     """
     from data.devices import run_precision
     from decode.common import output_vocab_size
-    from decode.threads import BlockThreads
+    from decode.threads import BlockThreads, following_free_cores
 
     t0 = time.perf_counter()
     vocab = int(vocab_size or output_vocab_size(teacher))
@@ -118,6 +118,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         part = blocks[i * shard_blocks : (i + 1) * shard_blocks]  # (n, T)
         vals, idx = [], []
         for j in range(0, part.size(0), batch_size):
+            update_threads()  # the cores other processes leave free
             x = part[j : j + batch_size].to(device)  # (b, T)
             with BlockThreads(device, x.numel()), run_precision(precision, device):  # decode.block_threads
                 logits = teacher(input_ids=x, attention_mask=torch.ones_like(x)).logits[..., :vocab]  # (b, T, V)
@@ -126,7 +127,8 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
             idx.append(ix.cpu())
         return {"values": torch.cat(vals), "indices": torch.cat(idx)}  # (n, T, k) each
 
-    counts = store.ensure(compute, desc=f"teacher top-{k} cache")
+    with following_free_cores() as update_threads:
+        counts = store.ensure(compute, desc=f"teacher top-{k} cache")
     teacher.train(was_training)
     shards = [store.load(i) for i in range(num_shards)]
     cache = TeacherCache(torch.cat([s["values"] for s in shards]), torch.cat([s["indices"] for s in shards]), vocab)

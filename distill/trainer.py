@@ -128,12 +128,24 @@ class BudgetClock:
 
 
 def _with_cfg_threads(fn):
-    """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads."""
+    """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads; ``0``: the
+    cores other processes leave free, re-measured during the run (:class:`decode.threads.FreeCoreThreads`, passed
+    as ``_threads_update``; the result's ``threads`` lists ``[seconds, count]`` at each change)."""
 
     @functools.wraps(fn)
     def wrapper(student, blocks, out_dir, cfg, *args, **kwargs):
-        with torch_threads(cfg.num_threads):
-            return fn(student, blocks, out_dir, cfg, *args, **kwargs)
+        if cfg.num_threads:
+            with torch_threads(cfg.num_threads):
+                out = fn(student, blocks, out_dir, cfg, *args, **kwargs)
+            return {**out, "threads": [[0.0, cfg.num_threads]]}
+        from decode.threads import FreeCoreThreads
+
+        follow = FreeCoreThreads()
+        try:
+            out = fn(student, blocks, out_dir, cfg, *args, _threads_update=follow.update, **kwargs)
+        finally:
+            follow.close()
+        return {**out, "threads": [list(c) for c in follow.changes]}
 
     return wrapper
 
@@ -143,7 +155,7 @@ def train(student: torch.nn.Module, blocks: torch.Tensor, out_dir: str | os.Path
           step_loss: StepLoss = cross_entropy_step, *, teacher: Any = None, seed: int = 0, desc: str = "train",
           on_step: Callable[[int, dict], None] | None = None, batch_hook: BatchHook | None = None,
           evaluate: EvalFn | None = None, eval_every: int = 0, select_key: str = "mean_accepted_length",
-          on_eval: Callable[[int, dict], None] | None = None) -> dict:
+          on_eval: Callable[[int, dict], None] | None = None, _threads_update: Callable[[], int] = int) -> dict:
     """Train ``student`` on token ``blocks`` (N, T) for ``cfg.max_steps`` optimizer steps (or until
     ``cfg.max_time_s`` seconds of training-loop wall clock have passed, checked at step boundaries; time spent in
     the ``evaluate`` callback does not count). With ``cfg.schedule_over="time"`` the cosine decay follows the spent
@@ -201,6 +213,7 @@ def train(student: torch.nn.Module, blocks: torch.Tensor, out_dir: str | os.Path
         step = state.step = step + 1
         state.elapsed_s = clock.elapsed()
         bar.update(1)
+        _threads_update()  # trainer.num_threads=0: follow the cores other processes leave free
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             state.final_loss = window.take()
             _log_step(run, state, step, on_step, bar, write_log)

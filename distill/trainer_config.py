@@ -32,7 +32,7 @@ class TrainerConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off)
     schedule_over: str = "steps"  # steps: cosine spans max_steps | time: spans the max_time_s budget (or max_steps)
-    num_threads: int = 0  # torch CPU threads while training (0: torch's setting); 1: fastest for tiny models
+    num_threads: int = 0  # torch CPU threads while training; 0: the cores other processes leave free, re-measured
     # Scale-out. strategy must match how the run was launched (conf/accelerate/<strategy>.yaml).
     strategy: str = "single"  # single | ddp | deepspeed_zero2 | deepspeed_zero3
     global_batch_size: int = 0  # sequences per optimizer step over all processes (0: micro x accum x processes)
@@ -50,7 +50,8 @@ class TrainerConfig:
         if self.warmup_steps < 0 or self.save_every < 0 or self.log_every < 1:
             raise ValueError("trainer.warmup_steps and trainer.save_every must be >= 0, trainer.log_every >= 1")
         if self.num_threads < 0:
-            raise ValueError(f"trainer.num_threads must be >= 0 (0 keeps torch's setting), got {self.num_threads}")
+            raise ValueError(f"trainer.num_threads must be >= 0 (0: the cores other processes leave free), got "
+                             f"{self.num_threads}")
         if not self.max_time_s >= 0:
             raise ValueError(f"trainer.max_time_s must be >= 0 seconds (0 disables the budget), got {self.max_time_s}")
         if self.schedule_over not in ("steps", "time"):

@@ -82,7 +82,8 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ``{"engine", "target_gguf", "target_from", "drafts_gguf", "num_draft_tokens", "threads", "runs": {"target" | draft
     name: {domain: [per-prompt {"id", "tokens", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted"}]}},
     "alone_tokens_per_s": {name: tokens/s served alone}, "commands": {name: argv}}``."""
-    from decode.llamacpp import LlamaServer, find_engine, free_cores
+    from decode.llamacpp import LlamaServer, find_engine
+    from decode.threads import free_cores
 
     ev = events or (lambda *a, **k: None)
     engine = find_engine()

@@ -214,31 +214,3 @@ def test_vllm_check_reads_vllms_recorded_spec_decode_counters():
     c = mod._counters((FIXTURES / "vllm_metrics.txt").read_text())
     assert c == {"num_drafts": 31.0, "num_draft_tokens": 93.0, "num_accepted_tokens": 0.0}
     assert all(math.isnan(v) for v in mod._counters("no metrics").values())
-
-
-def test_free_cores_counts_the_cores_other_processes_leave(monkeypatch):
-    """llama.cpp's thread count: cores idle in a short /proc/stat sample (a core held by another process is not
-    counted; at least 1); every core of the mask where /proc/stat cannot be read."""
-    import multiprocessing
-
-    import decode.llamacpp as lc
-    from decode.threads import available_cores
-
-    n = available_cores()
-    assert 1 <= lc.free_cores(0.2) <= n
-    if n >= 2 and os.path.exists("/proc/stat"):
-        stop = multiprocessing.Event()
-        busy = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
-        busy.start()
-        try:
-            assert lc.free_cores(0.5) < n
-        finally:
-            stop.set()
-            busy.join(5)
-    monkeypatch.setattr(lc, "_core_times", lambda: None)
-    assert lc.free_cores(0.0) == n
-
-
-def _spin(stop) -> None:
-    while not stop.is_set():
-        sum(range(10000))

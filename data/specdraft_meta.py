@@ -186,8 +186,11 @@ class SpecdraftMeta:
 
     @property
     def one_off_pass_seconds(self) -> float:
-        """Seconds the draft's one-off teacher passes took (top-k cache + teacher data); 0 without them."""
-        return sum(float((getattr(self, k) or {}).get("time_s", 0.0)) for k in ONE_OFF_PASSES)
+        """Seconds the draft's one-off teacher passes cost (top-k cache + teacher data): each pass's ``cost_s``, the
+        compute time of the shards it used whenever they were computed (a store shared with an earlier run does not
+        make this draft's data free), else its ``time_s``; 0 without them."""
+        return sum(float(p.get("cost_s") if p.get("cost_s") is not None else p.get("time_s", 0.0))
+                   for p in (getattr(self, k) or {} for k in ONE_OFF_PASSES))
 
     @property
     def init_kind(self) -> Optional[str]:

@@ -33,7 +33,7 @@ from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_
 from .losses import get_loss
 from .models import build_llama, count_parameters
 from .step_losses import cross_entropy_step, evaluate_loss, make_distill_step
-from .trainer import rows_this_run_uses, train
+from .trainer import batch_indices, rows_this_run_uses, train
 from .vocab import trim_draft_vocab
 
 log = logging.getLogger(__name__)
@@ -224,12 +224,13 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
                          - torch.bincount(torch.tensor([t for q in prompts for t in q]), minlength=shared)).double()
     if teacher_signal == "cached":
         rows = rows_this_run_uses(blocks.size(0), tcfg, rc.seed, dist.num_processes)
-        if rows is not None:
-            blocks = blocks[rows]
-            answer_mask = answer_mask[rows] if answer_mask is not None else None
+        # a run reading part of the blocks scores a prefix of their epoch-0 order: shorter runs share its shards
+        order = None if rows is None else batch_indices(blocks.size(0), 0, blocks.size(0), rc.seed)
         teacher, passes["teacher_cache"] = build_teacher_cache(
-            target, blocks, cache_root, k=dc.cache_top_k, shard_blocks=dc.cache_shard_blocks,
-            vocab_size=shared, precision=precision)
+            target, blocks if order is None else blocks[order], cache_root, k=dc.cache_top_k, vocab_size=shared,
+            shard_blocks=dc.cache_shard_blocks, precision=precision, use=None if rows is None else rows.numel())
+        if rows is not None:  # rows == order[:len(rows)]
+            blocks, answer_mask = blocks[rows], (answer_mask[rows] if answer_mask is not None else None)
         step = make_cached_distill_step(dc.loss, dc.temperature, target.eval().requires_grad_(False) if hybrid else None,
                                         **dc.loss_kwargs())
     else:

@@ -3,7 +3,8 @@
 Layout of a store folder::
 
     <root>/manifest.json          {"format": 1, "meta": {...}, "num_shards": n,
-                                   "shards": {"0": {"file": "shard-00000.safetensors", "sha256": "...", "bytes": b}}}
+                                   "shards": {"0": {"file": "shard-00000.safetensors", "sha256": "...", "bytes": b,
+                                                    "seconds": s}}}
     <root>/shard-00000.safetensors ...
 
 Guarantees
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -104,25 +106,34 @@ class ShardStore:
                 out[i] = "ok" if sha256_file(path) == entry["sha256"] else "corrupt"
         return out
 
-    def ensure(self, compute: Callable[[int], dict[str, torch.Tensor]], desc: str = "shards") -> dict:
-        """Compute every shard that is not ``ok`` with ``compute(i) -> {name: tensor}``; returns counts
-        ``{"reused", "computed", "corrupt"}`` (``corrupt`` ones are also counted in ``computed``)."""
+    def ensure(self, compute: Callable[[int], dict[str, torch.Tensor]], desc: str = "shards",
+               only: int | None = None) -> dict:
+        """Compute every shard that is not ``ok`` with ``compute(i) -> {name: tensor}``; with ``only``, just the
+        first ``only`` shards (the others stay as they are: a later call may compute them). Returns counts
+        ``{"reused", "computed", "corrupt"}`` over those shards (``corrupt`` ones are also counted in ``computed``)
+        and ``cost_s``: the seconds their computation took, whenever it ran (recorded per shard in the manifest;
+        None when a shard written by an older version has no record)."""
         self.root.mkdir(parents=True, exist_ok=True)
         status = self.status()
         manifest = self._read_manifest()
-        todo = [i for i, s in status.items() if s != "ok"]
+        wanted = range(self.num_shards if only is None else min(only, self.num_shards))
+        todo = [i for i in wanted if status[i] != "ok"]
         corrupt = [i for i in todo if status[i] == "corrupt"]
         for i in corrupt:
             log.warning("%s: shard %s failed its SHA-256 check; recomputing it", desc, self.shard_path(i))
         manifest["shards"] = {k: v for k, v in manifest["shards"].items() if status.get(int(k)) == "ok"}
         for i in tqdm(todo, desc=desc, disable=not todo, dynamic_ncols=True):
             path = self.shard_path(i)
+            t0 = time.perf_counter()
             _save_shard_atomic(compute(i), path)
-            manifest["shards"][str(i)] = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
+            manifest["shards"][str(i)] = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+                                          "seconds": round(time.perf_counter() - t0, 3)}
             write_json_atomic(self.manifest_path, manifest)
         if not todo and not self.manifest_path.exists():  # pragma: no cover - num_shards >= 1 makes todo non-empty
             write_json_atomic(self.manifest_path, manifest)
-        return {"reused": self.num_shards - len(todo), "computed": len(todo), "corrupt": len(corrupt)}
+        cost = [manifest["shards"][str(i)].get("seconds") for i in wanted]
+        return {"reused": len(wanted) - len(todo), "computed": len(todo), "corrupt": len(corrupt),
+                "cost_s": None if None in cost else float(sum(cost))}
 
     def load(self, i: int) -> dict[str, torch.Tensor]:
         """Tensors of shard ``i`` (call :meth:`ensure` first; this does not re-verify the checksum)."""

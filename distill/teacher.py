@@ -77,8 +77,12 @@ def cache_key(teacher: torch.nn.Module, blocks: torch.Tensor, k: int, vocab_size
 def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: str | os.PathLike, *, k: int,
                         shard_blocks: int = 256, vocab_size: int | None = None, batch_size: int = 16,
                         device: torch.device | str | None = None,
-                        precision: str = "no") -> tuple[TeacherCache, dict]:
+                        precision: str = "no", use: int | None = None) -> tuple[TeacherCache, dict]:
     """Compute (or reuse) the teacher's top-k logits for ``blocks`` (N, T) under ``root/<key>/``.
+
+    The key covers all of ``blocks``; with ``use`` only the first ``use`` blocks are scored and returned (the
+    shards covering them). So runs that read different-sized prefixes of one block order (the learning curve's
+    sizes, a longer rerun) share one store: each scores only the shards no earlier run wrote.
 
     Args:
         teacher: the target (run in eval mode under no_grad, every position attends to its block only).
@@ -88,12 +92,13 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         batch_size: blocks per teacher forward.
         precision: the run's ``trainer.mixed_precision`` (``no``, ``bf16``, ``fp16``): the teacher forward runs in
             it (:func:`data.devices.run_precision`; part of the cache key unless ``no``); values are stored fp32.
+        use: blocks needed (the first ``use``; None: all).
 
     Returns:
         (cache, info) where info has ``path``, ``reused``/``computed``/``corrupt`` shard counts and ``time_s``.
 
     Raises:
-        ValueError: ``k`` outside ``[1, vocab_size]``.
+        ValueError: ``k`` outside ``[1, vocab_size]`` or ``use`` outside ``[1, N]``.
     """
     from data.devices import run_precision
     from decode.common import output_vocab_size
@@ -103,6 +108,9 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     vocab = int(vocab_size or output_vocab_size(teacher))
     if not 1 <= k <= vocab:
         raise ValueError(f"distill.cache_top_k must be in [1, {vocab}] (the shared vocabulary), got {k}")
+    use = blocks.size(0) if use is None else int(use)
+    if not 1 <= use <= blocks.size(0):
+        raise ValueError(f"use must be in [1, {blocks.size(0)}] (the blocks given), got {use}")
     device = torch.device(device) if device is not None else next(teacher.parameters()).device
     meta = cache_key(teacher, blocks, k, vocab)
     if precision != "no":
@@ -127,13 +135,16 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
             idx.append(ix.cpu())
         return {"values": torch.cat(vals), "indices": torch.cat(idx)}  # (n, T, k) each
 
+    needed = -(-use // shard_blocks)
     with following_free_cores() as update_threads:
-        counts = store.ensure(compute, desc=f"teacher top-{k} cache")
+        counts = store.ensure(compute, desc=f"teacher top-{k} cache", only=needed)
     teacher.train(was_training)
-    shards = [store.load(i) for i in range(num_shards)]
-    cache = TeacherCache(torch.cat([s["values"] for s in shards]), torch.cat([s["indices"] for s in shards]), vocab)
+    shards = [store.load(i) for i in range(needed)]
+    cache = TeacherCache(torch.cat([s["values"] for s in shards])[:use], torch.cat([s["indices"] for s in shards])[:use],
+                         vocab)
     info = {"path": str(store.root), **counts, "time_s": time.perf_counter() - t0, "top_k": k,
-            "bytes": sum(p.stat().st_size for p in store.root.glob("shard-*.safetensors"))}
+            "scored_tokens": use * blocks.size(1),
+            "bytes": sum(store.shard_path(i).stat().st_size for i in range(needed))}
     log.info("teacher top-%d cache %s: %d shards reused, %d computed (%d corrupt) in %.1f s", k, store.root,
              counts["reused"], counts["computed"], counts["corrupt"], info["time_s"])
     return cache, info

@@ -87,6 +87,9 @@ def test_derived_facts():
     m = as_meta({"kind": "distilled", "teacher_data": {"time_s": 2.5}, "teacher_cache": {"time_s": 1},
                  "train": {"steps": 7}})
     assert m.one_off_pass_seconds == 3.5 and m.init_kind == "config" and m.is_distilled is True
+    # a pass that reused stored shards costs what computing them took, not its short wall clock
+    reused = as_meta({"kind": "distilled", "teacher_cache": {"time_s": 0.2, "cost_s": 40.0}})
+    assert reused.one_off_pass_seconds == 40.0
     assert m.steps_trained == 7 and m.quantize_mode == "none" and not m.trained_here
     base = as_meta({"kind": "baseline", "distilled": False, "quantize": "int8"})
     assert base.is_distilled is False and base.quantize_mode == "int8" and base.one_off_pass_seconds == 0

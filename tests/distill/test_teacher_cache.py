@@ -47,6 +47,24 @@ def test_cache_content_matches_teacher_and_is_reused(tmp_path):
     assert info3["path"] != info["path"] and info3["computed"] == 3
 
 
+def test_prefix_runs_share_one_store(tmp_path):
+    """``use``: a run reading the first blocks of an order scores only the shards covering them; a longer run on the
+    same order reuses those and scores the rest; the values equal a full pass."""
+    teacher, blocks = tiny_llama(vocab_size=V, hidden_size=32, seed=1), _blocks(n=12)
+    short, a = build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4, use=5)
+    assert (a["computed"], a["reused"]) == (2, 0) and short.values.shape[0] == 5 and a["scored_tokens"] == 5 * T
+    longer, b = build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4, use=12)
+    assert (b["computed"], b["reused"]) == (1, 2) and b["path"] == a["path"]
+    _, c = build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4, use=12)
+    assert c["computed"] == 0 and c["cost_s"] == b["cost_s"] > 0  # reused data keeps its cost (the baseline's budget)
+    full, _ = build_teacher_cache(teacher, blocks, tmp_path / "full", k=8, shard_blocks=4)
+    torch.testing.assert_close(longer.values, full.values)
+    torch.testing.assert_close(short.values, full.values[:5])
+    for bad in (0, 13):
+        with pytest.raises(ValueError, match="use must be in"):
+            build_teacher_cache(teacher, blocks, tmp_path, k=8, shard_blocks=4, use=bad)
+
+
 def test_cached_teacher_runs_in_the_runs_precision(tmp_path):
     """Precision policy: with trainer.mixed_precision=bf16 the cache holds the teacher's bf16 top-k (its forward
     under autocast, as the online teacher runs), under its own key: an fp32 cache is never reused for it."""
@@ -76,7 +94,9 @@ def test_killed_pass_resumes_and_corrupt_shard_is_recomputed(tmp_path):
     assert store.status() == {0: "ok", 1: "ok", 2: "missing", 3: "missing"}
     assert not list(tmp_path.glob(".*tmp*")), "no temporary file survives"
     calls.clear()
-    assert store.ensure(compute) == {"reused": 2, "computed": 2, "corrupt": 0}
+    counts = store.ensure(compute)
+    assert {k: counts[k] for k in ("reused", "computed", "corrupt")} == {"reused": 2, "computed": 2, "corrupt": 0}
+    assert counts["cost_s"] >= 0  # every shard's compute time, the reused ones' as recorded when they were written
     assert calls == [2, 3]
     # Flip one byte of shard 1: detected by its SHA-256 and recomputed; nothing else is touched.
     path = store.shard_path(1)
@@ -85,7 +105,8 @@ def test_killed_pass_resumes_and_corrupt_shard_is_recomputed(tmp_path):
     path.write_bytes(bytes(raw))
     assert store.status()[1] == "corrupt"
     calls.clear()
-    assert store.ensure(compute) == {"reused": 3, "computed": 1, "corrupt": 1}
+    counts = store.ensure(compute)
+    assert {k: counts[k] for k in ("reused", "computed", "corrupt")} == {"reused": 3, "computed": 1, "corrupt": 1}
     assert calls == [1] and torch.equal(store.load(1)["x"], torch.full((3,), 1.0))
     # Different meta: the old shards are stale.
     assert ShardStore(tmp_path, {"k": 2}, num_shards=4).status() == {i: "missing" for i in range(4)}

@@ -127,17 +127,25 @@ class BudgetClock:
         return bool(self.cfg.max_time_s) and self.sync() >= self.cfg.max_time_s
 
 
+def exposure(blocks: torch.Tensor, out: dict) -> dict:
+    """How much distinct data a run read: ``unique_tokens`` (N x T positions of ``blocks``) and
+    ``max_reads_per_token`` (the epochs begun: :func:`batch_indices` reads every block once per epoch)."""
+    reads = int(out["steps"]) * int(out["global_batch_sequences"])
+    return {"unique_tokens": int(blocks.numel()), "max_reads_per_token": -(-reads // max(1, blocks.size(0)))}
+
+
 def _with_cfg_threads(fn):
     """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads; ``0``: the
     cores other processes leave free, re-measured during the run (:class:`decode.threads.FreeCoreThreads`, passed
-    as ``_threads_update``; the result's ``threads`` lists ``[seconds, count]`` at each change)."""
+    as ``_threads_update``; the result's ``threads`` lists ``[seconds, count]`` at each change), and add the
+    run's :func:`exposure`."""
 
     @functools.wraps(fn)
     def wrapper(student, blocks, out_dir, cfg, *args, **kwargs):
         if cfg.num_threads:
             with torch_threads(cfg.num_threads):
                 out = fn(student, blocks, out_dir, cfg, *args, **kwargs)
-            return {**out, "threads": [[0.0, cfg.num_threads]]}
+            return {**out, **exposure(blocks, out), "threads": [[0.0, cfg.num_threads]]}
         from decode.threads import FreeCoreThreads
 
         follow = FreeCoreThreads()
@@ -145,7 +153,7 @@ def _with_cfg_threads(fn):
             out = fn(student, blocks, out_dir, cfg, *args, _threads_update=follow.update, **kwargs)
         finally:
             follow.close()
-        return {**out, "threads": [list(c) for c in follow.changes]}
+        return {**out, **exposure(blocks, out), "threads": [list(c) for c in follow.changes]}
 
     return wrapper
 

@@ -118,9 +118,9 @@ def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
 def training_section(drafts_meta: dict) -> str:
     """The report's "Drafts" section: how each draft of this pipeline was trained and with what budget
     (``drafts_meta``: name -> :class:`data.specdraft_meta.SpecdraftMeta`; drafts not trained here are left out)."""
-    rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | training time s (one-off teacher "
-            "passes s) | budget | parameters (draft / target) | validation CE on training domain (draft / target, "
-            "nats/token) |", "|---|---|---|---|---|---|---|"]
+    rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | unique tokens (most reads) | "
+            "training time s (one-off teacher passes s) | budget | parameters (draft / target) | validation CE on "
+            "training domain (draft / target, nats/token) |", "|---|---|---|---|---|---|---|---|"]
     notes = []
     for name, m in drafts_meta.items():
         if not m.trained_here:
@@ -139,7 +139,8 @@ def training_section(drafts_meta: dict) -> str:
             budget = f"{b['max_steps']} steps or {b['max_time_s']:.0f} s"
         else:
             budget = f"{b.get('max_steps', tr.get('max_steps', '?'))} steps"
-        rows.append(f"| {name} | {m.loss} (T={m.temperature}) | {tr['steps']} ({selected}) | "
+        seen = f"{tr['unique_tokens']:,} ({tr['max_reads_per_token']}x)" if "unique_tokens" in tr else "-"
+        rows.append(f"| {name} | {m.loss} (T={m.temperature}) | {tr['steps']} ({selected}) | {seen} | "
                     f"{tr.get('train_time_s', float('nan')):.1f} ({one_off:.1f}) | {budget} | "
                     f"{m.draft_parameters:,} / {m.target_parameters:,} | "
                     f"{m.validation_loss_nats_per_token:.3f} / {m.target_validation_loss_nats_per_token:.3f} |")

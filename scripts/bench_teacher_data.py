@@ -36,6 +36,27 @@ def _spin(stop) -> None:
             x += 1
 
 
+def load_smollm2(num_prompts: int) -> tuple:
+    """``(target, tokenizer, target folder, prompts)``: SmolLM2-135M-Instruct (``target=smollm2``, converted once
+    into the cache) and the token ids of its first ``num_prompts`` chat-templated medical training prompts (hash
+    order, at most 192 tokens), as the main job reads them."""
+    from omegaconf import OmegaConf
+
+    from data.blocks import training_prompts
+    from data.checkpoints import load_causal_lm
+    from data.config import TargetConfig
+    from data.gguf_target import prepare_target
+    from data.loading import DataOptions
+    from data.tokenization import encode_prompt
+
+    tc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig),
+                                             OmegaConf.load(ROOT / "conf" / "target" / "smollm2.yaml")))
+    target_path = prepare_target(tc)
+    target, tok = load_causal_lm(target_path, role="target")
+    texts = training_prompts({"medical": 1.0}, "train", DataOptions(), num_prompts, tok, 0)
+    return target, tok, target_path, [encode_prompt(tok, t, 192)[0][0].tolist() for t in texts]
+
+
 def _ints(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -56,14 +77,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
-    from omegaconf import OmegaConf
-
-    from data.checkpoints import load_causal_lm
-    from data.config import TargetConfig
-    from data.gguf_target import prepare_target
-    from data.loading import DataOptions
-    from data.blocks import training_prompts
-    from data.tokenization import encode_prompt
     from decode.llamacpp import EngineError, find_engine
     from distill.config import GenerationConfig
     from distill.generation import generate_teacher_sequences, generate_teacher_sequences_engine
@@ -73,12 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     except EngineError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig),
-                                             OmegaConf.load(ROOT / "conf" / "target" / "smollm2.yaml")))
-    target_path = prepare_target(tc)
-    target, tok = load_causal_lm(target_path, role="target")
-    texts = training_prompts({"medical": 1.0}, "train", DataOptions(), args.prompts, tok, 0)
-    prompts = [encode_prompt(tok, t, 192)[0][0].tolist() for t in texts]
+    target, tok, target_path, prompts = load_smollm2(args.prompts)
     stop = multiprocessing.Event()
     busy = multiprocessing.Process(target=_spin, args=(stop,), daemon=True) if args.busy else None
     if busy:

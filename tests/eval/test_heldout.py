@@ -90,3 +90,12 @@ def test_section_renders_and_records():
     assert doc["heldout"] is rec and "| d | medical | 1 |" in md and "medical: 3" in md
     doc = {}
     assert "Not measured: off" in HeldoutSection(None, "off")(doc) and doc["heldout"] == {"skipped": "off"}
+
+
+@pytest.mark.parametrize("kw", [{"max_prompts": 0}, {"train_prompts": -1}, {"max_new_tokens": 0}, {"max_gamma": 0},
+                                {"batch_size": 0}, {"near_duplicate_jaccard": 0}, {"near_duplicate_jaccard": 1.5}])
+def test_config_refuses_bad_values(kw):
+    from eval.config import HeldoutConfig
+
+    with pytest.raises(ValueError, match="eval.heldout." + next(iter(kw))):
+        HeldoutConfig(**kw)

@@ -21,7 +21,8 @@ cores), counting the positions that got soft labels. Then distill_med's draft (t
 embeddings, an 8,192-id trimmed head whose rows train) is trained once over each source's blocks (each read once,
 forward KL, lr 2e-3) and replayed on the target's greedy answers to held-out medical prompts
 (:mod:`eval.heldout`). With ``--busy-budget-s`` > 0 the throughput part is repeated while another process keeps
-one core busy (a shared machine); training and scoring take their threads from the free cores.
+one core busy (a shared machine); scoring takes its threads from the free cores. Last, a distillation step is timed
+idle, then with one core busy at a fixed 2 threads and at ``trainer.num_threads=0`` (the free cores).
 """
 from __future__ import annotations
 
@@ -123,6 +124,27 @@ def train_draft(ctx: dict, got: dict, out: Path):
     return draft.eval(), stats
 
 
+def step_seconds(ctx: dict, got: dict, threads: int, steps: int, out: Path) -> float:
+    """Seconds per distillation step of distill_med's draft on ``got``'s first blocks at ``trainer.num_threads =
+    threads`` (0: the cores other processes leave free), after one warm-up step."""
+    from data.draft_vocab import install_trimmed_head
+    from distill.teacher import make_cached_distill_step, over_kept_ids
+    from distill.trainer import TrainerConfig, train
+
+    draft = copy.deepcopy(ctx["draft"])
+    draft.get_input_embeddings().weight.requires_grad_(False)
+    install_trimmed_head(draft, ctx["kept"])
+    step = make_cached_distill_step("forward_kl", 1.0)
+    times = []
+    for n in (1, 1 + steps):
+        cfg = TrainerConfig(max_steps=n, micro_batch_size=8, lr=2e-3, warmup_steps=0, save_every=0, log_every=n,
+                            num_threads=threads)
+        stats = train(draft.train(), got["blocks"][:8 * n], out / f"t{threads}-{n}", cfg, step,
+                      teacher=over_kept_ids(got["cache"], draft), desc=f"steps@{threads}")
+        times.append(stats["train_time_s"])
+    return (times[1] - times[0]) / steps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget-s", type=float, default=120.0, help="seconds each source runs (default 120)")
@@ -163,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in sources:
             got[s] = collect(s, args.budget_s, ctx, Path(tmp))
             print(f"{s}: {got[s]['tokens']} scored tokens in {got[s]['seconds']:.1f} s", flush=True)
+        first = next(got[s] for s in sources if got[s]["cache"] is not None)
+        steps = {"idle, free cores": step_seconds(ctx, first, 0, 4, Path(tmp))}
         if args.busy_budget_s:
             stop = multiprocessing.Event()
             busy = multiprocessing.Process(target=_spin, args=(stop,), daemon=True)
@@ -171,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 for s in sources:
                     r = collect(s, args.busy_budget_s, ctx, Path(tmp) / "busy")
                     busy_rows.append({k: r[k] for k in ("source", "tokens", "seconds", "tokens_per_s")})
+                steps["one core busy, 2 threads"] = step_seconds(ctx, first, 2, 4, Path(tmp))
+                steps["one core busy, free cores"] = step_seconds(ctx, first, 0, 4, Path(tmp))
             finally:
                 stop.set()
                 busy.join(5)
@@ -204,11 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {s} | {row['tokens']:,} | {row['tokens_per_s']:.0f} | "
               f"{'-' if b is None else format(b['tokens_per_s'], '.0f')} | {train_s.get(s, 0):.0f} | "
               + (f"{row['alpha_1']:.3f} [{ci[0]:.2f}, {ci[1]:.2f}] | {row['tau_3']:.2f} |" if h else "- | - |"))
+    print("\n| distillation step (8 x 128 tokens, distill_med's draft) | seconds | vs idle |\n|---|---|---|")
+    for k, v in steps.items():
+        print(f"| {k} | {v:.2f} | {v / steps['idle, free cores']:.2f}x |")
     for n in notes:
         print(f"\n{n}")
     if args.json:
         args.json.write_text(json.dumps({"budget_s": args.budget_s, "busy_budget_s": args.busy_budget_s,
-                                         "rows": rows, "notes": notes}, indent=2))
+                                         "rows": rows, "step_seconds": steps, "notes": notes}, indent=2))
     return 0
 
 

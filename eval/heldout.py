@@ -217,6 +217,8 @@ class HeldoutSection:
                  "| draft | prompts | n | " + " | ".join(f"alpha_{k}" for k in range(1, g + 1)) + " | "
                  + " | ".join(f"tau g={k}" for k in range(1, g + 1)) + " |",
                  "|---|---|---|" + "---|" * (2 * g)]
+        notes = [f"Not measured on {d}: {why}" for d, why in r.get("skipped_domains", {}).items()]
+        lines[3:3] = ["", *notes] if notes else []
         for name, per in r["drafts"].items():
             for dom, s in per.items():
                 alphas = [(_with_ci(a, c) if k == 0 else _fmt(a)) for k, (a, c) in
@@ -302,17 +304,21 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
         drafts: name -> draft model; domains: the evaluation's built-in domains; train_domains: the domains the
             drafts trained on (``data.domain`` / ``data.mixture``); cfg: :class:`eval.config.HeldoutConfig`.
 
-    Raises:
-        DataSourceError: a domain has no held-out prompt.
+    A domain without a held-out prompt is left out and named in ``skipped_domains`` with the reason.
     """
     from data.blocks import domain_prompts
     from data.tokenization import encode_prompt
     from decode.common import default_eos, output_vocab_size
 
+    from data.errors import DataSourceError
+
     index = reference_index(list(domains) + list(train_domains), opts, cfg.near_duplicate_jaccard)
-    texts, removed = {}, {}
+    texts, removed, skipped = {}, {}, {}
     for d in domains:
-        texts[d], removed[d] = heldout_prompts(d, opts, tokenizer, cfg.max_prompts, index)
+        try:
+            texts[d], removed[d] = heldout_prompts(d, opts, tokenizer, cfg.max_prompts, index)
+        except DataSourceError as e:  # one domain without held-out prompts is reported, never ends the evaluation
+            skipped[d] = str(e)
     for d in train_domains:
         if cfg.train_prompts:
             texts[f"train:{d}"] = domain_prompts(d, "train", opts, cfg.train_prompts, tokenizer)
@@ -321,7 +327,7 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
         eos if isinstance(eos, int) else (eos or [0])[0])
     record = {"max_gamma": cfg.max_gamma, "max_new_tokens": cfg.max_new_tokens, "max_prompts": cfg.max_prompts,
               "near_duplicate_jaccard": cfg.near_duplicate_jaccard, "near_duplicates_removed": removed,
-              "prompts": {}, "drafts": {n: {} for n in drafts}}
+              "skipped_domains": skipped, "prompts": {}, "drafts": {n: {} for n in drafts}}
     for d, ts in texts.items():
         prompts = [encode_prompt(tokenizer, t, max_prompt_tokens)[0][0].tolist() for t in ts]
         answers = greedy_answers(target, prompts, cfg.max_new_tokens, eos, pad, cfg.batch_size)

@@ -1,6 +1,6 @@
 """The learning curve of a draft: held-out acceptance against the unique teacher tokens it trained on.
 
-    python scripts/learning_curve.py RUN_OR_SWEEP_DIR [...] [--domain medical] [--target 0.6]
+    python scripts/learning_curve.py RUN_OR_SWEEP_DIR [...] [--domain medical] [--draft distilled] [--target 0.6]
         [--gpu-tokens-per-s 200000] [--out DIR]
 
 Reads each finished run (``metrics.json`` with the held-out section, eval/heldout.py, and the distilled draft's
@@ -36,7 +36,7 @@ def run_point(run: Path, domain: str, draft: str = "distilled") -> dict | None:
     """One curve point from a finished run folder, or None when it lacks the held-out section or the draft."""
     doc = json.loads((run / "metrics.json").read_text())
     ho = (doc.get("heldout") or {}).get("drafts", {})
-    name = next((n for n in ho if n == draft or n.startswith(draft)), None)
+    name = draft if draft in ho else next((n for n in ho if n.startswith(draft)), None)  # else e.g. <draft>_int8
     meta_path = run / "drafts" / draft / "specdraft.json"
     if name is None or domain not in ho[name] or not meta_path.exists():
         return None
@@ -134,9 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=0.6, help="the alpha_1 the projection solves for")
     ap.add_argument("--gpu-tokens-per-s", type=float, default=2e5,
                     help="assumed teacher-forced scoring throughput of one GPU for the projection")
+    ap.add_argument("--draft", default="distilled", help="the draft read from each run (default distilled; its int8 "
+                    "copy when only that was evaluated)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    points = [p for p in (run_point(r, args.domain) for r in _runs(args.paths)) if p and p["unique_tokens"]]
+    points = [p for p in (run_point(r, args.domain, args.draft) for r in _runs(args.paths)) if p and p["unique_tokens"]]
     if len(points) < 2:
         print(f"error: need at least two finished runs with a held-out section under {args.paths}; found "
               f"{len(points)}", file=sys.stderr)

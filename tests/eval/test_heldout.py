@@ -99,3 +99,11 @@ def test_config_refuses_bad_values(kw):
 
     with pytest.raises(ValueError, match="eval.heldout." + next(iter(kw))):
         HeldoutConfig(**kw)
+
+
+def test_a_domain_without_held_out_prompts_is_named_not_fatal():
+    rec = {"max_gamma": 1, "max_new_tokens": 8, "max_prompts": 2, "near_duplicate_jaccard": 0.7,
+           "near_duplicates_removed": {}, "skipped_domains": {"mine": "no test prompts"}, "prompts": {},
+           "drafts": {"d": {}}}
+    md = HeldoutSection(rec)({})
+    assert "Not measured on mine: no test prompts" in md and md.index("Not measured") < md.index("| draft |")

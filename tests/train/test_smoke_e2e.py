@@ -82,7 +82,15 @@ def test_smoke_metrics_are_consistent_and_lossless(smoke_run):
     assert lines[2] == "## Verdicts" and lines[4].startswith("| domain | deploy | measured speedup")
     assert [r.split(" | ")[0].lstrip("| ") for r in lines[6:8]] == list(doc["recommendation"])
     assert all(len(v.split()) <= 40 for v in doc["verdicts"].values()) and "## How each verdict was reached" in report
-    assert "training time s (one-off teacher passes s)" in report
+    assert "training time s (one-off teacher passes s)" in report and "unique tokens (most reads)" in report
+    # held-out acceptance: every draft on both domains' held-out prompts and on training prompts
+    ho = doc["heldout"]
+    assert ho["prompts"]["medical"] == 4 and ho["prompts"]["train:medical"] == 2 and "## Held-out acceptance" in report
+    for name in ("distilled", "baseline"):
+        for d in ("medical", "code", "train:medical"):
+            cell = ho["drafts"][name][d]
+            assert len(cell["alpha"]) == 5 and [int(g) for g in cell["tau"]] == [1, 2, 3, 4, 5]
+            assert all(t is None or 1 <= t <= int(g) + 1 for g, t in cell["tau"].items())
 
 
 def test_draft_checkpoint_works_as_transformers_assistant(smoke_run):

@@ -45,7 +45,10 @@ def run_point(run: Path, domain: str, draft: str = "distilled") -> dict | None:
     cost = sum(float((meta.get(k) or {}).get("cost_s") or (meta.get(k) or {}).get("time_s") or 0)
                for k in ("teacher_cache", "teacher_data"))
     s, t = ho[name][domain], ho[name].get(f"train:{domain}")
-    return {"run": str(run), "unique_tokens": tr.get("unique_tokens"), "max_reads": tr.get("max_reads_per_token"),
+    unique = tr.get("unique_tokens") or (meta.get("teacher_cache") or {}).get("scored_tokens")  # cached: the same
+    reads = tr.get("max_reads_per_token") or (-(-int(tr["tokens_seen"]) // unique) if unique and "tokens_seen" in tr
+                                              else None)
+    return {"run": str(run), "unique_tokens": unique, "max_reads": reads,
             "steps": tr.get("steps"), "train_s": tr.get("train_time_s"), "teacher_cost_s": cost,
             "alpha_1": s["alpha"][0], "alpha_1_ci": s["alpha_ci"][0], "tau_3": s["tau"].get("3", s["tau"].get(3)),
             "tau_3_ci": s["tau_ci"].get("3", s["tau_ci"].get(3)), "prompts": s["prompts"],

@@ -153,7 +153,8 @@ def free_cores(window_s: float = 0.5) -> int:
     /proc/stat (summed over cores, rounded down unless within 0.3 of the next whole core), at least 1, at most the
     affinity mask's count. llama.cpp's threads spin-wait for each other, so a
     thread placed on a core another process holds stalls every step: on 2 cores with one busy, 2 threads ran
-    several times slower than 1 (docs/engine.md); torch's OpenMP threads spin-wait likewise (:class:`FreeCoreThreads`). Where /proc/stat cannot be read: every core of the mask."""
+    several times slower than 1 (docs/engine.md); torch's OpenMP threads spin-wait likewise
+    (:class:`FreeCoreThreads`). Where /proc/stat cannot be read: every core of the mask."""
     cores = available_cores()
     a = _core_times()
     if a is None:

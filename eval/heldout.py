@@ -235,19 +235,19 @@ def _rendered(render, row: dict) -> str:
     return render(row["prompt"], row["completion"], decode_messages(row["messages"]))[0] if render else row["prompt"]
 
 
-def heldout_prompts(domain: str, opts, tokenizer, limit: int, index: NearDuplicateIndex) -> tuple[list[str], int]:
-    """The first ``limit`` test prompts of ``domain`` (hash order, rendered as the target sees them) whose user
-    text is no near-duplicate of a reference in ``index``; returns ``(prompts, near-duplicates skipped)``.
+def heldout_prompts(domain: str, splits, tokenizer, limit: int, index: NearDuplicateIndex) -> tuple[list[str], int]:
+    """The first ``limit`` test prompts of ``domain`` (``splits``: its :func:`data.loading.load_domain`; hash
+    order, rendered as the target sees them) whose user text is no near-duplicate of a reference in ``index``;
+    returns ``(prompts, near-duplicates skipped)``.
 
     Raises:
         DataSourceError: the domain has no test prompts left.
     """
     from data.chat import renderer
     from data.errors import DataSourceError
-    from data.loading import load_domain
 
     render, out, removed = renderer(tokenizer), [], 0
-    for row in load_domain(domain, opts)["test"]:
+    for row in splits["test"]:
         if not row["prompt"].strip():
             continue
         if index.duplicate_of(row["prompt"]) is not None:
@@ -262,14 +262,11 @@ def heldout_prompts(domain: str, opts, tokenizer, limit: int, index: NearDuplica
     return out, removed
 
 
-def reference_index(domains, opts, threshold: float) -> NearDuplicateIndex:
-    """The train and validation user texts of ``domains`` (what a draft of this project may have trained on)."""
-    from data.loading import load_domain
-
-    texts = []
-    for d in dict.fromkeys(domains):
-        splits = load_domain(d, opts)
-        texts += [r["prompt"] for s in ("train", "validation") for r in splits[s] if r["prompt"].strip()]
+def reference_index(loaded: dict, threshold: float) -> NearDuplicateIndex:
+    """The train and validation user texts of the ``loaded`` domains (name -> :func:`data.loading.load_domain`):
+    what a draft of this project may have trained on."""
+    texts = [r["prompt"] for splits in loaded.values() for s in ("train", "validation") for r in splits[s]
+             if r["prompt"].strip()]
     return NearDuplicateIndex(texts, threshold)
 
 
@@ -306,22 +303,25 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
 
     A domain without a held-out prompt is left out and named in ``skipped_domains`` with the reason.
     """
-    from data.blocks import domain_prompts
+    from data.chat import renderer
     from data.tokenization import encode_prompt
     from decode.common import default_eos, output_vocab_size
 
     from data.errors import DataSourceError
+    from data.loading import load_domain
 
-    index = reference_index(list(domains) + list(train_domains), opts, cfg.near_duplicate_jaccard)
-    texts, removed, skipped = {}, {}, {}
+    loaded = {d: load_domain(d, opts) for d in dict.fromkeys(list(domains) + list(train_domains))}
+    index = reference_index(loaded, cfg.near_duplicate_jaccard)
+    texts, removed, skipped, render = {}, {}, {}, renderer(tokenizer)
     for d in domains:
         try:
-            texts[d], removed[d] = heldout_prompts(d, opts, tokenizer, cfg.max_prompts, index)
+            texts[d], removed[d] = heldout_prompts(d, loaded[d], tokenizer, cfg.max_prompts, index)
         except DataSourceError as e:  # one domain without held-out prompts is reported, never ends the evaluation
             skipped[d] = str(e)
     for d in train_domains:
         if cfg.train_prompts:
-            texts[f"train:{d}"] = domain_prompts(d, "train", opts, cfg.train_prompts, tokenizer)
+            rendered = (p for p in (_rendered(render, r) for r in loaded[d]["train"]) if p.strip())
+            texts[f"train:{d}"] = [p for p, _ in zip(rendered, range(cfg.train_prompts))]  # data.blocks.domain_prompts
     eos = default_eos(target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         eos if isinstance(eos, int) else (eos or [0])[0])

@@ -1,8 +1,8 @@
 """Teacher data by cost: each source's scored tokens per second and the held-out acceptance it buys at equal CPU
 time, in one run on this machine.
 
-    python scripts/bench_teacher_sources.py [--budget-s 120] [--busy-budget-s 40] [--sources fixed,ours,on_policy,engine]
-        [--heldout-prompts 24] [--json PATH]
+    python scripts/bench_teacher_sources.py [--budget-s 120] [--busy-budget-s 40]
+        [--sources fixed,ours,on_policy,engine] [--heldout-prompts 24] [--json PATH]
 
 Sources (every one ends in the same top-32 soft labels of SmolLM2-135M-Instruct over packed 128-token blocks, the
 main job's :func:`distill.teacher.build_teacher_cache`):

@@ -1,14 +1,14 @@
 """A run's training data as tensors and prompts: a domain split packed into token blocks, its prompts, and
 weighted mixtures of domains (``data.mixture``). Chat records are rendered as the target sees them
-(:class:`data.chat.Renderer`: the tokenizer's chat template, else the plain format)."""
+(:class:`data.text.Renderer`: the tokenizer's chat template, else the plain format).
+"""
 from __future__ import annotations
 
 import logging
-
 import torch
+from data.loading import COLUMNS, DataOptions, files_fingerprint, load_domain
+from data.text import cached_pack_blocks
 
-from .loading import COLUMNS, DataOptions, files_fingerprint, load_domain
-from .tokenization import cached_pack_blocks
 
 log = logging.getLogger(__name__)
 
@@ -17,8 +17,8 @@ def domain_blocks(domain: str, split: str, tokenizer, block_size: int, opts: Dat
                   max_blocks: int | None = None) -> torch.Tensor:
     """LongTensor (N, block_size) of the domain split tokenized with ``tokenizer`` (cached on disk). Chat records
     are the conversation as the target sees it: rendered with the tokenizer's chat template when it has one
-    (:class:`data.chat.Renderer`), else in the plain format."""
-    from .chat import Renderer
+    (:class:`data.text.Renderer`), else in the plain format."""
+    from data.text import Renderer
 
     render = Renderer(tokenizer)
 
@@ -38,8 +38,8 @@ def domain_blocks(domain: str, split: str, tokenizer, block_size: int, opts: Dat
 
 def domain_prompts(domain: str, split: str, opts: DataOptions, limit: int, tokenizer=None) -> list[str]:
     """The first ``limit`` non-empty prompts of a domain split (hash order, as :func:`data.loading.load_domain`);
-    with ``tokenizer``, chat records rendered in its chat template (:class:`data.chat.Renderer`)."""
-    from .chat import decode_messages, renderer
+    with ``tokenizer``, chat records rendered in its chat template (:class:`data.text.Renderer`)."""
+    from data.text import decode_messages, renderer
 
     render = renderer(tokenizer)
     rows = load_domain(domain, opts)[split]

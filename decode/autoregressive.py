@@ -1,11 +1,10 @@
-"""Target-only autoregressive decoding with a KV cache: the baseline speculative decoding must match and beat."""
+"""Target-only autoregressive decoding with a KV cache: the baseline speculative decoding must match and beat.
+"""
 from __future__ import annotations
 
 import time
-
 import torch
-
-from .common import (
+from decode.common import (
     DecodeSetup,
     GenerationOutput,
     Timer,
@@ -16,10 +15,10 @@ from .common import (
     setup_decoding,
     sync,
 )
-from .sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
-from .stats import AcceptanceStats
+from decode.sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
+from decode.stats import AcceptanceStats
 
-__all__ = ["autoregressive_generate"]
+__all__ = ['autoregressive_generate']
 
 
 @torch.inference_mode()

@@ -1,16 +1,15 @@
-"""Internals shared by the speculative decoder and the autoregressive baseline (not public API)."""
+"""Internals shared by the speculative decoder and the autoregressive baseline (not public API).
+"""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
-
 import torch
 from transformers import DynamicCache
-
-from .kv_policy import CachePolicy, cache_policy, tree_visibility  # noqa: F401  (CachePolicy re-exported by decode)
-from .stats import AcceptanceStats
-from .threads import BlockThreads
+from decode.fast_weights import CachePolicy, cache_policy, tree_visibility  # noqa: F401  (CachePolicy re-exported by decode)
+from decode.stats import AcceptanceStats
+from decode.fast_settings import BlockThreads
 
 
 @dataclass
@@ -234,7 +233,7 @@ class KVState:
         if self.policy.windowed:
             self.pos = torch.cat([self.pos, position_ids], dim=1)
             attention_mask = self._window_masks(position_ids)
-        with BlockThreads(tokens.device, tokens.numel()):  # decode.block_threads (decode/threads.py)
+        with BlockThreads(tokens.device, tokens.numel()):  # decode.block_threads (decode/fast_settings.py)
             out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
                              cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
         self.num_valid = self.num_valid + tm.sum(1)
@@ -294,7 +293,7 @@ class KVState:
             if self.mixed:
                 mask = {"full_attention": additive(full), "sliding_attention": mask}
         self.mask = torch.cat([self.mask, torch.ones(1, t, dtype=torch.long, device=dev)], 1)
-        with BlockThreads(dev, t):  # decode.block_threads (decode/threads.py)
+        with BlockThreads(dev, t):  # decode.block_threads (decode/fast_settings.py)
             out = self.model(input_ids=tokens[None], attention_mask=mask, position_ids=positions[None],
                              cache=self.cache, use_cache=True, logits_to_keep=0)
         self.num_valid = self.num_valid + t
@@ -325,9 +324,9 @@ def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, 
     forward (``ValueError`` naming the reason when the model is not supported). ``capacity``: expected number of
     cache slots (the lean state preallocates that many and grows when needed).
     """
-    from .fast_llama import FastKVState
-    from .fast_support import unsupported_reason
-    from .fast_weights import frozen_cached
+    from decode.fast_llama import FastKVState
+    from decode.fast_weights import unsupported_reason
+    from decode.fast_weights import frozen_cached
 
     if fast_path is False:
         return KVState(model, batch_size, device, capacity)

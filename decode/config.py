@@ -1,8 +1,35 @@
-"""The ``decode`` config section (typed, range-checked)."""
+"""The ``decode`` config section (typed, range-checked).
+
+Draft routing tables: which draft decodes which domain (``decode.draft_routing=PATH``).
+
+A routing table is the JSON file the evaluation writes (``routing.json`` in the run directory, see
+:mod:`eval.decision`)::
+
+    {"schema": "specdraft.routing/1",
+     "metric": "measured_speedup",
+     "routes": {"medical": {"draft": "lora_medical", "path": "/abs/drafts/lora_medical", "num_draft_tokens": 4,
+                            "measured_speedup": 1.12, "mean_accepted_length": 2.9, ...,
+                            "candidates": {"distilled": {...}, "lora_medical": {...}}},
+                "code": {...}},
+     "default": {"draft": "distilled", "path": "/abs/drafts/distilled", ...}}
+
+A route with ``"target_only": true`` (``draft`` and ``path`` null) sends its domain to no draft: it is decoded with
+the target alone (the evaluation writes such a route where every draft's measured speedup interval lies below 1).
+
+``routes.<domain>.path`` (absolute, or relative to the table's folder) is the draft for that domain; ``default``
+(optional) is the fallback for a domain without a route. :func:`load_routing` reads and checks a table;
+:meth:`RoutingTable.draft_for` answers one domain. The numbers beside each path are what the choice was based on;
+the loader only needs ``path`` (and ``draft``, the name shown in reports).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+import json
+import os
+from dataclasses import field
+from pathlib import Path
+
 
 DRAFT_LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
 
@@ -16,7 +43,7 @@ class DecodeConfig:
     top_p: float = 1.0  # in (0, 1]; 1 disables
     # Routing table (routing.json written by an evaluation): each domain is decoded with its routed draft.
     draft_routing: str | None = None
-    # How many tokens the draft proposes per verify step (decode.policies): fixed (num_draft_tokens), adaptive
+    # How many tokens the draft proposes per verify step (decode.speculative): fixed (num_draft_tokens), adaptive
     # (starts at num_draft_tokens, +/- adaptive_step after every adaptive_window verify steps, within
     # [min_draft_tokens, max_draft_tokens]) or confidence (up to max_draft_tokens, a row stops drafting when the
     # draft's top probability falls below confidence_threshold).
@@ -31,7 +58,7 @@ class DecodeConfig:
     compile: str = "auto"
     # CPU threads for forwards over more than one token (the target's verify block, prefills, batches): auto (every
     # core the process may use), off (the caller's torch setting), or a number. One-token forwards keep the caller's
-    # eval.num_threads / trainer.num_threads (decode/threads.py). Lossless either way.
+    # eval.num_threads / trainer.num_threads (decode/fast_settings.py). Lossless either way.
     block_threads: Any = "auto"
 
     def __post_init__(self):
@@ -60,7 +87,7 @@ class DecodeConfig:
         self.check_policy(self.draft_length_policy)
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"decode.compile must be one of auto, on, off, got {self.compile!r}")
-        from .threads import parse_block_threads
+        from decode.fast_settings import parse_block_threads
 
         self.block_threads = parse_block_threads(self.block_threads)
 
@@ -75,13 +102,13 @@ class DecodeConfig:
                              f"{self.max_draft_tokens}], got {self.num_draft_tokens}")
 
     def make_policy(self, name: str | None = None):
-        """A fresh :class:`decode.policies.DraftLengthPolicy` (``name``, default ``draft_length_policy``) with this
+        """A fresh :class:`decode.speculative.DraftLengthPolicy` (``name``, default ``draft_length_policy``) with this
         section's parameters. Policies are stateful: build one per independent decode.
 
         Raises:
             ValueError: unknown name, or parameters that do not fit it (see :meth:`check_policy`).
         """
-        from .policies import AdaptiveDraftLength, ConfidenceDraftLength, FixedDraftLength
+        from decode.speculative import AdaptiveDraftLength, ConfidenceDraftLength, FixedDraftLength
 
         name = name or self.draft_length_policy
         self.check_policy(name)
@@ -110,3 +137,121 @@ class DecodeConfig:
         if not self.do_sample:
             return {}
         return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+SCHEMA = "specdraft.routing/1"
+DEFAULT_KEY = "default"
+
+
+class RoutingError(ValueError):
+    """A routing table that is missing, not valid, or has no route for a domain."""
+
+
+@dataclass(frozen=True)
+class Route:
+    draft: str | None  # the draft's name (as in the report); None: decode with the target alone
+    path: str | None  # absolute path of the draft's Hugging Face directory; None: decode with the target alone
+    num_draft_tokens: int | None = None  # gamma it was measured best with (None: not recorded)
+
+    @property
+    def target_only(self) -> bool:
+        """True for a route to no draft: decode the domain with the target alone."""
+        return self.path is None
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    """domain -> :class:`Route`, plus an optional fallback ``default`` route."""
+
+    routes: dict[str, Route]
+    default: Route | None = None
+    source: str = ""
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def draft_for(self, domain: str) -> Route:
+        """The route of ``domain``, else the ``default`` route.
+
+        Raises:
+            RoutingError: no route for ``domain`` and no ``default`` (names the table and the routed domains).
+        """
+        if domain in self.routes:
+            return self.routes[domain]
+        if self.default is not None:
+            return self.default
+        raise RoutingError(f"routing table {self.source} has no route for domain {domain!r} and no "
+                           f"{DEFAULT_KEY!r} route; it routes {sorted(self.routes)}. Re-run the evaluation with "
+                           f"that domain in eval.domains, or add a {DEFAULT_KEY!r} entry to the table.")
+
+    def as_paths(self) -> dict[str, str]:
+        """domain -> draft path (None: the target alone; the ``default`` route under the key ``"default"`` when
+        present)."""
+        out = {d: r.path for d, r in self.routes.items()}
+        if self.default is not None:
+            out[DEFAULT_KEY] = self.default.path
+        return out
+
+
+def _route(entry, where: str, base: Path) -> Route:
+    if isinstance(entry, dict) and entry.get("target_only") is True:
+        if entry.get("path") is not None or entry.get("draft") is not None:
+            raise RoutingError(f"{where} is target_only but names a draft ({entry.get('draft')!r}, "
+                               f"{entry.get('path')!r}); drop target_only or the draft")
+        return Route(draft=None, path=None, num_draft_tokens=None)
+    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
+        raise RoutingError(f"{where} must be an object with a non-empty string 'path' (the draft directory), "
+                           f"got {entry!r}")
+    p = Path(entry["path"]).expanduser()
+    if not p.is_absolute():
+        p = base / p
+    gamma = entry.get("num_draft_tokens")
+    if gamma is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
+        raise RoutingError(f"{where}.num_draft_tokens must be an integer >= 1 or absent, got {gamma!r}")
+    name = entry.get("draft") or p.name
+    if not isinstance(name, str):
+        raise RoutingError(f"{where}.draft must be a string, got {name!r}")
+    return Route(draft=name, path=str(p), num_draft_tokens=gamma)
+
+
+def load_routing(path: str | os.PathLike, check_paths: bool = True) -> RoutingTable:
+    """Read and check the routing table at ``path``.
+
+    Args:
+        path: a ``routing.json`` written by the evaluation (or by hand, same schema).
+        check_paths: also require every routed draft directory to hold a ``config.json``.
+
+    Returns:
+        the :class:`RoutingTable` (relative draft paths resolved against the table's folder).
+
+    Raises:
+        RoutingError: the file is missing, not JSON, has another schema, no ``routes`` object, an entry without a
+            path, or (``check_paths``) a routed draft directory that does not exist; the message names the file.
+    """
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise RoutingError(f"decode.draft_routing: routing table {p} does not exist. Point it at the routing.json "
+                           f"an evaluation wrote (python -m eval / the eval stage / +experiment=adapt_domains).")
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RoutingError(f"routing table {p} is not valid JSON ({e}); re-run the evaluation that wrote it.") from None
+    if not isinstance(doc, dict):
+        raise RoutingError(f"routing table {p} must hold a JSON object, got {type(doc).__name__}")
+    if doc.get("schema") not in (None, SCHEMA):
+        raise RoutingError(f"routing table {p} has schema {doc.get('schema')!r}; this version reads {SCHEMA!r}")
+    routes = doc.get("routes")
+    if not isinstance(routes, dict):
+        raise RoutingError(f"routing table {p} has no 'routes' object (domain -> {{draft, path}})")
+    base = p.parent
+    table = RoutingTable(
+        routes={str(d): _route(e, f"{p}: routes.{d}", base) for d, e in routes.items()},
+        default=_route(doc[DEFAULT_KEY], f"{p}: {DEFAULT_KEY}", base) if doc.get(DEFAULT_KEY) is not None else None,
+        source=str(p), raw=doc)
+    if not table.routes and table.default is None:
+        raise RoutingError(f"routing table {p} routes no domain and has no {DEFAULT_KEY!r} route")
+    if check_paths:
+        routed = list(table.routes.items()) + ([(DEFAULT_KEY, table.default)] if table.default else [])
+        for d, r in routed:
+            if not r.target_only and not (Path(r.path) / "config.json").is_file():
+                raise RoutingError(f"routing table {p}: the draft for {d!r} ({r.draft}) is not a model directory: "
+                                   f"{r.path} has no config.json. Re-run the evaluation, or fix the path.")
+    return table

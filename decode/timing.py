@@ -1,14 +1,12 @@
-"""Timing the forward the decoder really uses (for the cost ratio c of Leviathan et al. 2023, Sec. 3.3)."""
+"""Timing the forward the decoder really uses (for the cost ratio c of Leviathan et al. 2023, Sec. 3.3).
+"""
 from __future__ import annotations
 
 import statistics
-
 import torch
+from decode.common import Timer, new_kv_state
 
-from .common import Timer, new_kv_state
-
-__all__ = ["forward_times_s", "cost_ratio", "block_forward_times_s", "head_share", "memory_bound_s",
-           "weights_read_per_token"]
+__all__ = ['forward_times_s', 'cost_ratio', 'block_forward_times_s', 'head_share', 'memory_bound_s', 'weights_read_per_token']
 
 
 @torch.inference_mode()
@@ -70,7 +68,7 @@ def head_share(model, steps: int = 50) -> dict[str, float]:
 
     head = model.get_output_embeddings()
     int8 = head if isinstance(head, QLinear) else getattr(head, "quantized", None)
-    if int8 is not None:  # an int8 head (decode/quantize.py): its own fbgemm product is what the forward runs
+    if int8 is not None:  # an int8 head (decode/fast_settings.py): its own fbgemm product is what the forward runs
         x = torch.randn(1, int8.in_features)
         times = []
         for _ in range(steps + 2):

@@ -47,15 +47,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-
 import torch
-
-from .common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
+from decode.common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
                       sync)
-from .sampling import process_logits, sample_tokens, uniform
-from .stats import AcceptanceStats
+from decode.sampling import process_logits, sample_tokens, uniform
+from decode.stats import AcceptanceStats
 
-__all__ = ["DraftTree", "TokenTree", "DynamicTokenTree", "parse_draft_tree", "tree_generate"]
+__all__ = ['DraftTree', 'TokenTree', 'DynamicTokenTree', 'parse_draft_tree', 'tree_generate']
 
 
 class DraftTree:

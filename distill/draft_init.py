@@ -1,16 +1,22 @@
 """Where a draft starts (``draft.init``) and the ``draft_init`` stage that saves it before any training.
 
-* ``config``: a fresh Llama of ``draft.arch`` sharing the target tokenizer (:func:`distill.models.build_llama`).
-* ``layer_pruned``: a self-draft made of some of the target's own layers (:mod:`distill.selfdraft`), chosen by
+* ``config``: a fresh Llama of ``draft.arch`` sharing the target tokenizer (:func:`distill.drafts.build_llama`).
+* ``layer_pruned``: a self-draft made of some of the target's own layers (:mod:`distill.drafts`), chosen by
   ``draft.layers`` (fixed rule or measured search).
 * ``pretrained``: any causal LM (``draft.name_or_path``: HF directory or hub id) whose tokenizer passes
-  :func:`data.tokenizer_check.check_tokenizers_compatible` against the target's and whose output vocabulary passes
-  :func:`distill.vocab.shared_vocab_size`.
+  :func:`models.vocab.check_tokenizers_compatible` against the target's and whose output vocabulary passes
+  :func:`distill.teacher.shared_vocab_size`.
 
 The ``draft_init`` stage saves a layer-pruned or pretrained draft as it starts to ``<run>/drafts/<init>`` (the
 "before distillation" draft of the report); ``distill`` / ``baseline`` then start from that saved draft when its
 recorded settings match, so the layer search runs once per run. With ``draft.quantize=int8`` every draft built from
-``draft`` is also saved as ``<name>_int8`` (fp32 weights + ``"quantize": "int8"``; see :mod:`decode.quantize`).
+``draft`` is also saved as ``<name>_int8`` (fp32 weights + ``"quantize": "int8"``; see :mod:`decode.fast_settings`).
+
+The reference target: a small Llama pretrained here on public text, for machines with no model hub.
+
+``python -m train +experiment=reference_target`` trains a byte-level BPE tokenizer and a Llama model on the data
+root's ``corpus/`` books plus the training splits of the task domains, then writes a standard Hugging Face
+directory with ``specdraft.json`` (the config, the data fingerprint and the validation loss per domain).
 """
 from __future__ import annotations
 
@@ -18,14 +24,22 @@ import json
 import logging
 from dataclasses import asdict
 from pathlib import Path
-
 import torch
+from models.checkpoints import save_hf_atomic
+import hashlib
+from dataclasses import dataclass, field
+from data.loading import DataOptions, files_fingerprint, load_domain
+from data.text import cached_pack_blocks, iter_texts, train_bpe_tokenizer
+from distill.drafts import LlamaArch, build_llama, count_parameters
+from distill.trainer import evaluate_loss
+from distill.trainer import train
+from distill.config import TrainerConfig
 
-from data.io import save_hf_atomic
+__all__ = ['build_initial_draft', 'load_pretrained_draft', 'save_draft', 'run_draft_init', 'init_dir']
+
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_initial_draft", "load_pretrained_draft", "save_draft", "run_draft_init", "init_dir"]
 
 
 def init_dir(rc, run_dir: Path) -> Path:
@@ -53,15 +67,15 @@ def load_pretrained_draft(name_or_path: str, target, tokenizer):
     """``(draft, draft_tokenizer)`` from a Hugging Face directory or hub id, checked against the target.
 
     Raises:
-        data.checkpoints.CheckpointError: the checkpoint cannot be loaded (names the path).
-        data.tokenizer_check.TokenizerMismatchError: its tokenizer maps some token to another id than the target's.
-        distill.vocab.VocabMismatchError: it has fewer output rows than the tokenizer has tokens.
+        models.checkpoints.CheckpointError: the checkpoint cannot be loaded (names the path).
+        models.vocab.TokenizerMismatchError: its tokenizer maps some token to another id than the target's.
+        distill.teacher.VocabMismatchError: it has fewer output rows than the tokenizer has tokens.
     """
-    from data.checkpoints import check_vocab_covers_tokenizer, load_causal_lm
-    from data.tokenizer_check import check_tokenizers_compatible
+    from models.checkpoints import check_vocab_covers_tokenizer, load_causal_lm
+    from models.vocab import check_tokenizers_compatible
     from decode.common import output_vocab_size
 
-    from .vocab import shared_vocab_size
+    from distill.teacher import shared_vocab_size
 
     draft, tok = load_causal_lm(name_or_path, role="draft")
     check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft.name_or_path {name_or_path!r}")
@@ -74,10 +88,10 @@ def _search_score_fn(rc, opts, target, tokenizer):
     """The score the layer search maximises on ``draft.layers.search.prompts`` validation prompts of
     ``data.domain``: the mean accepted length of greedy speculative decoding, or (``metric=expected_acceptance``)
     :func:`expected_acceptance_score`."""
-    from data.tokenization import encode_prompt
+    from data.text import encode_prompt
     from decode.common import output_vocab_size
 
-    from .generation import make_acceptance_eval
+    from distill.generation import make_acceptance_eval
     from data.blocks import domain_prompts
 
     s = rc.draft.layers.search
@@ -131,15 +145,15 @@ def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch
     ``specdraft.json``: ``init``, plus ``layers`` / ``layer_search`` or ``pretrained_from``).
 
     Raises:
-        ValueError: see :func:`distill.selfdraft.build_layer_pruned`, :func:`distill.selfdraft.search_layers`,
+        ValueError: see :func:`distill.drafts.build_layer_pruned`, :func:`distill.drafts.search_layers`,
             :func:`load_pretrained_draft`.
     """
-    from .models import build_llama
-    from .selfdraft import build_layer_pruned, resolve_layers, search_layers
+    from distill.drafts import build_llama
+    from distill.drafts import build_layer_pruned, resolve_layers, search_layers
 
     init = rc.draft.init
     if init == "config":
-        from .models import describe_shape_warnings
+        from distill.drafts import describe_shape_warnings
 
         draft = build_llama(rc.draft.arch, tokenizer, seed=rc.seed)
         warnings = describe_shape_warnings(draft, target)
@@ -185,7 +199,7 @@ def save_draft(model, tokenizer, out: Path, meta: dict, quantize: str = "none") 
 
 def reuse_initial_draft(rc, run_dir: Path):
     """The saved ``draft_init`` draft when its recorded settings equal the current ones, else ``None``."""
-    from data.checkpoints import load_causal_lm, read_specdraft_meta
+    from models.checkpoints import load_causal_lm, read_specdraft_meta
 
     d = init_dir(rc, run_dir)
     meta = read_specdraft_meta(d)
@@ -213,12 +227,12 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     Raises:
         ValueError: ``draft.init=config`` (a fresh random draft is not worth evaluating; use the distill stage).
     """
-    from data.checkpoints import load_causal_lm
-    from data.devices import torch_threads
+    from models.checkpoints import load_causal_lm
+    from core.cli import torch_threads
     from data.loading import files_fingerprint
 
-    from .models import count_parameters
-    from .step_losses import evaluate_loss
+    from distill.drafts import count_parameters
+    from distill.trainer import evaluate_loss
 
     if rc.draft.init == "config":
         raise ValueError("stage draft_init needs draft.init=layer_pruned or draft.init=pretrained (a fresh "
@@ -240,3 +254,78 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     written = save_draft(draft, tokenizer, out, meta, rc.draft.quantize)
     log.info("%s draft saved to %s", rc.draft.init, out)
     return {**meta, "path": str(out), "written": written}
+
+
+
+
+@dataclass
+class ReferenceConfig:
+    """Settings of the reference-target stage (``reference`` config group)."""
+
+    output_dir: str = "reference_target"  # where the HF directory goes (the default target.name_or_path)
+    domains: list[str] = field(default_factory=lambda: ["corpus", "medical", "code", "chat", "math"])
+    vocab_size: int = 4096
+    block_size: int = 256
+    arch: LlamaArch = field(default_factory=lambda: LlamaArch(hidden_size=256, num_layers=6, num_heads=8,
+                                                              intermediate_size=640))
+    trainer: TrainerConfig = field(default_factory=lambda: TrainerConfig(max_steps=1000, micro_batch_size=16,
+                                                                         lr=3e-3, warmup_steps=50, save_every=100))
+    eval_blocks_per_domain: int = 32
+
+
+def _tokenizer_texts(domains, opts):
+    for d in domains:
+        yield from iter_texts(load_domain(d, opts)["train"])
+
+
+def build_reference_target(rc: ReferenceConfig, opts: DataOptions, work_dir: Path, seed: int = 0) -> dict:
+    """Train tokenizer + model and save them to ``rc.output_dir``; returns the metadata written.
+
+    ``work_dir`` holds the resumable training state (so an interrupted build resumes with trainer.resume=true).
+    """
+    work_dir = Path(work_dir)
+    log.info("training byte-level BPE tokenizer (vocab %d) on %s", rc.vocab_size, rc.domains)
+    tokenizer = train_bpe_tokenizer(_tokenizer_texts(rc.domains, opts), rc.vocab_size)
+    fingerprints = {d: files_fingerprint(d, opts) for d in rc.domains}
+    data_fp = hashlib.sha256("".join(fingerprints[d] for d in rc.domains).encode()).hexdigest()
+
+    def blocks_of(split):
+        parts = []
+        for d in rc.domains:
+            ds = cached_pack_blocks(
+                [fingerprints[d], d, split, opts.validation_fraction, opts.test_fraction],
+                lambda d=d: load_domain(d, opts)[split].map(
+                    lambda r: {"text": r["prompt"] + r["completion"]}, remove_columns=["id", "source", "prompt", "completion"]),
+                tokenizer, rc.block_size)
+            parts.append(torch.tensor(ds["input_ids"], dtype=torch.long).view(-1, rc.block_size))
+        return parts
+
+    train_parts = blocks_of("train")
+    train_blocks = torch.cat(train_parts)
+    log.info("reference target: %d training blocks of %d tokens", train_blocks.size(0), rc.block_size)
+    model = build_llama(rc.arch, tokenizer, seed=seed)
+    stats = train(model, train_blocks, work_dir, rc.trainer, seed=seed, desc="reference target")
+    val = {}
+    for d, blocks in zip(rc.domains, blocks_of("validation")):
+        val[d] = evaluate_loss(model, blocks[: rc.eval_blocks_per_domain]) if blocks.numel() else float("nan")
+    meta = {
+        "kind": "reference_target",
+        "parameters": count_parameters(model),
+        "validation_loss_nats_per_token": val,
+        "data_fingerprint_sha256": data_fp,
+        "data_file_fingerprints": fingerprints,
+        "config": {**asdict(rc), "seed": seed, "data": asdict(opts)},
+        "train": {k: v for k, v in stats.items() if k != "config"},
+    }
+    from distill.launch import distributed_state
+
+    dist = distributed_state()
+    from data.text import REFERENCE_CHAT_TEMPLATE
+
+    # the chat template renders exactly the plain "User: ...\nAssistant:" text the model was trained on, so the
+    # default target exercises the chat-template path (data/text.py) without changing a token
+    tokenizer.chat_template = REFERENCE_CHAT_TEMPLATE
+    if dist.is_main_process:
+        save_hf_atomic(model, tokenizer, rc.output_dir, extra=meta)
+    dist.wait_for_everyone()
+    return meta

@@ -2,7 +2,7 @@
 
 * ``distill.data_source=teacher`` (sequence-level KD, Kim & Rush 2016): :func:`generate_teacher_sequences` lets the
   target continue the domain's training prompts once, with ``distill.generation`` sampling settings, and stores
-  the token sequences in a resumable, checksummed :class:`distill.shards.ShardStore` (one shard per
+  the token sequences in a resumable, checksummed :class:`distill.teacher.ShardStore` (one shard per
   ``generation.batch_size`` prompts, each with its own seeded generator, so a resumed pass produces the same
   tokens). :func:`pack_sequences` packs them (prompt + continuation + EOS) into training blocks; the teacher's
   soft labels then cover every position, as with the dataset.
@@ -30,13 +30,12 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-
 import torch
-
 from decode.common import left_pad
-from .config import GenerationConfig, OnPolicySchedule
-from .shards import ShardStore
-from .step_losses import EvalFn, MicroBatch
+from distill.config import GenerationConfig, OnPolicySchedule
+from distill.teacher import ShardStore
+from distill.trainer import EvalFn, MicroBatch
+
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,7 @@ def derived_seed(*parts) -> int:
 
 def pack_sequences(seqs: list[list[int]], block_size: int) -> torch.Tensor:
     """Concatenate token sequences in order and cut the stream into LongTensor (N, block_size); the tail shorter
-    than a block is dropped (as :func:`data.tokenization.pack_blocks`).
+    than a block is dropped (as :func:`data.text.pack_blocks`).
 
     Raises:
         ValueError: fewer than ``block_size`` tokens in total.
@@ -85,7 +84,7 @@ def answer_loss_mask(seqs: list[list[int]], prompt_lengths: list[int], block_siz
 
 
 class AnswerMaskHook:
-    """A :data:`distill.step_losses.BatchHook` that counts only the positions of ``mask`` (``(N, T)`` over the
+    """A :data:`distill.trainer.BatchHook` that counts only the positions of ``mask`` (``(N, T)`` over the
     training blocks, :func:`answer_loss_mask`) in each micro-batch's loss, by its rows' ``block_index``."""
 
     def __init__(self, mask: torch.Tensor):
@@ -113,7 +112,7 @@ def generate_teacher_sequences(
     Each returned sequence is ``prompt + generated tokens``, ending with ``eos_token_id`` (appended when the
     generation stopped at ``max_new_tokens``). Prompts are processed sorted by length (less left padding), and the
     result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft. ``precision``:
-    the run's ``trainer.mixed_precision``; the target generates in it (:func:`data.devices.run_precision`; part of
+    the run's ``trainer.mixed_precision``; the target generates in it (:func:`core.cli.run_precision`; part of
     the cache key unless ``no``).
 
     With ``gen.engine == "llama_cpp"`` the answers come from llama.cpp instead
@@ -126,11 +125,11 @@ def generate_teacher_sequences(
         if target_path is None:
             raise ValueError("distill.generation.engine=llama_cpp needs the target's folder (target_path)")
         return generate_teacher_sequences_engine(target_path, prompts, gen, root, seed=seed, eos_token_id=eos_token_id)
-    from data.devices import run_precision
+    from core.cli import run_precision
     from decode import autoregressive_generate
-    from decode.threads import following_free_cores
+    from decode.fast_settings import following_free_cores
 
-    from .teacher import model_fingerprint
+    from distill.teacher import model_fingerprint
 
     if not prompts:
         raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")
@@ -189,7 +188,7 @@ def generate_teacher_sequences_engine(
     served by ``llama-server`` with ``gen.engine_slots`` parallel slots, each shard's prompts sent concurrently.
     The same store layout and returned sequences (``prompt + answer + EOS``, prompts sorted by length), under
     ``root/sequences-<key>/`` with the engine, its version and the served target file in the key, so answers of
-    the two engines never mix. The target file is ``gen.engine_target_format`` (:func:`decode.gguf_export.target_gguf`:
+    the two engines never mix. The target file is ``gen.engine_target_format`` (:func:`decode.llamacpp.target_gguf`:
     SmolLM2's own Q4_1 file by default, the model users serve). Sampling (temperature > 0) seeds request ``j`` of
     shard ``i`` from ``(seed, i, j)``.
 
@@ -198,10 +197,10 @@ def generate_teacher_sequences_engine(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from data.gguf_target import sha256_file
-    from decode.gguf_export import target_gguf
+    from models.target import sha256_file
+    from decode.llamacpp import target_gguf
     from decode.llamacpp import LlamaServer, find_engine
-    from decode.threads import free_cores
+    from decode.fast_settings import free_cores
 
     if not prompts:
         raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")
@@ -376,10 +375,10 @@ def make_acceptance_eval(target: torch.nn.Module, prompts: list[torch.Tensor], *
                          max_new_tokens: int, eos_token_id: int | None = None, pad_token_id: int | None = None,
                          vocab_size: int | None = None, move_target: bool = True,
                          draft_length_policy=None) -> EvalFn:
-    """An :data:`distill.step_losses.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
+    """An :data:`distill.trainer.EvalFn`: greedy speculative decoding of each prompt (1, P) with the draft.
 
     ``draft_length_policy``: ``None`` (a fixed ``num_draft_tokens``) or a factory returning a fresh
-    :class:`decode.policies.DraftLengthPolicy` (``DecodeConfig.make_policy``), called once per prompt so each
+    :class:`decode.speculative.DraftLengthPolicy` (``DecodeConfig.make_policy``), called once per prompt so each
     evaluation of each checkpoint starts from the same policy state.
 
     The returned function maps a draft to ``{"mean_accepted_length", "acceptance_rate", "verify_steps",
@@ -428,7 +427,7 @@ def selection_eval_from_texts(rc, target: torch.nn.Module, tokenizer, texts: lis
     """:func:`make_acceptance_eval` over prompt ``texts`` encoded like evaluation prompts (``eval.max_prompt_tokens``)
     with the run's ``decode.num_draft_tokens`` / draft-length policy: the checkpoint-selection score of the
     distill, baseline and LoRA stages."""
-    from data.tokenization import encode_prompt
+    from data.text import encode_prompt
 
     return make_acceptance_eval(
         target, [encode_prompt(tokenizer, t, rc.eval.max_prompt_tokens)[0] for t in texts],

@@ -12,10 +12,8 @@ import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
-
 import torch
-
-from .trainer_config import TrainerConfig, cosine_with_warmup, zero_stage
+from distill.config import TrainerConfig, cosine_with_warmup, zero_stage
 
 
 def uses_deepspeed(accelerator: Any = None) -> bool:
@@ -194,7 +192,7 @@ class Run:
         """The teacher runs in the run's precision under every strategy: accelerate autocasts on one process / DDP;
         under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in fp32), so the
         step runs in torch.autocast there."""
-        from data.devices import run_precision
+        from core.cli import run_precision
 
         if not uses_deepspeed(self.accelerator) or mixed_precision == "no":
             return self.accelerator.autocast()

@@ -12,7 +12,7 @@ decoding on ``distill.eval_prompts`` validation prompts; the best-scoring weight
 
 :func:`train_and_save` is the recipe every draft-training stage shares (load the pair, learning signal, budget,
 training with selection, metadata, save); a :class:`Recipe` says how a stage differs. The LoRA and full
-fine-tuning stages are recipes too (:class:`distill.adaptation.Adaptation`: a base draft with adapters as the draft,
+fine-tuning stages are recipes too (:class:`distill.lora.Adaptation`: a base draft with adapters as the draft,
 the ``lora`` section's signal and steps, an adapter + merged-draft save hook).
 """
 from __future__ import annotations
@@ -21,20 +21,17 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
-
 import torch
-
 from data.blocks import training_blocks, training_fingerprint, training_prompts
 from data.loading import DataOptions
-from data.tokenization import encode_prompt
+from data.text import encode_prompt
+from models.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
+from distill.losses import get_loss
+from distill.drafts import build_llama, count_parameters
+from distill.trainer import cross_entropy_step, evaluate_loss, make_distill_step
+from distill.trainer import batch_indices, rows_this_run_uses, train
+from distill.teacher import trim_draft_vocab
 
-from data.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
-
-from .losses import get_loss
-from .models import build_llama, count_parameters
-from .step_losses import cross_entropy_step, evaluate_loss, make_distill_step
-from .trainer import batch_indices, rows_this_run_uses, train
-from .vocab import trim_draft_vocab
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +119,8 @@ def load_pair(rc, opts: DataOptions, run_dir: Path, recipe: "Recipe", events=Non
         ValueError: a model whose context is shorter than ``data.block_size`` or whose cache cannot be rolled back;
             a domain without text.
     """
-    from .launch import distributed_state
-    from .vocab import shared_vocab
+    from distill.launch import distributed_state
+    from distill.teacher import shared_vocab
 
     dist = distributed_state()
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target")
@@ -150,7 +147,7 @@ def _check_decodable(rc, model, role: str) -> None:
 
 def _initial_draft(rc, opts, run_dir, target, tokenizer, events):
     """``draft.init``: a config-built draft, or the saved layer-pruned / pretrained draft (:mod:`distill.draft_init`)."""
-    from .draft_init import initial_draft
+    from distill.draft_init import initial_draft
 
     draft, info = initial_draft(rc, opts, run_dir, target, tokenizer, events)
     if not rc.draft.train_embeddings:
@@ -192,8 +189,8 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         ``answer_counts`` is ``(V,)`` float64: how often each id occurs in the target's generated answers (the
         sequences minus their prompts; ``None`` without teacher data), what a trimmed draft vocabulary is counted on.
     """
-    from .generation import answer_loss_mask, generate_teacher_sequences, pack_sequences
-    from .teacher import build_teacher_cache, make_cached_distill_step
+    from distill.generation import answer_loss_mask, generate_teacher_sequences, pack_sequences
+    from distill.teacher import build_teacher_cache, make_cached_distill_step
 
     dc = rc.distill
     cache_root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
@@ -246,7 +243,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
     (``distill.data_source=teacher``) or with the draft's own samples mixed in (``on_policy``). The one-off
     teacher passes (:func:`teacher_signal_data`) run on the main process first; the other processes read its
     caches."""
-    from .generation import OnPolicyHook
+    from distill.generation import OnPolicyHook
 
     dc = rc.distill
     step, teacher, blocks, passes, answer_counts, answer_mask = teacher_signal_data(
@@ -259,7 +256,7 @@ def distillation_signal(rc, opts: DataOptions, pair: Pair, run_dir: Path) -> Sig
     hook = OnPolicyHook(dc.on_policy_fraction, dc.on_policy_gen, rc.seed, vocab_size=pair.shared,
                         schedule=dc.on_policy_schedule) if dc.data_source == "on_policy" else None
     if not dc.train_on_prompts:  # config check: data_source=teacher, so the blocks are prompts + target answers
-        from .generation import AnswerMaskHook
+        from distill.generation import AnswerMaskHook
 
         hook = AnswerMaskHook(answer_mask)
     meta = {"loss": dc.loss, "temperature": dc.temperature, "data_source": dc.data_source,
@@ -299,7 +296,7 @@ def selection_eval(rc, opts: DataOptions, pair: Pair, teacher, section=None) -> 
     """The checkpoint-selection score (mean accepted length of greedy speculative decoding on
     ``eval_prompts`` validation prompts of ``pair.weights``), or None with ``eval_every=0``; the settings are
     ``section``'s (``rc.distill`` by default, ``rc.lora`` for an adaptation)."""
-    from .generation import selection_eval_from_texts
+    from distill.generation import selection_eval_from_texts
 
     dc = section if section is not None else rc.distill
     if not dc.eval_every:
@@ -313,10 +310,10 @@ def selection_eval(rc, opts: DataOptions, pair: Pair, teacher, section=None) -> 
 def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict) -> dict:
     """``specdraft.json`` of a trained draft: how it was made (source, loss, data, budget), the selected step and
     its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision)."""
-    from data.chat import Renderer
-    from data.devices import run_precision
+    from data.text import Renderer
+    from core.cli import run_precision
 
-    from .generation import selection_meta
+    from distill.generation import selection_meta
 
     precision, dc = rc.trainer.mixed_precision, rc.distill
     with pair.dist.main_process_first():
@@ -337,7 +334,7 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
         "precision": precision, "train": {k: v for k, v in stats.items() if k != "config"}, "trainer": asdict(tcfg),
         "budget": budget, "data_fingerprint_sha256": training_fingerprint(pair.weights, opts), **signal.passes,
     }
-    from .generation import OnPolicyHook
+    from distill.generation import OnPolicyHook
 
     if isinstance(signal.hook, OnPolicyHook):
         meta["on_policy_generated_batches"] = signal.hook.generated_batches
@@ -356,7 +353,7 @@ def _step_logger(sig: "Signal", name: str, events):
     """The trainer's ``on_step``: adds the on-policy cost of the log window (draft rows, generated tokens,
     generation and target-scoring seconds, the scheduled fraction) to each train-log record, then emits the
     ``train_step`` event."""
-    from .generation import OnPolicyHook
+    from distill.generation import OnPolicyHook
 
     scored = {"s": 0.0}
 
@@ -381,7 +378,7 @@ class Recipe:
     ``signal(rc, opts, pair, run_dir) -> Signal``: how it learns; ``budget(rc, run_dir) -> (TrainerConfig, budget
     record)``: for how long; ``quantize="int8"`` also saves ``<name>_int8``. The methods are the distill stages'
     (``distill``, ``baseline``, ``distill_small``); an adaptation of an existing draft (LoRA or every weight)
-    overrides them (:class:`distill.adaptation.Adaptation`).
+    overrides them (:class:`distill.lora.Adaptation`).
     """
 
     def __init__(self, build_draft: Callable, signal: Callable, budget: Callable, quantize: str = "none"):
@@ -409,7 +406,7 @@ class Recipe:
 
     def trims_vocab(self, rc) -> bool:
         """Whether the draft gets a trimmed output head (``draft.draft_vocab_size``,
-        :func:`distill.vocab.trim_draft_vocab`)."""
+        :func:`distill.teacher.trim_draft_vocab`)."""
         return bool(rc.draft.draft_vocab_size)
 
     def describe(self, rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg,
@@ -429,7 +426,7 @@ class Recipe:
         """The save hook, called on every process after training: ``pair.draft`` to ``out`` (and ``<out>_int8``) on
         the main process (under ZeRO-3 only it holds the gathered weights). Returns the summary fields naming what
         was written besides ``path``."""
-        from .draft_init import save_draft
+        from distill.draft_init import save_draft
 
         written = save_draft(pair.draft, pair.tokenizer, out, meta, self.quantize) if pair.dist.is_main_process else {}
         log.info("%s draft saved to %s (step %s, validation CE %.3f, target %.3f)", out.name, out,
@@ -451,7 +448,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, reci
         ValueError: inconsistent config (``recipe.check``, e.g. :func:`check_draft_config`), a domain without text
             or prompts.
     """
-    from data.devices import torch_threads
+    from core.cli import torch_threads
 
     out = run_dir / "drafts" / name
     if rc.trainer.resume and recipe.complete(run_dir, name):
@@ -462,7 +459,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, reci
     with torch_threads(rc.trainer.num_threads):
         pair = load_pair(rc, opts, run_dir, recipe, events)
         sig = recipe.signal(rc, opts, pair, run_dir)
-        vocab = trim_draft_vocab(rc, pair, sig) if recipe.trims_vocab(rc) else None  # distill.vocab
+        vocab = trim_draft_vocab(rc, pair, sig) if recipe.trims_vocab(rc) else None  # distill.teacher
         tcfg, budget_info = recipe.budget(rc, run_dir)
         log.info("%s: %d params (target %d), %d training blocks of %d tokens", recipe.desc(name),
                  pair.draft_parameters, pair.target_parameters, sig.blocks.size(0), rc.data.block_size)

@@ -2,29 +2,175 @@
 
 ``distill.teacher_signal=cached`` runs the teacher once over the training blocks and stores, per position, its
 ``distill.cache_top_k`` largest logits (values fp32, vocabulary ids int32) in shards of
-``distill.cache_shard_blocks`` blocks (:class:`distill.shards.ShardStore`: safetensors files, a manifest with each
+``distill.cache_shard_blocks`` blocks (:class:`distill.teacher.ShardStore`: safetensors files, a manifest with each
 shard's SHA-256, temp-name-then-rename writes, finished shards skipped after a kill, corrupt shards recomputed).
-Training then needs no teacher forward; the loss uses the renormalised top-k (see :mod:`distill.topk`).
+Training then needs no teacher forward; the loss uses the renormalised top-k (see :mod:`distill.losses`).
 
 The cache folder name is a hash of everything that determines its content: the teacher's weights, the training
 blocks, k and the vocabulary the top-k ranges over, so a changed model or data set never reads a stale cache.
 Memory: the whole cache is loaded for training, ``N * T * k * 8`` bytes (N blocks of T tokens).
+
+A resumable, checksummed store of tensor shards on disk (teacher top-k cache, teacher generations).
+
+Layout of a store folder::
+
+    <root>/manifest.json          {"format": 1, "meta": {...}, "num_shards": n,
+                                   "shards": {"0": {"file": "shard-00000.safetensors", "sha256": "...", "bytes": b,
+                                                    "seconds": s}}}
+    <root>/shard-00000.safetensors ...
+
+Guarantees
+    * Atomic shards: a shard is written to a temporary name in the same folder, fsynced and renamed, and only then
+      entered into the manifest (itself written atomically). A process killed at any point leaves complete shards
+      and a manifest that lists a subset of them.
+    * Resumable: :meth:`ShardStore.ensure` skips every shard that the manifest lists *and* whose file still has the
+      recorded SHA-256; it computes the others (missing, unlisted, or corrupt: the checksum differs).
+    * ``meta`` identifies the content (e.g. model and data fingerprints, k). A manifest with different ``meta`` is
+      stale: its shards are recomputed.
+
+Shards hold named tensors (``safetensors``), which load without unpickling.
+
+Vocabulary alignment between the target (teacher) and the draft (student) output layers.
+
+Models often pad their embedding / LM-head rows beyond the tokenizer's vocabulary (to a multiple of 64 or 128
+for speed), so a target and a draft that share one tokenizer can still have different ``config.vocab_size``.
+Rows beyond ``len(tokenizer)`` are never produced by the tokenizer, so the two models' logits are comparable over
+the ids ``[0, n)`` with ``n = min(teacher_vocab_size, student_vocab_size) >= len(tokenizer)``: slice both logits
+to ``n`` with :func:`slice_to_shared` before computing a divergence (``distill.losses``). Any other difference
+means the two models do not share a vocabulary, which no slicing can fix: :class:`VocabMismatchError`.
+
+A draft may also keep fewer output rows than the target on purpose: :func:`trim_draft_vocab` gives a draft being
+trained a trimmed head over the ids it learns from most (``draft.draft_vocab_size``, :mod:`models.vocab`).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import tempfile
 import time
 from pathlib import Path
-
+from typing import Callable
 import torch
+from tqdm.auto import tqdm
+from core.io import write_json_atomic
+from distill.losses import densify_topk, teacher_topk, topk_forward_kl
+from distill.trainer import MicroBatch, StepLoss
+import warnings
+from torch import Tensor
 
-from .shards import ShardStore
-from .topk import densify_topk, teacher_topk, topk_forward_kl
-from .step_losses import MicroBatch, StepLoss
+__all__ = ['VocabMismatchError', 'VocabPaddingWarning', 'shared_vocab_size', 'shared_vocab', 'slice_to_shared', 'forced_ids', 'trim_draft_vocab']
+
 
 log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _save_shard_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ShardStore:
+    """``num_shards`` shards of named tensors under ``root``, identified by ``meta`` (JSON-serialisable dict)."""
+
+    def __init__(self, root: str | os.PathLike, meta: dict, num_shards: int):
+        if num_shards < 1:
+            raise ValueError(f"a shard store needs at least one shard, got num_shards={num_shards}")
+        self.root = Path(root)
+        self.meta = json.loads(json.dumps(meta, default=str))  # normalise (tuples -> lists) for comparison
+        self.num_shards = int(num_shards)
+
+    def shard_path(self, i: int) -> Path:
+        return self.root / f"shard-{i:05d}.safetensors"
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / "manifest.json"
+
+    def _read_manifest(self) -> dict:
+        empty = {"format": FORMAT, "meta": self.meta, "num_shards": self.num_shards, "shards": {}}
+        if not self.manifest_path.exists():
+            return empty
+        try:
+            m = json.loads(self.manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            log.warning("unreadable shard manifest %s (%s); recomputing every shard", self.manifest_path, e)
+            return empty
+        if m.get("format") != FORMAT or m.get("meta") != self.meta or m.get("num_shards") != self.num_shards:
+            log.warning("shard manifest %s describes different content; recomputing every shard", self.manifest_path)
+            return empty
+        return m
+
+    def status(self) -> dict[int, str]:
+        """Shard index -> ``ok`` (listed, checksum matches), ``missing`` (not listed or no file) or ``corrupt``."""
+        m = self._read_manifest()
+        out = {}
+        for i in range(self.num_shards):
+            entry, path = m["shards"].get(str(i)), self.shard_path(i)
+            if entry is None or not path.exists():
+                out[i] = "missing"
+            else:
+                out[i] = "ok" if sha256_file(path) == entry["sha256"] else "corrupt"
+        return out
+
+    def ensure(self, compute: Callable[[int], dict[str, torch.Tensor]], desc: str = "shards",
+               only: int | None = None) -> dict:
+        """Compute every shard that is not ``ok`` with ``compute(i) -> {name: tensor}``; with ``only``, just the
+        first ``only`` shards (the others stay as they are: a later call may compute them). Returns counts
+        ``{"reused", "computed", "corrupt"}`` over those shards (``corrupt`` ones are also counted in ``computed``)
+        and ``cost_s``: the seconds their computation took, whenever it ran (recorded per shard in the manifest;
+        None when a shard written by an older version has no record)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        status = self.status()
+        manifest = self._read_manifest()
+        wanted = range(self.num_shards if only is None else min(only, self.num_shards))
+        todo = [i for i in wanted if status[i] != "ok"]
+        corrupt = [i for i in todo if status[i] == "corrupt"]
+        for i in corrupt:
+            log.warning("%s: shard %s failed its SHA-256 check; recomputing it", desc, self.shard_path(i))
+        manifest["shards"] = {k: v for k, v in manifest["shards"].items() if status.get(int(k)) == "ok"}
+        for i in tqdm(todo, desc=desc, disable=not todo, dynamic_ncols=True):
+            path = self.shard_path(i)
+            t0 = time.perf_counter()
+            _save_shard_atomic(compute(i), path)
+            manifest["shards"][str(i)] = {"file": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
+                                          "seconds": round(time.perf_counter() - t0, 3)}
+            write_json_atomic(self.manifest_path, manifest)
+        if not todo and not self.manifest_path.exists():  # pragma: no cover - num_shards >= 1 makes todo non-empty
+            write_json_atomic(self.manifest_path, manifest)
+        cost = [manifest["shards"][str(i)].get("seconds") for i in wanted]
+        return {"reused": len(wanted) - len(todo), "computed": len(todo), "corrupt": len(corrupt),
+                "cost_s": None if None in cost else float(sum(cost))}
+
+    def load(self, i: int) -> dict[str, torch.Tensor]:
+        """Tensors of shard ``i`` (call :meth:`ensure` first; this does not re-verify the checksum)."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.shard_path(i)))
+
+
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:
@@ -91,7 +237,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         vocab_size: top-k only over ids ``< vocab_size`` (the ids shared with the draft; default: all logits).
         batch_size: blocks per teacher forward.
         precision: the run's ``trainer.mixed_precision`` (``no``, ``bf16``, ``fp16``): the teacher forward runs in
-            it (:func:`data.devices.run_precision`; part of the cache key unless ``no``); values are stored fp32.
+            it (:func:`core.cli.run_precision`; part of the cache key unless ``no``); values are stored fp32.
         use: blocks needed (the first ``use``; None: all).
 
     Returns:
@@ -100,9 +246,9 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     Raises:
         ValueError: ``k`` outside ``[1, vocab_size]`` or ``use`` outside ``[1, N]``.
     """
-    from data.devices import run_precision
+    from core.cli import run_precision
     from decode.common import output_vocab_size
-    from decode.threads import BlockThreads, following_free_cores
+    from decode.fast_settings import BlockThreads, following_free_cores
 
     t0 = time.perf_counter()
     vocab = int(vocab_size or output_vocab_size(teacher))
@@ -154,8 +300,8 @@ def make_cached_distill_step(loss_name: str, temperature: float, online_teacher:
                              **loss_kwargs) -> StepLoss:
     """A step loss that reads the teacher from a :class:`TeacherCache` (passed as the trainer's ``teacher``).
 
-    ``forward_kl`` uses :func:`distill.topk.topk_forward_kl` (no (B, T, V) teacher tensor); the other finite
-    divergences get the dense renormalised teacher from :func:`distill.topk.densify_topk`. Student logits are cut
+    ``forward_kl`` uses :func:`distill.losses.topk_forward_kl` (no (B, T, V) teacher tensor); the other finite
+    divergences get the dense renormalised teacher from :func:`distill.losses.densify_topk`. Student logits are cut
     to ``cache.vocab_size`` (the shared vocabulary) first.
 
     On-policy rows (``batch.generated``, :class:`distill.generation.OnPolicyHook`) have no cache entry: with
@@ -168,7 +314,7 @@ def make_cached_distill_step(loss_name: str, temperature: float, online_teacher:
         ValueError: at call time, a micro-batch without ``block_index`` whose rows are not all generated, or
             generated rows without ``online_teacher``.
     """
-    from .losses import get_loss
+    from distill.losses import get_loss
 
     dense = None if loss_name == "forward_kl" else get_loss(loss_name, **loss_kwargs)
     online = get_loss(loss_name, **loss_kwargs)
@@ -218,7 +364,7 @@ def over_kept_ids(teacher, draft, head=None):
     """``teacher`` (a :class:`distill.teacher.TeacherCache`, the target, or ``None``) seen over the kept ids of
     ``draft``'s trimmed head (unchanged for a full-vocabulary draft): the teacher conditioned on the kept set.
     ``head``: that head, taken before a wrapper (peft's LoRA on the head) hid it; then ``draft`` is not read."""
-    from data.draft_vocab import RemappedTeacher, trimmed_head
+    from models.vocab import RemappedTeacher, trimmed_head
 
     head = head if head is not None else trimmed_head(draft)
     if head is None:
@@ -229,7 +375,7 @@ def over_kept_ids(teacher, draft, head=None):
 
 
 class TrimmedTeacherCache:
-    """A :class:`distill.teacher.TeacherCache` read over a trimmed draft's kept ids (:func:`data.draft_vocab.remap_topk`:
+    """A :class:`distill.teacher.TeacherCache` read over a trimmed draft's kept ids (:func:`models.vocab.remap_topk`:
     top-k entries outside the kept set get ``-inf``, so the renormalised top-k is conditioned on the kept set)."""
 
     def __init__(self, cache, head):
@@ -240,7 +386,136 @@ class TrimmedTeacherCache:
         return self.cache.top_k
 
     def lookup(self, block_index: torch.Tensor, device="cpu"):
-        from data.draft_vocab import remap_topk
+        from models.vocab import remap_topk
 
         values, indices = self.cache.lookup(block_index, device)
         return remap_topk(self.head, values, indices)
+
+
+class VocabMismatchError(ValueError):
+    """The target's and draft's output vocabularies cannot be aligned over the tokenizer's ids."""
+
+
+class VocabPaddingWarning(UserWarning):
+    """The target and draft differ only by padded embedding rows; logits are compared over the shared ids."""
+
+
+def _check_size(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def shared_vocab_size(teacher_vocab_size: int, student_vocab_size: int, tokenizer_vocab_size: int) -> int:
+    """Number of leading logit columns over which target and draft are compared.
+
+    Args:
+        teacher_vocab_size: output rows of the target (teacher), e.g. ``target.config.vocab_size`` or
+            ``target.get_output_embeddings().weight.shape[0]``.
+        student_vocab_size: output rows of the draft (student).
+        tokenizer_vocab_size: ``len(tokenizer)`` of the shared tokenizer (base vocabulary plus added tokens).
+
+    Returns:
+        ``teacher_vocab_size`` when the two are equal (no warning). When they differ only by padded rows beyond
+        the tokenizer (both ``>= tokenizer_vocab_size``), ``min(teacher_vocab_size, student_vocab_size)`` and
+        exactly one :class:`VocabPaddingWarning` saying the logits are compared over the shared ids.
+
+    Raises:
+        VocabMismatchError: a model has fewer output rows than the tokenizer has tokens (some token ids would
+            have no logit), naming both sizes, the tokenizer size and the fix.
+        ValueError: a size that is not a positive int.
+    """
+    teacher = _check_size("teacher_vocab_size", teacher_vocab_size)
+    student = _check_size("student_vocab_size", student_vocab_size)
+    tok = _check_size("tokenizer_vocab_size", tokenizer_vocab_size)
+    sizes = f"target (teacher) vocab size {teacher}, draft (student) vocab size {student}, tokenizer size {tok}"
+    short = [name for name, size in (("target (teacher)", teacher), ("draft (student)", student)) if size < tok]
+    if short:
+        raise VocabMismatchError(
+            f"vocabulary mismatch: {sizes}. The {' and the '.join(short)} has fewer output rows than the tokenizer "
+            "has tokens, so the two models do not share one vocabulary. Fix: build or load the draft with the "
+            "target's tokenizer and resize its embeddings to cover it, e.g. "
+            "draft.resize_token_embeddings(len(tokenizer)) (optionally pad_to_multiple_of=64), then re-train; "
+            "padded rows beyond the tokenizer are fine and are sliced away."
+        )
+    if teacher == student:
+        return teacher
+    shared = min(teacher, student)
+    warnings.warn(
+        f"{sizes}: the models differ only by padded embedding rows beyond the tokenizer's vocabulary; "
+        f"logits are compared over the shared ids [0, {shared}).",
+        VocabPaddingWarning,
+        stacklevel=2,
+    )
+    return shared
+
+
+def shared_vocab(target, draft, tokenizer, quiet: bool = False) -> tuple[int, int | None]:
+    """``(shared, cut)`` of two loaded models sharing ``tokenizer``: :func:`shared_vocab_size` of their
+    ``config.vocab_size``, and where their logits are cut (``shared``, or None when neither has padded rows beyond
+    it). ``quiet``: no :class:`VocabPaddingWarning` (the caller's pair warns once). Raises as
+    :func:`shared_vocab_size`."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", VocabPaddingWarning)
+        shared = shared_vocab_size(target.config.vocab_size, draft.config.vocab_size, len(tokenizer))
+    return shared, shared if shared < max(target.config.vocab_size, draft.config.vocab_size) else None
+
+
+def slice_to_shared(logits: Tensor, n: int) -> Tensor:
+    """The first ``n`` vocabulary columns of ``logits`` (..., V) -> (..., n); a view, ``logits`` itself if V == n.
+
+    Raises ``ValueError`` if ``n`` is not in ``[1, V]``.
+    """
+    vocab = logits.shape[-1]
+    if not 1 <= n <= vocab:
+        raise ValueError(f"cannot slice logits with vocab size {vocab} to {n} shared ids (need 1 <= n <= {vocab})")
+    return logits if n == vocab else logits[..., :n]  # (..., n)
+
+
+def forced_ids(tokenizer, target) -> list[int]:
+    """Ids a trimmed draft vocabulary always keeps: the tokenizer's special tokens (chat-template markers, BOS,
+    padding) and every EOS id of the target's generation config, so the draft can propose the end of an answer."""
+    from decode.common import default_eos
+
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    eos = default_eos(target)
+    ids.update([eos] if isinstance(eos, int) else list(eos or []))
+    return sorted(i for i in ids if i is not None and i >= 0)
+
+
+def trim_draft_vocab(rc, pair, sig) -> dict:
+    """``draft.draft_vocab_size = N``: give ``pair.draft`` a :class:`models.vocab.TrimmedLMHead` over the ``N``
+    ids most frequent in what this draft learns from (the target's generated answers with teacher data, else the
+    training blocks), special tokens always kept, and map the learning signal to those ids: labels outside the
+    kept set are ignored, the teacher (cached top-k or online logits) is conditioned on the kept set (its mass
+    outside is dropped and the rest renormalised; docs/drafts.md). Returns the ``draft_vocab`` record for
+    ``specdraft.json``.
+
+    Raises:
+        ValueError: ``N`` larger than the vocabulary or smaller than the special tokens; a draft whose vocabulary
+            differs from the target's (padded rows) or an on-policy signal, which a trimmed head does not support.
+    """
+    import torch
+
+    from models.vocab import draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
+
+    from distill.drafts import count_parameters
+
+    if pair.cut is not None:
+        raise ValueError("draft.draft_vocab_size needs a draft with the target's vocabulary size (this draft's "
+                         "embedding is padded differently); drop draft.draft_vocab_size or rebuild the draft")
+    if sig.answer_counts is not None:
+        counts, on = sig.answer_counts, "target_answers"
+    else:
+        # every training block, not only those a short run reads: the distilled and baseline drafts count alike
+        counts, on = torch.bincount(pair.blocks.flatten(), minlength=pair.shared).double(), "training_blocks"
+    kept = kept_token_ids(counts[: pair.shared], rc.draft.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
+    head = install_trimmed_head(pair.draft, kept)
+    # draft.train_head (null: draft.train_embeddings) decides whether the kept rows train or stay the target's
+    train_head = rc.draft.train_embeddings if rc.draft.train_head is None else rc.draft.train_head
+    head.weight.requires_grad_(train_head)
+    pair.draft_parameters = count_parameters(pair.draft)
+    sig.teacher = over_kept_ids(sig.teacher, pair.draft)
+    return draft_vocab_record(head, counted_on=on, counted_tokens=int(counts.sum()),
+                              counted_share_kept=kept_mass(counts, kept), distinct_counted=int((counts > 0).sum()))

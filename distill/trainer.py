@@ -10,7 +10,7 @@ Data: the optimizer step ``s`` uses the blocks :func:`batch_indices` picks for `
 and seed). A ``batch_hook`` may replace a micro-batch (on-policy distillation swaps in the draft's own
 generations); it receives the step and micro-batch index so its randomness is a pure function of them too.
 
-Checkpoints (:mod:`distill.checkpointing`: ``accelerate.save_state`` plus ``trainer_state.json`` and the best
+Checkpoints (:mod:`distill.trainer`: ``accelerate.save_state`` plus ``trainer_state.json`` and the best
 weights, atomically in ``<out_dir>/checkpoint-last``); with ``resume=True`` training continues from there and ends
 with the same weights as an uninterrupted run (tested with a real ``kill -9``).
 
@@ -26,41 +26,380 @@ Closing the loop: with ``evaluate`` and ``eval_every > 0`` the student is evalua
 at the last step; the weights with the highest ``select_key`` (mean accepted length) are restored at the end.
 (A run shorter than ``eval_every`` steps is never evaluated: it keeps its last weights.)
 
-The trainer's pieces live by job: settings in :mod:`distill.trainer_config`, launch and preparation in
-:mod:`distill.launch`, checkpoints in :mod:`distill.checkpointing`, the micro-batch losses in
-:mod:`distill.step_losses`; their public names are importable from here too.
+The trainer's pieces live by job: settings in :mod:`distill.config`, launch and preparation in
+:mod:`distill.launch`, checkpoints in :mod:`distill.trainer`, the micro-batch losses in
+:mod:`distill.trainer`; their public names are importable from here too.
+
+What one micro-batch of training computes: the :class:`MicroBatch`, the step-loss contract (:data:`StepLoss`) and
+its two implementations (next-token cross-entropy, online distillation), and the validation loss.
+
+:func:`next_token_cross_entropy` is the project's one next-token cross-entropy: the baseline's training step
+(:func:`cross_entropy_step`) and every validation loss (:func:`evaluate_loss`) go through it, so a trimmed draft
+vocabulary (:mod:`models.vocab`) is handled in one place. (The hard-label term of the divergences,
+:func:`distill.losses.cross_entropy`, takes labels already aligned with the logits.)
+
+Resumable checkpoints and checkpoint selection of :func:`distill.trainer.train`.
+
+``<out_dir>/checkpoint-last`` holds ``accelerate.save_state`` (model, optimizer, scheduler, RNG; DeepSpeed: one
+partition per process), ``trainer_state.json`` (:class:`TrainState`) and the selected weights so far
+(``best_model.safetensors``), written atomically by :func:`save_checkpoint`; :func:`resume` loads them back after
+:func:`check_resumable` has compared the stored launch with this one. :class:`CheckpointSelector` scores the student
+during training and keeps the best weights; :class:`TrainLog` is ``train_log.jsonl``.
 """
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
-
 import torch
+import torch.nn.functional as F
+import json
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from core.io import atomic_dir, write_json_atomic
+from distill.launch import Run, state_dict_copy
+from distill.config import TrainerConfig, zero_stage
+import functools
+import os
 from tqdm.auto import tqdm
+from core.cli import torch_threads
+from distill.launch import (check_launch, distributed_state, optimizer_parameters, prepare_run, uses_deepspeed)
+from distill.config import STRATEGIES, cosine_with_warmup
 
-from data.devices import torch_threads
+__all__ = ['train', 'batch_indices', 'rows_this_run_uses', 'blocks_this_run_uses', 'BudgetClock', 'TrainerConfig', 'STRATEGIES', 'cosine_with_warmup', 'check_launch', 'distributed_state', 'uses_deepspeed', 'prepare_run', 'optimizer_parameters', 'Run', 'TrainState', 'save_checkpoint', 'check_resumable', 'CheckpointSelector', 'TrainLog', 'MicroBatch', 'StepLoss', 'BatchHook', 'EvalFn', 'cross_entropy_step', 'make_distill_step', 'count_tokens', 'next_token_cross_entropy', 'evaluate_loss']
 
-from .checkpointing import (CheckpointSelector, TrainLog, TrainState, check_finite_params, check_resumable, diverged,
-                            resume, save_checkpoint)
-from .launch import (Run, check_launch, distributed_state, optimizer_parameters, prepare_run, uses_deepspeed)
-from .step_losses import (BatchHook, EvalFn, MicroBatch, StepLoss, count_tokens, cross_entropy_step, evaluate_loss,
-                          make_distill_step, next_token_cross_entropy)
-from .trainer_config import STRATEGIES, TrainerConfig, cosine_with_warmup
 
-__all__ = [  # the loop, and the trainer's public names from the modules that define them
-    "train", "batch_indices", "rows_this_run_uses", "blocks_this_run_uses", "BudgetClock", "TrainerConfig",
-    "STRATEGIES", "cosine_with_warmup", "check_launch",
-    "distributed_state", "uses_deepspeed", "prepare_run", "optimizer_parameters", "Run", "TrainState",
-    "save_checkpoint", "check_resumable", "CheckpointSelector", "TrainLog", "MicroBatch", "StepLoss", "BatchHook",
-    "EvalFn", "cross_entropy_step", "make_distill_step", "count_tokens", "next_token_cross_entropy", "evaluate_loss",
-]
+@dataclass
+class MicroBatch:
+    """One micro-batch of token sequences.
+
+    Attributes:
+        input_ids: LongTensor (B, T).
+        attention_mask: LongTensor (B, T), 1 = real token (what the models attend to).
+        loss_mask: BoolTensor (B, T): ``True`` where the prediction made *at* position t counts (its next-token
+            distribution for distillation; the label ``input_ids[t+1]`` for cross-entropy, which also needs
+            ``attention_mask[t+1]``).
+        block_index: LongTensor (B,) rows of the training blocks this came from (looks up a cached teacher);
+            ``None`` for generated sequences.
+        generated: BoolTensor (B,): ``True`` for rows the draft generated (on-policy; no cached teacher entry, the
+            block_index entry of such a row is the block its prompt came from); ``None``: no generated row.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    block_index: torch.Tensor | None = None
+    generated: torch.Tensor | None = None
+
+    @classmethod
+    def from_blocks(cls, blocks: torch.Tensor, block_index: torch.Tensor | None = None) -> "MicroBatch":
+        """Every position of packed blocks (B, T) is real and counts."""
+        return cls(blocks, torch.ones_like(blocks), torch.ones(blocks.shape, dtype=torch.bool, device=blocks.device),
+                   block_index)
+
+    def counted(self) -> torch.Tensor:
+        """BoolTensor (B, T): positions whose prediction counts (loss mask on real tokens)."""
+        return self.loss_mask.bool() & self.attention_mask.bool()
+
+    def next_token_counted(self) -> torch.Tensor:
+        """BoolTensor (B, T-1): positions t whose next-token label ``input_ids[t+1]`` counts (``counted()[t]`` and
+        a real token at t+1)."""
+        return self.counted()[:, :-1] & self.attention_mask[:, 1:].bool()
+
+
+# A step loss: (student, teacher or None, micro-batch) -> (summed loss over counted tokens, token count). The count
+# must equal count_tokens(step_loss, batch): ``batch.counted().sum()`` unless the function carries a
+# ``count_tokens(batch) -> int`` attribute.
+StepLoss = Callable[[torch.nn.Module, Any, MicroBatch], "tuple[torch.Tensor, int]"]
+# A batch hook: (micro-batch, optimizer step, micro-batch index within the step over all processes, unwrapped
+# student) -> the micro-batch to train on. Must be a deterministic function of its arguments (and the seed it
+# closed over) so resumed runs replay it exactly.
+BatchHook = Callable[[MicroBatch, int, int, torch.nn.Module], MicroBatch]
+# An evaluation: unwrapped student (eval mode, no grad) -> metrics, e.g. {"mean_accepted_length": 2.1, ...}.
+EvalFn = Callable[[torch.nn.Module], dict]
+
+
+def next_token_cross_entropy(logits: torch.Tensor, input_ids: torch.Tensor, counted: torch.Tensor,
+                             model: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy in nats: position t predicts token t+1, the last position has no label.
+
+    Args:
+        logits: (B, T, V) float, computed in fp32; a model with a trimmed draft vocabulary
+            (:mod:`models.vocab`) gives its ``(B, T, N)`` kept logits.
+        input_ids: (B, T) long, the sequences the logits were computed on.
+        counted: (B, T-1) bool, whether the prediction at t (label ``input_ids[t+1]``) counts.
+        model: the model that produced ``logits``; with a trimmed head the labels are mapped to its kept rows
+            (:func:`models.vocab.draft_labels`) and labels outside the kept set add nothing.
+
+    Returns:
+        (loss, labels): the scalar fp32 sum over the counted labels, and the (B, T-1) labels it used (-100 where
+        nothing was counted: not ``counted``, or outside a trimmed vocabulary).
+    """
+    from models.vocab import draft_labels
+
+    labels = input_ids[:, 1:].masked_fill(~counted, -100)  # (B, T-1)
+    if model is not None:
+        labels = draft_labels(model, labels)  # trimmed: kept rows, -100 outside
+    flat = logits[:, :-1].float()  # (B, T-1, V)
+    return F.cross_entropy(flat.reshape(-1, flat.size(-1)), labels.reshape(-1), reduction="sum"), labels
+
+
+def cross_entropy_step(student, teacher, batch: MicroBatch):
+    """The baseline's :data:`StepLoss`: summed next-token cross-entropy over positions t with ``counted()[t]`` and a
+    real label at t+1 (:func:`next_token_cross_entropy`; a trimmed draft vocabulary: labels outside the kept set add
+    nothing but are counted, as :func:`count_tokens` knows before the forward)."""
+    keep = batch.next_token_counted()  # (B, T-1)
+    out = student(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    loss, _ = next_token_cross_entropy(out.logits, batch.input_ids, keep, student)
+    return loss, int(keep.sum())
+
+
+cross_entropy_step.count_tokens = lambda batch: int(batch.next_token_counted().sum())
+
+
+def count_tokens(step_loss: StepLoss, batch: MicroBatch) -> int:
+    """Tokens ``step_loss`` counts on ``batch`` (its ``count_tokens`` attribute; default: ``batch.counted()``),
+    known before the forward so the step's global token count can scale every micro-batch's backward."""
+    fn = getattr(step_loss, "count_tokens", None)
+    return int(fn(batch)) if fn is not None else int(batch.counted().sum())
+
+
+def make_distill_step(loss_fn, temperature: float, shared_vocab: int | None = None, **loss_kwargs) -> StepLoss:
+    """A step loss for distillation: teacher forward under no_grad (eval mode), divergence ``loss_fn`` summed over
+    the counted positions.
+
+    ``loss_fn`` is a :mod:`distill.losses` function called with ``reduction="sum"``; logits are cut to the
+    ``shared_vocab`` ids when the two models' embedding matrices are padded to different sizes.
+    """
+
+    def step(student, teacher, batch: MicroBatch):
+        ids, attn, keep = batch.input_ids, batch.attention_mask, batch.counted()
+        with torch.no_grad():
+            t_logits = teacher(input_ids=ids, attention_mask=attn).logits  # (B, T, V_t)
+        s_logits = student(input_ids=ids, attention_mask=attn).logits  # (B, T, V_s)
+        if shared_vocab is not None:
+            s_logits, t_logits = s_logits[..., :shared_vocab], t_logits[..., :shared_vocab]
+        loss = loss_fn(s_logits, t_logits, keep, temperature=temperature, reduction="sum", **loss_kwargs)
+        return loss, int(keep.sum())
+
+    return step
+
+
+@torch.no_grad()
+def evaluate_loss(model: torch.nn.Module, blocks: torch.Tensor, batch_size: int = 16) -> float:
+    """Mean next-token cross-entropy (nats per token) of ``model`` over ``blocks`` (N, T)
+    (:func:`next_token_cross_entropy`). A draft with a trimmed vocabulary (:mod:`models.vocab`) is scored over
+    the labels inside its kept set only (it gives the others probability 0)."""
+    from models.vocab import trimmed_logits
+
+    model.eval()
+    total, count = 0.0, 0
+    device = next(model.parameters()).device
+    with trimmed_logits(model):
+        for i in range(0, blocks.size(0), batch_size):
+            x = blocks[i : i + batch_size].to(device)  # (b, T)
+            every = torch.ones(x.size(0), x.size(1) - 1, dtype=torch.bool, device=device)  # (b, T-1)
+            logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits
+            loss, labels = next_token_cross_entropy(logits, x, every, model)
+            total += loss.item()
+            count += int((labels >= 0).sum())
+    return total / max(1, count)
+
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainState:
+    """What a resumable checkpoint records (``checkpoint-last/trainer_state.json``, same keys)."""
+
+    step: int = 0  # optimizer steps done
+    elapsed_s: float = 0.0  # training-loop wall clock so far, resumed parts included, selection evaluations not
+    tokens_seen: int = 0
+    final_loss: float | None = None  # mean loss per token of the last logged window
+    best: dict | None = None  # {"step", "metrics"} of the selected weights
+    last_eval_step: int | None = None
+    stopped_early: str | None = None  # "max_time_s" when the budget ended the run
+    selection_eval_s: float = 0.0  # time spent in selection evaluations
+    global_batch_sequences: int = 0
+    num_processes: int = 1
+    strategy: str = "single"
+
+
+def save_checkpoint(accelerator, ckpt: Path, state: dict, best_weights: dict[str, torch.Tensor] | None = None) -> None:
+    """Resumable state (``state["step"]`` etc.), written atomically: a killed save leaves the previous checkpoint
+    intact. ``best_weights`` (the selected weights so far) go to ``best_model.safetensors`` beside it.
+
+    Collective: every process calls it. The main process picks the temporary folder; every process writes its part
+    of ``accelerator.save_state`` there (DeepSpeed: its partition; RNG state), then the main process renames it.
+    """
+    from contextlib import nullcontext
+
+    from safetensors.torch import save_file
+
+    accelerator.wait_for_everyone()
+    main = accelerator.is_main_process
+    with atomic_dir(ckpt) if main else nullcontext() as tmp:
+        if accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            tmp = Path(broadcast_object_list([str(tmp) if main else None], from_process=0)[0])
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        accelerator.wait_for_everyone()
+        if main:
+            if best_weights is not None:
+                save_file(best_weights, str(tmp / "best_model.safetensors"))
+            write_json_atomic(tmp / "trainer_state.json", state)
+    accelerator.wait_for_everyone()
+
+
+def check_resumable(saved: dict, now: dict, ckpt: Path) -> None:
+    """A checkpoint resumes under another process count only with the same global batch, and (DeepSpeed keeps
+    one optimizer partition per process) only outside DeepSpeed.
+
+    Raises:
+        ValueError: naming the stored and the new setting and the fix.
+    """
+    gb = saved.get("global_batch_sequences")
+    if gb is not None and gb != now["global_batch_sequences"]:
+        raise ValueError(f"{ckpt} was trained with {gb} sequences per optimizer step; this launch gives "
+                         f"{now['global_batch_sequences']} (micro_batch_size x accumulation x {now['num_processes']} "
+                         f"processes). Set trainer.global_batch_size={gb} so the batch stays the same across "
+                         f"process counts.")
+    was, strategy = saved.get("strategy", "single"), now["strategy"]
+    deepspeed = zero_stage(was) is not None or zero_stage(strategy) is not None
+    if deepspeed and (was != strategy or saved.get("num_processes", 1) != now["num_processes"]):
+        raise ValueError(f"{ckpt} holds a {was} checkpoint of {saved.get('num_processes', 1)} process(es); resuming it "
+                         f"as {strategy} on {now['num_processes']} is not supported (DeepSpeed partitions the optimizer "
+                         f"state per process). Resume with trainer={was} on {saved.get('num_processes', 1)} "
+                         f"process(es), or start a new run directory.")
+
+
+def resume(run: Run, cfg: TrainerConfig, ckpt: Path, state: TrainState, desc: str) -> dict | None:
+    """Load ``ckpt`` into the prepared objects and ``state`` (with ``cfg.resume``); returns the selected weights
+    saved with it (None when there are none or this process does not keep them).
+
+    Raises:
+        ValueError: a damaged checkpoint, or one that cannot resume under this launch (:func:`check_resumable`).
+    """
+    from safetensors.torch import load_file
+
+    if not cfg.resume:
+        return None
+    if not (ckpt / "trainer_state.json").exists():
+        log.warning("%s: trainer.resume=true but no checkpoint in %s (checkpoints are written every "
+                    "trainer.save_every=%d steps); starting from step 0", desc, ckpt, cfg.save_every)
+        return None
+    try:
+        saved = json.loads((ckpt / "trainer_state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{desc}: cannot resume, {ckpt / 'trainer_state.json'} is damaged ({e}). Delete "
+                         f"{ckpt} to start this stage over, or start a new run directory.") from None
+    check_resumable(saved, asdict(state), ckpt)
+    try:
+        run.accelerator.load_state(str(ckpt))
+    except Exception as e:  # noqa: BLE001  (safetensors, torch.load, missing files: all mean a damaged checkpoint)
+        raise ValueError(f"{desc}: cannot resume, the checkpoint {ckpt} is damaged or incomplete "
+                         f"({type(e).__name__}: {e}). Delete {ckpt} to start this stage over, or start a new run "
+                         f"directory.") from None
+    known = {k: v for k, v in saved.items() if k in TrainState.__dataclass_fields__}
+    # the launch's own process count and strategy; a new budget (or none) applies to the continuation
+    state.__dict__.update({**known, "num_processes": state.num_processes, "strategy": state.strategy,
+                           "stopped_early": None})
+    log.info("resumed %s from step %d", desc, state.step)
+    if state.best is not None and (ckpt / "best_model.safetensors").exists() and run.keeps_best:
+        return load_file(str(ckpt / "best_model.safetensors"))
+    return None
+
+
+def diverged(desc: str, what: str, step: int, ckpt: Path) -> str:
+    """The message of a run that stopped on a non-finite loss or weights: the step, the checkpoint kept, the fix."""
+    kept = f"the last good checkpoint {ckpt} (step {_ckpt_step(ckpt)}) is kept" if ckpt.exists() else \
+        "no checkpoint was written yet"
+    return (f"{desc}: {what} at step {step}; training stopped and {kept}. Start a new run with a lower trainer.lr "
+            f"(or a larger trainer.warmup_steps / smaller trainer.max_grad_norm), or check the data; resuming "
+            f"needs the same settings.")
+
+
+def _ckpt_step(ckpt: Path):
+    try:
+        return json.loads((ckpt / "trainer_state.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return "?"
+
+
+def check_finite_params(model: torch.nn.Module, desc: str, step: int, ckpt: Path) -> None:
+    """Raise FloatingPointError when a parameter holds NaN/inf (an optimizer step overflowed): such weights are
+    never saved over the last good checkpoint."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise FloatingPointError(diverged(desc, f"weights became non-finite ({', '.join(bad[:3])})", step, ckpt))
+
+
+class TrainLog:
+    """``train_log.jsonl`` (main process only): one JSON record per logged step and per evaluation. A resumed run
+    first drops the records written after its checkpoint (they are replayed)."""
+
+    def __init__(self, path: Path, start_step: int, is_main: bool):
+        self.path, self.is_main = path, is_main
+        if is_main and start_step == 0:
+            path.unlink(missing_ok=True)
+        elif is_main and path.exists():
+            keep = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+            path.write_text("".join(line + "\n" for line in keep))
+
+    def __call__(self, rec: dict) -> None:
+        if self.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _score(value) -> float:
+    """A selection score; NaN or None (e.g. no verify step) ranks below every number."""
+    return -math.inf if value is None or value != value else float(value)
+
+
+class CheckpointSelector:
+    """Scores the student with ``evaluate`` and keeps a CPU copy of the best weights by ``select_key`` (higher is
+    better; ties keep the earlier step). Evaluation time pauses the budget clock
+    (:class:`distill.trainer.BudgetClock`)."""
+
+    def __init__(self, run: Run, state: TrainState, clock: Any, evaluate, select_key: str,
+                 desc: str, write_log: TrainLog, on_eval, best_weights: dict | None):
+        self.run, self.state, self.clock, self.evaluate = run, state, clock, evaluate
+        self.select_key, self.desc, self.write_log, self.on_eval = select_key, desc, write_log, on_eval
+        self.best_weights = best_weights
+
+    def __call__(self, done: int, last_loss: float | None) -> None:
+        t_eval = time.perf_counter()
+        model = self.run.eval_model()  # ZeRO-3: full weights gathered on the main process only (None elsewhere)
+        metrics = None
+        if model is not None:
+            model.eval()
+            with torch.no_grad():
+                metrics = dict(self.evaluate(model))
+            model.train(model is self.run.raw_student)
+        metrics = self.run.main_value(metrics)  # every process selects by the main process's numbers
+        if self.select_key not in metrics:
+            raise ValueError(f"{self.desc}: the evaluation returned {sorted(metrics)}, without {self.select_key!r}")
+        best = self.state.best
+        if best is None or _score(metrics[self.select_key]) > _score(best["metrics"][self.select_key]):
+            self.state.best = {"step": done, "metrics": metrics}
+            self.best_weights = state_dict_copy(model) if model is not None else None
+        self.state.last_eval_step = done
+        eval_s = time.perf_counter() - t_eval
+        self.clock.pause(eval_s)  # selection evaluations are not training: they don't spend the budget
+        self.state.selection_eval_s += eval_s
+        rec = {"kind": "eval", "step": done, "loss": last_loss, **metrics, "eval_time_s": eval_s,
+               "best_step": self.state.best["step"]}
+        self.write_log(rec)
+        if self.on_eval is not None:
+            self.on_eval(done, rec)
+
+
 
 
 def batch_indices(num_blocks: int, step: int, global_batch: int, seed: int) -> torch.Tensor:
@@ -136,7 +475,7 @@ def exposure(blocks: torch.Tensor, out: dict) -> dict:
 
 def _with_cfg_threads(fn):
     """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads; ``0``: the
-    cores other processes leave free, re-measured during the run (:class:`decode.threads.FreeCoreThreads`, passed
+    cores other processes leave free, re-measured during the run (:class:`decode.fast_settings.FreeCoreThreads`, passed
     as ``_threads_update``; the result's ``threads`` lists ``[seconds, count]`` at each change), and add the
     run's :func:`exposure`."""
 
@@ -146,7 +485,7 @@ def _with_cfg_threads(fn):
             with torch_threads(cfg.num_threads):
                 out = fn(student, blocks, out_dir, cfg, *args, **kwargs)
             return {**out, **exposure(blocks, out), "threads": [[0.0, cfg.num_threads]]}
-        from decode.threads import FreeCoreThreads
+        from decode.fast_settings import FreeCoreThreads
 
         follow = FreeCoreThreads()
         try:

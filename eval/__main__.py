@@ -20,12 +20,11 @@ import os
 import sys
 import time
 from pathlib import Path
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from core.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
+from data.loading import PROJECT_ROOT
 
-from data.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
-from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 quiet_libraries()
@@ -56,11 +55,11 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
 def _check_same_experiment(rc, run_dir: Path) -> None:
     """Re-evaluating a training run in place (its report is replaced) takes that run's settings: a run made by
     ``+experiment=X`` evaluated without it, or with another experiment, would silently use other prompts, gammas
-    and drafts. Raises ValueError naming the run's own command (``data.cli.run_command``) and the way to evaluate
+    and drafts. Raises ValueError naming the run's own command (``core.cli.run_command``) and the way to evaluate
     its drafts with other settings (a new folder)."""
     import json
 
-    from data.cli import run_command
+    from core.cli import run_command
 
     try:
         stored = json.loads((run_dir / "resolved_config.json").read_text()).get("experiment_name")
@@ -81,7 +80,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         ValueError: bad config (before any model loads), no drafts, unreadable checkpoints, unknown domains.
     """
     from eval.pipeline import evaluate_run
-    from data.io import EventLog
+    from core.io import EventLog
 
     run_dir = Path(run_dir)
     rc = check_before_eval(cfg, run_dir)
@@ -111,14 +110,14 @@ def hydra_main(cfg: DictConfig) -> None:
     except Exception as e:
         exit_on_error(e)
         raise
-    print(out["summary"])  # the verdict section of report.md, as it is there (eval.verdicts.verdicts_section)
+    print(out["summary"])  # the verdict section of report.md, as it is there (eval.report.verdicts_section)
     print()
     print(f"report: {out['report']}")
     print(f"run directory: {run_dir}")
 
 
 def main() -> None:
-    from .config import EvalRootConfig
+    from eval.config import EvalRootConfig
 
     typed = sys.argv[1:]
     sys.argv[1:] = argv = replace_mapping_overrides(typed, EvalRootConfig)

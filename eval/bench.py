@@ -2,7 +2,7 @@
 and Hugging Face assisted generation, timed side by side in one run.
 
 On the same prompts (batch size 1, greedy) every repeat runs every method once per prompt, in the same order,
-through :func:`eval.timing.alternated_rounds` (the evaluation's timing engine):
+through :func:`eval.evaluate.alternated_rounds` (the evaluation's timing engine):
 
 - ``target_only``: ours :func:`decode.autoregressive_generate` (KV cache, one token per target forward);
 - ``hf_assisted``: ``target.generate(assistant_model=draft, do_sample=False)`` with ``num_assistant_tokens`` =
@@ -14,40 +14,310 @@ through :func:`eval.timing.alternated_rounds` (the evaluation's timing engine):
 Results (:func:`run_bench`): tokens/s of each (new tokens / wall seconds, CUDA synchronised), ours / transformers
 and ours / target-only (the faster target-only), the acceptance rate alpha and mean accepted length tau (pooled),
 the cost ratio c (one-token cached draft forward / target forward, medians, the models alternating:
-:func:`eval.timing.measure_cost_ratio`), the verify cost ratio v ((gamma + 1)-position target forward /
-one-position forward: :func:`eval.timing.measure_verify_cost_ratio`), the expected speedup of Leviathan et al.
+:func:`eval.evaluate.measure_cost_ratio`), the verify cost ratio v ((gamma + 1)-position target forward /
+one-position forward: :func:`eval.evaluate.measure_verify_cost_ratio`), the expected speedup of Leviathan et al.
 2023, Thm 3.8, from the per-token acceptance (:func:`leviathan_expectation`) and c, and from the measured
 components ``(1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))`` (:func:`decode.expected_speedup`); where the
-speculative calls' wall time goes (:func:`eval.breakdown.phase_split`: prefill, draft, verify, other, loop
+speculative calls' wall time goes (:func:`eval.evaluate.phase_split`: prefill, draft, verify, other, loop
 efficiency) and c, v per step in the loop against the target-only decoder's per-token time; the machine's load
-while timing (:class:`eval.timing.LoadMeter`: above a quarter of a core of other processes the run is
+while timing (:class:`eval.evaluate.LoadMeter`: above a quarter of a core of other processes the run is
 DISTURBED); the draft head's share of a draft forward and the target's memory bound (:mod:`decode.timing`).
 Generation ignores EOS unless ``stop_at_eos`` (fixed-length outputs make the methods comparable).
+
+What the decoder benchmark (:mod:`eval.bench`) runs on: its settings (:class:`BenchConfig`, one field per flag
+of ``scripts/bench_decode.py``), its prompts (random ids, a JSONL file, a domain's evaluation prompts or four
+built-in texts), the tiny random models of ``--family``, the device and dtypes, the target and draft loaded with
+one-line errors, and the check that prompt + new tokens + a verify block fit both models' context.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+import torch
+from decode.common import output_vocab_size
 import copy
 import functools
-import math
-from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import Callable
 from tqdm.auto import tqdm
-
-from data.devices import runtime_record, torch_threads
+from core.cli import runtime_record, torch_threads
 from decode import AcceptanceStats, autoregressive_generate, expected_speedup, frozen_weights, speculative_generate
 from decode.fast_llama import (compile_enabled, compile_seconds, fast_path_supported, row_layout_record, set_compile,
                                set_row_layout)
 from decode.stats import expected_speedup_mixture
-from decode.threads import block_threads_setting, resolved_block_threads, set_block_threads
+from decode.fast_settings import block_threads_setting, resolved_block_threads, set_block_threads
 from decode.timing import head_share, memory_bound_s
+from eval.evaluate import phase_split
+from eval.evaluate import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
 
-from .bench_setup import BenchConfig, check_context, load_models, load_prompts
-from .breakdown import phase_split
-from .timing import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
+__all__ = ['BUILTIN_PROMPTS', 'FAMILIES', 'BenchConfig', 'BenchError', 'check_context', 'family_models', 'load_models', 'load_prompts', 'read_prompts_file', 'resolve_device_dtype', 'leviathan_expectation', 'run_bench']
 
-__all__ = ["leviathan_expectation", "run_bench"]
+
+BUILTIN_PROMPTS = [
+    "The patient was admitted to the hospital with",
+    "def fibonacci(n):\n    ",
+    "Speculative decoding speeds up inference by",
+    "Once upon a time, in a small village,",
+]
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+
+
+class BenchError(ValueError):
+    """Input the benchmark cannot run on (a device this machine lacks, a model directory that does not load, two
+    tokenizers that differ, prompts too long for a model's context); the message is one line naming the flag."""
+
+
+@dataclass
+class BenchConfig:
+    """What to benchmark and how: one field per ``scripts/bench_decode.py`` flag, same names and defaults (its
+    ``--help`` describes each; the script checks the values before anything loads, this class does not)."""
+
+    target: str | None = None  # model directories; or family: a tiny random pair of that family
+    draft: str | None = None
+    family: str | None = None
+    family_layers: int = 4
+    family_hidden: int = 256
+    family_window: int = 16
+    domain: str | None = None  # prompts: a domain's evaluation prompts, a JSONL file, random ids or BUILTIN_PROMPTS
+    prompts_file: str | None = None
+    text_field: str = "text"
+    max_prompts: int = 8
+    prompt_texts: list[str] | None = None  # prompts_file's texts when already read (the script reads it to check it)
+    prompt_ids: bool = False
+    num_prompts: int = 4
+    prompt_len: int = 16
+    num_draft_tokens: int = 4  # decoding: gamma, new tokens, timed rounds over the prompts
+    max_new_tokens: int = 64
+    repeats: int = 3
+    device: str = "auto"
+    dtype: str = "auto"
+    target_dtype: str | None = None
+    draft_dtype: str | None = None
+    draft_quantize: str = "auto"  # auto: the draft directory's specdraft.json "quantize" | none | int8
+    stop_at_eos: bool = False
+    cost_steps: int = 32
+    seed: int = 0
+    num_threads: int = 1
+    fast_path: str = "auto"
+    compile: str = "auto"
+    block_threads: str = "auto"
+    draft_length_policy: str = "fixed"
+    policy_config: Any = None  # decode.config.DecodeConfig of ours' policy; None: the fixed policy at gamma
+    trees: list = dataclasses.field(default_factory=list)  # decode.tree shapes (parsed --draft-tree) timed beside the chain
+    chain_gamma: list[int] = dataclasses.field(default_factory=list)
+    no_hf: bool = False
+    row_layout: str = "auto"
+    row_layout_peer: str | None = None
+
+    def __post_init__(self):
+        if self.policy_config is None:
+            from decode.config import DecodeConfig
+
+            self.policy_config = DecodeConfig(num_draft_tokens=max(1, self.num_draft_tokens),
+                                              draft_length_policy=self.draft_length_policy)
+
+    @classmethod
+    def from_namespace(cls, ns) -> "BenchConfig":
+        """The fields of an ``argparse.Namespace`` (or any object) that has them."""
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)})
+
+
+def read_prompts_file(path: str, field: str, limit: int) -> list[str]:
+    """The first ``limit`` non-empty ``field`` strings of a JSONL file.
+
+    Raises:
+        ValueError: the file is missing or unreadable, a line is not a JSON object, lacks ``field`` or holds a
+            non-string or empty text, or no prompt remains; the message names the file, the line and the fix.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text (expected JSONL: one JSON object per line)") from None
+    texts = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {i}: not JSON ({e.msg}); expected one JSON object per line") from None
+        if not isinstance(row, dict) or field not in row:
+            raise ValueError(f"{path}, line {i}: no field {field!r} (--text-field names the prompt's field)")
+        if not isinstance(row[field], str) or not row[field].strip():
+            raise ValueError(f"{path}, line {i}: field {field!r} must be a non-empty string, got {row[field]!r}")
+        texts.append(row[field])
+        if len(texts) >= limit:
+            break
+    if not texts:
+        raise ValueError(f"{path} holds no prompt (every line is blank)")
+    return texts
+
+
+def load_prompts(cfg, tokenizer, vocab: int) -> list[torch.Tensor]:
+    """The prompts of ``cfg`` (a :class:`BenchConfig` or the script's arguments) as ``(1, P)`` int64 tensors:
+    ``num_prompts`` random ids below ``vocab`` (``prompt_ids``), a domain's evaluation prompts
+    (:func:`data.loading.eval_prompts`), a JSONL file's texts or :data:`BUILTIN_PROMPTS`, tokenized by
+    ``tokenizer``."""
+    if cfg.prompt_ids:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        return [torch.randint(0, vocab, (1, cfg.prompt_len), generator=gen) for _ in range(cfg.num_prompts)]
+    if cfg.domain:
+        from data.loading import eval_prompts
+
+        texts = [e.prompt for e in eval_prompts(cfg.domain, max_prompts=cfg.max_prompts, tokenizer=tokenizer)]
+    elif cfg.prompts_file:
+        texts = getattr(cfg, "prompt_texts", None) or read_prompts_file(cfg.prompts_file, cfg.text_field,
+                                                                        cfg.max_prompts)
+    else:
+        texts = BUILTIN_PROMPTS
+    return [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+
+
+def family_models(family: str, layers: int, hidden: int, window: int, vocab: int = 1024, seed: int = 0):
+    """(target, draft): a random ``family`` model (``layers`` layers, max(4, hidden // 64) heads over half as many
+    KV groups, windowed layers as the family lays them out, ``window`` positions) and a 1-layer draft sharing its
+    embeddings, first layer, final norm and head."""
+    import transformers as tf
+
+    heads = max(4, hidden // 64)
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2, max_position_embeddings=2048, tie_word_embeddings=False,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    hd = hidden // heads
+
+    def build(n):
+        if family == "llama":
+            return tf.LlamaForCausalLM(tf.LlamaConfig(**common, num_hidden_layers=n))
+        if family == "mistral":
+            return tf.MistralForCausalLM(tf.MistralConfig(**common, num_hidden_layers=n, sliding_window=window))
+        if family in ("qwen2", "qwen3"):
+            cfg_cls, cls = (tf.Qwen2Config, tf.Qwen2ForCausalLM) if family == "qwen2" else (tf.Qwen3Config,
+                                                                                             tf.Qwen3ForCausalLM)
+            return cls(cfg_cls(**common, num_hidden_layers=n, use_sliding_window=True, sliding_window=window,
+                               max_window_layers=0))  # every layer windowed
+        types = [("sliding_attention" if i % 2 == 0 else "full_attention") for i in range(n)]
+        if family == "gemma2":
+            return tf.Gemma2ForCausalLM(tf.Gemma2Config(**common, num_hidden_layers=n, head_dim=hd,
+                                                        sliding_window=window, layer_types=types))
+        if family == "gemma3":
+            return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**common, num_hidden_layers=n, head_dim=hd,
+                                                            sliding_window=window, layer_types=types))
+        return tf.Phi3ForCausalLM(tf.Phi3Config(**common, num_hidden_layers=n, sliding_window=window))
+
+    torch.manual_seed(seed)
+    target = build(layers).eval()
+    draft = build(1).eval()
+    draft.load_state_dict(target.state_dict(), strict=False)
+    return target, draft
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """``--device`` / ``--dtype`` as eval.device / eval.dtype resolve them (:mod:`core.cli`).
+
+    Raises:
+        BenchError: an unavailable GPU or an unknown name (the message names the flag).
+    """
+    from core.cli import DeviceError, resolve_device, resolve_dtype
+
+    try:
+        dev = resolve_device(device, "--device")
+        return dev, resolve_dtype(dtype, dev, "--dtype")
+    except DeviceError as e:
+        raise BenchError(str(e)) from None
+
+
+def load_models(cfg: BenchConfig):
+    """``(target, draft, tokenizer or None, device, {"dtype", "target_dtype", "draft_dtype"}, shared vocabulary)``:
+    the pair of ``cfg`` (directories, or a tiny random ``family`` pair) on the resolved device in their dtypes.
+    The shared vocabulary is the logits both models produce (a trimmed draft head still scores every id, -inf
+    outside its kept ids), capped by the tokenizer.
+
+    Raises:
+        BenchError: a device or dtype this machine lacks, a missing / partial / unloadable directory, two
+            tokenizers that differ.
+    """
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    t_dtype = resolve_device_dtype(cfg.device, cfg.target_dtype)[1] if cfg.target_dtype else dtype
+    d_dtype = resolve_device_dtype(cfg.device, cfg.draft_dtype)[1] if cfg.draft_dtype else dtype
+    tokenizer = None
+    if cfg.family:
+        target, draft = family_models(cfg.family, cfg.family_layers, cfg.family_hidden, cfg.family_window,
+                                      seed=cfg.seed)
+        target, draft = target.to(device=device, dtype=t_dtype), draft.to(device=device, dtype=d_dtype)
+    else:
+        from models.checkpoints import load_target_and_draft
+
+        try:
+            target, draft, tokenizer = load_target_and_draft(cfg.target, cfg.draft, dtype=t_dtype,
+                                                             draft_dtype=d_dtype, device=device,
+                                                             need_tokenizer=not cfg.prompt_ids)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+        tokenizer = None if cfg.prompt_ids else tokenizer
+    draft, quantize = _quantized(cfg, draft)
+    vocab = min(output_vocab_size(target), output_vocab_size(draft))
+    if tokenizer is not None:
+        vocab = min(vocab, len(tokenizer))
+    dtypes = {"dtype": dtype, "target_dtype": t_dtype, "draft_dtype": d_dtype if quantize == "none" else quantize}
+    return target, draft, tokenizer, device, dtypes, vocab
+
+
+def _quantized(cfg: BenchConfig, draft):
+    """``(draft, mode)``: the draft quantized as ``cfg.draft_quantize`` says (``auto``: as its directory's
+    ``specdraft.json`` records; :mod:`decode.fast_settings`), for ours and transformers' assisted generation alike.
+
+    Raises:
+        BenchError: an unknown mode, or int8 asked for a draft on a GPU or not in float32 (CPU kernels only).
+    """
+    from decode.fast_settings import QUANTIZE_MODES, check_quantize_meta, quantize_draft
+
+    mode = cfg.draft_quantize
+    if mode == "auto":
+        try:
+            mode = check_quantize_meta(cfg.draft) if cfg.draft and not cfg.family else "none"
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    if mode not in QUANTIZE_MODES:
+        raise BenchError(f"--draft-quantize must be auto or one of {', '.join(QUANTIZE_MODES)}, got {mode!r}")
+    if mode != "none" and next(draft.parameters()).dtype != torch.float32:
+        raise BenchError(f"--draft-quantize {mode}: the int8 kernels take a float32 draft; drop --draft-dtype / "
+                         f"--dtype or use --draft-quantize none")
+    try:
+        return quantize_draft(draft, mode), mode
+    except ValueError as e:
+        raise BenchError(f"--draft-quantize {mode}: {e}") from None
+
+
+def check_context(cfg: BenchConfig, target, draft, prompts: list[torch.Tensor]) -> None:
+    """The decoders' caches hold prompt + new tokens + one verify block (the largest chain or tree + 2).
+
+    Raises:
+        BenchError: a prompt with no tokens, or the longest prompt + ``max_new_tokens`` + that block beyond a
+            model's context (the message says how far to lower ``--max-new-tokens``).
+    """
+    from models.checkpoints import check_context_fits
+    from core.errors import CheckpointError
+
+    if not prompts or min(p.shape[1] for p in prompts) < 1:
+        raise BenchError("a prompt tokenizes to no tokens; give prompts with text")
+    longest = max(p.shape[1] for p in prompts)
+    block = max([cfg.num_draft_tokens, *cfg.chain_gamma, *(t.max_nodes for t in cfg.trees)]) + 2
+    try:
+        for model, role in ((target, "target"), (draft, "draft")):
+            limit = getattr(model.config, "max_position_embeddings", None) or 0
+            check_context_fits(model, longest + cfg.max_new_tokens + block, role,
+                               f"the longest prompt ({longest} tokens) + --max-new-tokens ({cfg.max_new_tokens}) + "
+                               f"the largest verify block ({block})",
+                               fix=f"lower --max-new-tokens to at most {limit - longest - block}"
+                               if limit > longest + block else "use shorter prompts or a smaller draft tree")
+    except CheckpointError as e:
+        raise BenchError(str(e)) from None
+
 
 NAN = float("nan")
 
@@ -70,7 +340,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     the run; the threads, block threads and row layout are restored after it.
 
     Raises:
-        eval.bench_setup.BenchError: a device this machine lacks, a pair that does not load, prompts that do not
+        eval.bench.BenchError: a device this machine lacks, a pair that does not load, prompts that do not
             fit a model's context.
     """
     threads_before, block_before = torch.get_num_threads(), block_threads_setting()
@@ -270,9 +540,9 @@ class _Run:
 def _time_methods(methods: dict[str, Callable], prompts: list[torch.Tensor], repeats: int,
                   device: torch.device) -> dict:
     """``repeats`` times over ``prompts``, one alternated round of every method per prompt
-    (:func:`eval.timing.alternated_rounds`, the same order every round). Returns ``{"tokens_per_s": {method:
+    (:func:`eval.evaluate.alternated_rounds`, the same order every round). Returns ``{"tokens_per_s": {method:
     new tokens / wall seconds}, "stats": {method: [AcceptanceStats per call]} (ours), "mismatches": {method:
-    outputs differing from target-only's}, "load": the machine's load while timing (eval.timing.load_record)}``."""
+    outputs differing from target-only's}, "load": the machine's load while timing (eval.evaluate.load_record)}``."""
     seconds, tokens = {m: 0.0 for m in methods}, {m: 0 for m in methods}
     stats: dict[str, list[AcceptanceStats]] = {m: [] for m in methods}
     mismatches = {m: 0 for m in methods if m != "target_only"}  # outputs differing from target-only greedy
@@ -304,7 +574,7 @@ def _time_methods(methods: dict[str, Callable], prompts: list[torch.Tensor], rep
 
 def _forward_costs(target, draft, prompt: torch.Tensor, gamma: int, steps: int, fast_path: bool | None) -> dict:
     """Medians of ``steps`` cached forwards after prefilling ``prompt`` (1, T), seconds: ``{"cost": c
-    (:func:`eval.timing.measure_cost_ratio`), "verify": v at ``gamma`` (:func:`eval.timing.measure_verify_cost_ratio`),
+    (:func:`eval.evaluate.measure_cost_ratio`), "verify": v at ``gamma`` (:func:`eval.evaluate.measure_verify_cost_ratio`),
     "head": the draft head's part of a draft forward, "bound": the target's memory bound (:mod:`decode.timing`)}``."""
     return {"cost": measure_cost_ratio(target, draft, prompt, steps, fast_path),
             "verify": measure_verify_cost_ratio(target, prompt, [gamma], steps, fast_path)[str(gamma)],
@@ -345,7 +615,7 @@ def _speed_record(cfg: BenchConfig, stats: AcceptanceStats, tps: dict, best: flo
 
 
 def _phase_record(stats: AcceptanceStats, ar: AcceptanceStats) -> dict:
-    """Where the wall time goes (:func:`eval.breakdown.phase_split` of ours and target-only, seconds pooled over
+    """Where the wall time goes (:func:`eval.evaluate.phase_split` of ours and target-only, seconds pooled over
     the timed calls) and the costs per step in the loop against the target-only decoder's per-token time."""
     split = {name: phase_split(s.wall_time_s, s.prefill_time_s, s.draft_time_s, s.verify_time_s, missing=NAN)
              for name, s in (("ours_speculative", stats), ("target_only", ar))}

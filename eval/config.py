@@ -1,11 +1,11 @@
-"""The ``eval`` and ``logger`` config sections and the typed root of ``python -m eval``."""
+"""The ``eval`` and ``logger`` config sections and the typed root of ``python -m eval``.
+"""
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
 from data.config import DataConfig, PathsConfig, TargetConfig, validate_structured
 from decode.config import DecodeConfig
 
@@ -13,7 +13,7 @@ from decode.config import DecodeConfig
 @dataclass
 class ExtraDomainConfig:
     """A user's own file evaluated as one more domain (all its records are evaluation prompts); built like a
-    declared domain (:func:`data.declared.extra_domain`)."""
+    declared domain (:func:`data.loading.extra_domain`)."""
 
     name: str = "???"  # domain name in the report; must not clash with a registered domain
     path: str = "???"  # .jsonl or .csv file
@@ -146,7 +146,7 @@ class EvalConfig:
     dtype: str | None = None  # float32 | bfloat16 | float16; null: bfloat16 on a GPU, float32 on CPU
     timing_trials: int = 1  # timed repetitions of every decode (paired speculative / target-only, interleaved)
     noisy_relative_width: float = 0.5  # a domain's timing is noisy when its speedup interval is wider than this x
-    # the estimate (or other processes kept a quarter core busy: eval.timing.load_record)
+    # the estimate (or other processes kept a quarter core busy: eval.evaluate.load_record)
     deployment: DeploymentConfig = field(default_factory=DeploymentConfig)  # projected speedup (see the class)
     engine: EngineConfig = field(default_factory=EngineConfig)  # llama.cpp beside our decoder (see the class)
     heldout: HeldoutConfig = field(default_factory=HeldoutConfig)  # held-out acceptance per draft position
@@ -202,7 +202,7 @@ class EvalConfig:
             raise ValueError(f"eval.num_threads must be null or >= 1, got {self.num_threads}")
         self.torch_device()  # DeviceError (a ValueError): e.g. eval.device=cuda on a machine without a GPU
         self.torch_dtype()
-        from data.declared import find_declared
+        from data.loading import find_declared
         from data.registry import DOMAINS
 
         extra = [e.name for e in self.extra_domains]
@@ -213,13 +213,13 @@ class EvalConfig:
             raise ValueError(f"eval.extra_domains: duplicate names {extra}")
         for d in self.domains:
             if d not in extra:
-                from data.domains import get_domain
+                from data.loading import get_domain
 
                 get_domain(d)  # UnknownDomainError (a ValueError) listing the known names
 
     def torch_device(self):
-        """``eval.device`` resolved on this machine (:func:`data.devices.resolve_device`; raises DeviceError)."""
-        from data.devices import resolve_device
+        """``eval.device`` resolved on this machine (:func:`core.cli.resolve_device`; raises DeviceError)."""
+        from core.cli import resolve_device
 
         import os
 
@@ -232,8 +232,8 @@ class EvalConfig:
             raise
 
     def torch_dtype(self):
-        """``eval.dtype`` resolved for :meth:`torch_device` (:func:`data.devices.resolve_dtype`)."""
-        from data.devices import resolve_dtype
+        """``eval.dtype`` resolved for :meth:`torch_device` (:func:`core.cli.resolve_dtype`)."""
+        from core.cli import resolve_dtype
 
         return resolve_dtype(self.dtype, self.torch_device(), "eval.dtype")
 

@@ -1,6 +1,6 @@
 """The decision of a domain as a value: which draft and draft length to deploy, or the target alone, and on what
-basis. No wording here: :mod:`eval.verdicts` renders a :class:`Decision`; :mod:`eval.decision_check` checks one
-against its numbers with helpers of its own.
+basis. No wording here: :mod:`eval.report` renders a :class:`Decision`. This is the one place the rule lives; the
+property tests check it against an independent oracle (tests/eval/decision_oracle.py).
 
 Decision rule of a domain (:func:`decide`), over every measured setting (draft x gamma, draft x draft-length policy):
 
@@ -44,6 +44,24 @@ setting is left the domain goes to the target alone (basis ``low_tau``).
 
 So no decision recommends a setting measured slower than the target alone, below the tau floor, or faster than its
 own tau allows.
+
+The deployment projection: the speedup Leviathan et al. 2023 (Thm 3.8) expects with the measured per-token
+acceptance and the deployment's cost ratio c (``eval.deployment``), per setting, and its report section. Projected,
+never measured: the report says so beside every projected number.
+
+Writing the draft routing table (``routing.json``) from an evaluation's metrics; the decoder reads it with
+:func:`decode.config.load_routing` (``decode.draft_routing=PATH``).
+
+Route of a domain = the evaluation's decision ``recommendation.<domain>`` (:mod:`eval.decision`): the draft and
+setting with the highest **measured speedup** where the intervals separate, else the cost model's pick among the
+tied settings; a domain where even the fastest setting measured below 1x (its interval wholly below 1 or not) is
+routed to no draft (``"target_only": true``: decode it with the target alone). Beside it the table keeps the numbers
+behind the choice: for every candidate draft its measured speedup (with interval), mean accepted length, acceptance
+rate and expected speedup at its best gamma.
+``default`` (the fallback for a domain without a route, :func:`default_route`) is the (draft, fixed gamma) with the
+highest geometric mean of measured speedup over every evaluated domain, among the pairs that pay for themselves in
+each (tau floor, tau bound, at least 1x, as the decisions require) and whose draft some domain routes to; the target
+alone when no pair qualifies.
 """
 from __future__ import annotations
 
@@ -51,6 +69,11 @@ import math
 import numbers
 import statistics
 from dataclasses import asdict, dataclass, field, replace
+from decode.stats import expected_speedup, expected_speedup_mixture
+from pathlib import Path
+from core.io import write_json_atomic
+from decode.config import DEFAULT_KEY, SCHEMA
+
 
 TARGET_ONLY = "target_only"
 SPECULATE = "speculate"
@@ -67,7 +90,7 @@ _SETTING_NUMBERS = ("measured_speedup", "measured_speedup_ci", "expected_speedup
 
 @dataclass(frozen=True)
 class Decision:
-    """What to deploy on one domain and why, as data (rendered by :func:`eval.verdicts.explain`).
+    """What to deploy on one domain and why, as data (rendered by :func:`eval.report.explain`).
 
     Attributes:
         action: ``"speculate"``, ``"target_only"`` or ``"none"`` (nothing measured).
@@ -90,8 +113,7 @@ class Decision:
             model_top: its highest value in the pool; model_near: the settings it could not tell from that.
         model_pick: the cost model's pick, when the measurement overruled it (rule 5).
         displaced: the pick among intervals above 1 that gave way, with its expected speedup.
-        noisy_reasons: why the timing is not to be trusted (empty: it is); consistency_error: set when the
-            decision fails :func:`eval.decision_check.check_consistent` (a bug, reported rather than raised).
+        noisy_reasons: why the timing is not to be trusted (empty: it is).
     """
     action: str
     basis: str
@@ -119,7 +141,6 @@ class Decision:
     model_pick: dict | None = None
     displaced: dict | None = None
     noisy_reasons: list[str] = field(default_factory=list)
-    consistency_error: str | None = None
 
     @property
     def noisy(self) -> bool:
@@ -436,3 +457,204 @@ def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:
         return {"keep": False, "basis": "worse", "reason": f"the adapted draft is worse, intervals separated: {nums}"}
     return {"keep": False, "basis": "overlap",
             "reason": f"intervals overlap ({nums}): the measurement does not show a lift"}
+
+
+def _fmt_projection(v, digits: int = 2) -> str:
+    x = num(v)
+    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
+
+
+def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] | None,
+                           target_parameters: int | None) -> dict | None:
+    """The deployment's cost ratio c per draft from ``eval.deployment`` (None: no projection).
+
+    ``cost_ratio`` given: that c for every draft. Else ``target_parameters`` and ``draft_parameters`` given: c =
+    draft / target parameters (a memory-bound GPU at batch 1 reads every weight once per forward, so forward time
+    is proportional to the parameter count). Else ``memory_bound: true``: the same with the evaluated models' own
+    counts of the weights a forward reads (``parameters``: draft -> count, ``target_parameters``; the caller passes
+    :func:`decode.timing.weights_read_per_token`: every parameter except an untied input embedding).
+
+    Returns ``{"cost_ratio": {draft: c}, "source": str, "formula": str}`` or None."""
+    d = dict(deployment or {})
+    names = list(parameters or {})
+    if d.get("cost_ratio") is not None:
+        c = float(d["cost_ratio"])
+        cr, source = {n: c for n in names}, f"eval.deployment.cost_ratio = {c:g}"
+    elif d.get("target_parameters") and d.get("draft_parameters"):
+        c = float(d["draft_parameters"]) / float(d["target_parameters"])
+        cr = {n: c for n in names}
+        source = (f"memory-bound at batch 1: c = draft / target parameters = {int(d['draft_parameters']):,} / "
+                  f"{int(d['target_parameters']):,} = {c:.4f}")
+    elif d.get("memory_bound") and target_parameters and parameters:
+        cr = {n: p / target_parameters for n, p in parameters.items()}
+        source = ("memory-bound at batch 1: c = each draft's / the target's weights read per token (the evaluated "
+                  "models' parameters, an untied input embedding counted as the few rows a forward reads)")
+    else:
+        return None
+    return {"cost_ratio": cr, "source": source, "formula": f"projected speedup = {FORMULA} (Leviathan et al. "
+            f"2023, Thm 3.8) with the measured per-token acceptance alpha and the deployment's c"}
+
+
+def add_projection(doc: dict, deployment: dict | None) -> None:
+    """Add ``projected_speedup`` to every sweep / policy entry of ``doc`` and ``doc["deployment"]`` (None without
+    a deployment), from ``deployment`` = :func:`deployment_cost_ratios`'s result."""
+    doc["deployment"] = deployment
+    if not deployment:
+        return
+    for draft, by_domain in doc["drafts"].items():
+        c = deployment["cost_ratio"].get(draft)
+        for entry in by_domain.values():
+            items = [(None, e) for e in entry["sweep"].values()] + list(entry.get("policies", {}).items())
+            for policy, e in items:
+                a = num(e.get("token_acceptance_rate"))
+                if c is None or math.isnan(a):
+                    e["projected_speedup"] = None
+                elif policy is None:
+                    e["projected_speedup"] = expected_speedup(a, int(e["num_draft_tokens"]), c)
+                else:
+                    hist = e.get("draft_length_histogram") or []
+                    e["projected_speedup"] = expected_speedup_mixture(a, hist, c) if hist else None
+            primary = entry["sweep"].get(str(entry["num_draft_tokens"]))
+            entry["projected_speedup"] = primary.get("projected_speedup") if primary else None
+
+
+def deployment_section(doc: dict) -> list[str]:
+    """Markdown lines: per domain, the recommended setting's measured speedup (this machine) beside its projected
+    speedup on the deployment, and the gamma with the highest projected speedup (empty without
+    ``eval.deployment``)."""
+    dep = doc.get("deployment")
+    if not dep:
+        return []
+    lines = ["", "## Projected speedup on the deployment (not measured)", "",
+             f"{dep['formula']}; c from {dep['source']}. The measured speedup is this machine's.", "",
+             "| domain | recommended | measured speedup (this machine) | projected speedup (deployment) | "
+             "best projected setting |", "|---|---|---|---|---|"]
+    for d, r in doc["recommendation"].items():
+        best, best_p = None, -math.inf
+        for c in candidates(doc, d):
+            p = num(c.get("projected_speedup"))
+            if not math.isnan(p) and p > best_p:
+                best, best_p = c, p
+        best_txt = f"`{best['draft']}` with {label(best)}: {best_p:.2f}x" if best else "n/a"
+        if r.get("action") == SPECULATE:
+            e = setting_entry(doc, d, r) or {}
+            ci = e.get("measured_speedup_ci")
+            meas = f"{_fmt_projection(e.get('measured_speedup'))}x" + (f" [{_fmt_projection(ci[0])}, {_fmt_projection(ci[1])}]" if ci else "")
+            lines.append(f"| {d} | `{r['draft']}` with {label(r)} | {meas} | "
+                         f"{_fmt_projection(e.get('projected_speedup'))}x | {best_txt} |")
+        else:
+            fastest = _fmt_projection(r.get("measured_speedup"))
+            lines.append(f"| {d} | target alone | {fastest}{'' if fastest == 'n/a' else 'x'} (fastest setting) | - | "
+                         f"{best_txt} |")
+    return lines
+
+
+def _entry(doc: dict, draft: str, domain: str, gamma: int | None = None, policy: str = "fixed") -> dict:
+    e = doc["drafts"][draft][domain]
+    g = gamma if gamma is not None else e.get("best_num_draft_tokens", e["num_draft_tokens"])
+    s = e["policies"][policy] if policy != "fixed" else e["sweep"].get(str(g), e)
+    return {"num_draft_tokens": int(s["num_draft_tokens"]), "draft_length_policy": policy,
+            "measured_speedup": s["measured_speedup"],
+            "measured_speedup_ci": s.get("measured_speedup_ci"), "mean_accepted_length": s["mean_accepted_length"],
+            "mean_accepted_length_ci": s.get("mean_accepted_length_ci"), "acceptance_rate": s["acceptance_rate"],
+            "expected_speedup": s["expected_speedup"], "num_prompts": s.get("num_prompts")}
+
+
+def _finite(x) -> float:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else -math.inf
+
+
+def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
+    """The routing document for a ``metrics.json`` document ``doc`` and the drafts' directories.
+
+    Returns:
+        ``{"schema", "metric": "measured_speedup", "num_draft_tokens_swept", "target", "routes": {domain: {"draft",
+        "path", "num_draft_tokens", "measured_speedup", ..., "candidates": {draft: numbers}}}, "default": {...}}``.
+
+    Raises:
+        ValueError: a recommended draft has no path in ``draft_paths``.
+    """
+    missing = [n for n in doc["drafts"] if n not in draft_paths]
+    if missing:
+        raise ValueError(f"routing table: no checkpoint path for draft(s) {missing}")
+    routes = {}
+    for domain, rec in doc["recommendation"].items():
+        name = rec["draft"]
+        cands = {n: _entry(doc, n, domain) for n in doc["drafts"] if domain in doc["drafts"][n]}
+        if name is None:  # the target alone is fastest: route to no draft
+            routes[domain] = {"draft": None, "path": None, "target_only": True, "num_draft_tokens": None,
+                              "measured_speedup": rec.get("measured_speedup"),
+                              "measured_speedup_ci": rec.get("measured_speedup_ci"),
+                              "reason": rec.get("reason"), "candidates": cands}
+            continue
+        routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
+                          **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
+                          "candidates": cands}
+    default = default_route(doc, routes, draft_paths)
+    return {"schema": SCHEMA, "metric": "measured_speedup", "num_draft_tokens_swept": doc["num_draft_tokens_swept"],
+            "decoding": doc.get("decoding"), "target": doc.get("context", {}).get("target"),
+            "routes": routes, DEFAULT_KEY: default}
+
+
+def default_route(doc: dict, routes: dict, draft_paths: dict[str, str | Path]) -> dict | None:
+    """The fallback for a domain without a route: the (draft, fixed gamma) with the highest geometric-mean measured
+    speedup over every evaluated domain, among the pairs that pay for themselves in each of them
+    (:func:`eval.decision.paying_fixed`: tau floor, tau bound, at least 1x) whose draft some domain routes to; the
+    target alone (``target_only``) when no pair qualifies; None when no draft was measured on every domain."""
+    domains = list(routes)
+    full = [n for n in doc["drafts"] if domains and all(d in doc["drafts"][n] for d in domains)]
+    if not full:
+        return None
+    routed = {r["draft"] for r in routes.values() if r["draft"]}
+    best, best_log = None, -math.inf
+    for n in (n for n in full if n in routed):
+        per = [{c["num_draft_tokens"]: c["measured_speedup"] for c in paying_fixed(doc, n, d)} for d in domains]
+        for g in sorted(set.intersection(*(set(p) for p in per))):
+            mean_log = sum(math.log(p[g]) for p in per) / len(per)
+            if mean_log > best_log:
+                best, best_log = (n, g), mean_log
+    if best is None:
+        return {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup": None,
+                "over_domains": domains}
+    return {"draft": best[0], "path": str(Path(draft_paths[best[0]]).resolve()),
+            "geometric_mean_measured_speedup": math.exp(best_log), "num_draft_tokens": int(best[1]),
+            "over_domains": domains}
+
+
+def write_routing(path: str | Path, doc: dict, draft_paths: dict[str, str | Path]) -> dict:
+    """Build :func:`routing_table` and write it to ``path`` atomically; returns it."""
+    table = routing_table(doc, draft_paths)
+    write_json_atomic(path, table)
+    return table
+
+
+def routing_section(table: dict, path: str) -> str:
+    """Markdown section of the report: the route of each domain and the numbers of every candidate."""
+    def f(x, d=2):
+        return "n/a" if x is None or x != x else f"{x:.{d}f}"
+
+    def fx(x):  # a speedup: "1.23x", or "n/a" without the x
+        return "n/a" if x is None or x != x else f"{x:.2f}x"
+
+    lines = ["## Routing", "", f"Routing table `{path}` (load it with `decode.draft_routing=PATH`): each domain goes "
+             f"to the draft of its verdict (none: decoded with the target alone).", "",
+             "| domain | routed draft | gamma | measured speedup | tau | other drafts (tau, speedup) |",
+             "|---|---|---|---|---|---|"]
+    for d, r in table["routes"].items():
+        others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {fx(c['measured_speedup'])}"
+                           for n, c in r["candidates"].items() if n != r["draft"]) or "-"
+        if r.get("target_only"):
+            lines.append(f"| {d} | none: the target alone | - | {fx(r['measured_speedup'])} (fastest draft) | - | "
+                         f"{others} |")
+            continue
+        policy = r.get("draft_length_policy", "fixed")
+        setting = r["num_draft_tokens"] if policy == "fixed" else f"{policy} policy"
+        lines.append(f"| {d} | `{r['draft']}` | {setting} | {fx(r['measured_speedup'])} | "
+                     f"{f(r['mean_accepted_length'])} | {others} |")
+    if table.get(DEFAULT_KEY):
+        dflt = table[DEFAULT_KEY]
+        who = f"`{dflt['draft']}`" if dflt.get("draft") else "the target alone"
+        lines += ["", f"Fallback (`{DEFAULT_KEY}`) for other domains: {who} (geometric-mean measured "
+                      f"speedup {fx(dflt['geometric_mean_measured_speedup'])} over {len(dflt['over_domains'])} "
+                      f"domains)."]
+    return "\n".join(lines)

@@ -2,7 +2,7 @@
 counters on the evaluation's prompts, beside our decoder's numbers (``eval.engine``; report section "Engine check",
 ``metrics.json["engine"]``).
 
-For the target alone and for each draft (exported to GGUF with the target's tokenizer, :mod:`decode.gguf_export`),
+For the target alone and for each draft (exported to GGUF with the target's tokenizer, :mod:`decode.llamacpp`),
 one ``llama-server`` process decodes every evaluation prompt greedily (the same token ids our decoder got, at most
 ``eval.max_new_tokens`` new tokens, ``eval.engine.num_draft_tokens`` drafted per step). Per (draft, domain) it
 records, pooled over prompts (sums, never a mean of per-prompt means):
@@ -31,10 +31,9 @@ import math
 import os
 import time
 from pathlib import Path
-
 import numpy as np
+from eval.metrics import _cell_seed, _ratio, bootstrap_ratio_ci
 
-from .metrics import _cell_seed, _ratio, bootstrap_ratio_ci
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +58,13 @@ def engine_wanted(ec) -> tuple[bool, str]:
 def prepare_ggufs(ec, target_path: str | os.PathLike, draft_paths: dict[str, Path], out_dir: Path) -> dict:
     """The target's and each draft's GGUF file under ``out_dir`` (exported once; an existing file newer than its
     checkpoint is reused). Returns ``{"target": path, "target_from": str, "drafts": {name: path}}``."""
-    from decode.gguf_export import export_once, source_gguf, target_gguf, vocab_compatibility
+    from decode.llamacpp import export_once, source_gguf, target_gguf, vocab_compatibility
 
     target_file, target_from = target_gguf(target_path, ec.target_format, out_dir)
     source = source_gguf(target_path)
     drafts = {}
     for name, path in draft_paths.items():
-        # named after the checkpoint's folder, as serving.json names it (eval/serving.py)
+        # named after the checkpoint's folder, as serving.json names it (eval/sections.py)
         drafts[name] = export_once(Path(path), out_dir / f"{Path(path).name}-{ec.draft_format}.gguf",
                                    ec.draft_format, source)
         bad = vocab_compatibility(target_file, drafts[name])
@@ -83,7 +82,7 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     name: {domain: [per-prompt {"id", "tokens", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted"}]}},
     "alone_tokens_per_s": {name: tokens/s served alone}, "commands": {name: argv}}``."""
     from decode.llamacpp import LlamaServer, find_engine
-    from decode.threads import free_cores
+    from decode.fast_settings import free_cores
 
     ev = events or (lambda *a, **k: None)
     engine = find_engine()

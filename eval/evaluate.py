@@ -5,24 +5,201 @@ then speculative decoding with each draft at each swept ``num_draft_tokens`` and
 module only decodes and times; it returns one row per (draft, domain, prompt, num_draft_tokens or policy) with the
 counts (and the draft length of every verify step) that rebuild every pooled number
 (see :mod:`eval.metrics`). The timing (alternated rounds, forward cost ratios, machine load) is
-:mod:`eval.timing`'s, the engine the decoder benchmark (:mod:`eval.bench`) times with too.
+:mod:`eval.evaluate`'s, the engine the decoder benchmark (:mod:`eval.bench`) times with too.
+
+Timing decodes on a shared machine: the one alternated-timing engine of the evaluation (:mod:`eval.evaluate`)
+and the decoder benchmark (:mod:`eval.bench`, ``scripts/bench_decode.py``), the forward cost ratios c and v, and
+the machine's load over a measurement.
+
+Every measured decode is one call of a round: each compared method runs once on the same input, one after the
+other, so slow drift of the machine (thermal state, other processes) hits all of them alike and each round gives
+side-by-side times. A call is timed with ``time.perf_counter`` around it, the device synchronised before and after
+(CUDA: its queued work counts in the call that queued it).
+
+Where speculative decoding's time goes, per draft and domain: the ``time_breakdown`` of ``metrics.json`` and its
+report section.
+
+The same quantities as the decoder benchmark prints (:mod:`eval.bench`, ``scripts/bench_decode.py``; the phase
+split is :func:`phase_split` for both), from the per-prompt rows at the primary gamma (fixed policy) and the
+measured forward times:
+
+- ``prefill_s``, ``draft_s``, ``verify_s``: summed decoder phase times (``AcceptanceStats.prefill_time_s`` /
+  ``draft_time_s`` / ``verify_time_s``), ``wall_s`` the summed speculative decode time (``speculative_time_s``, the
+  time the measured speedup uses) and ``other_s = wall_s - prefill_s - draft_s - verify_s`` (the loop's own work);
+- ``loop_efficiency = (prefill_s + draft_s + verify_s) / wall_s`` (time in model forwards / wall time);
+- ``cost_ratio`` c (one-position draft forward / one-position target forward, medians: ``cost_ratio.<draft>``)
+  and ``cost_ratio_in_loop = (draft_s / drafted_tokens) / target_forward_s``;
+- ``verify_cost_ratio`` v ((gamma + 1)-position target forward / one-position target forward, medians, measured
+  once per gamma: ``verify_cost_ratio.<gamma>``, :func:`decode.block_forward_times_s`) and
+  ``verify_cost_ratio_in_loop = (verify_s / verify_steps) / target_forward_s``;
+- ``expected_speedup_components``: the cell's measured tau over its steps' mean cost ``k c + v_k``
+  (:func:`decode.stats.expected_speedup_from_costs`, the value the verdicts break ties with), beside
+  ``expected_speedup_leviathan`` (``(1 - a^(g+1)) / ((1 - a)(g c + 1))``, v = 1, Leviathan et al. 2023, Thm 3.8)
+  and the ``measured_speedup``.
+
+A value that cannot be computed (rows written before ``prefill_time_s`` was recorded, nothing drafted, no verify
+measurement) is ``None``.
 """
 from __future__ import annotations
 
+import os
+import time
+from typing import Any, Callable, Hashable
+import torch
+from decode.common import sync
+from decode.timing import block_forward_times_s, cost_ratio
 import functools
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
 from tqdm.auto import tqdm
-
-from data.tokenization import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
+from data.text import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
 from decode.tree import DraftTree
 from decode import autoregressive_generate, frozen_weights, speculative_generate
+import math
+from decode.stats import expected_speedup
 
-from .timing import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
+__all__ = ['OTHER_LOAD_LIMIT', 'LoadMeter', 'alternated_rounds', 'busy_cpu_seconds', 'cpu_cores', 'load_record', 'measure_cost_ratio', 'measure_verify_cost_ratio', 'timed_call', 'phase_split', 'time_breakdown', 'time_breakdown_section']
+
+
+def timed_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), wall seconds of the call)``, the device synchronised before and after (CUDA)."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def alternated_rounds(calls: dict[Hashable, Callable[[], Any]], device: torch.device, rounds: int = 1, *,
+                      rotate: bool = False, after: Callable[[Hashable], None] | None = None
+                      ) -> tuple[dict[Hashable, list], dict[Hashable, list[float]]]:
+    """``rounds`` rounds of every call in ``calls``, each call timed by :func:`timed_call`.
+
+    Round r runs the calls in their dict order, or with ``rotate`` on odd rounds that order rotated left by one
+    (the first call runs last), so neither the first method nor the others always run on a "fresh" machine; the
+    evaluation passes target-only first. ``after(key)`` runs after each call, outside its time (a progress bar).
+
+    Returns:
+        ``(results, seconds)``: ``{key: [fn() of each round]}`` and ``{key: [wall seconds of each round]}``.
+    """
+    keys = list(calls)
+    results: dict[Hashable, list] = {k: [] for k in keys}
+    seconds: dict[Hashable, list[float]] = {k: [] for k in keys}
+    for r in range(rounds):
+        order = keys[1:] + keys[:1] if rotate and r % 2 == 1 else keys
+        for key in order:
+            out, t = timed_call(calls[key], device)
+            results[key].append(out)
+            seconds[key].append(t)
+            if after is not None:
+                after(key)
+    return results, seconds
+
+
+@torch.inference_mode()
+def measure_cost_ratio(target, draft, input_ids: torch.Tensor, trials: int = 20,
+                       fast_path: bool | None = None) -> dict[str, float]:
+    """Cost ratio c of ``draft`` against ``target`` on ``input_ids`` (1, T): ``{"cost_ratio", "target_forward_s",
+    "draft_forward_s"}`` (seconds; medians of ``trials`` one-token cached forwards, the two models alternating,
+    through the decoder's own forward path: :func:`decode.timing.cost_ratio`; ``fast_path`` False: the Hugging
+    Face forward)."""
+    device = next(target.parameters()).device
+    return cost_ratio(target, draft, input_ids.to(device), steps=trials, fast_path=fast_path)
+
+
+def measure_verify_cost_ratio(target, input_ids: torch.Tensor, draft_lengths, trials: int = 20,
+                              fast_path: bool | None = None) -> dict[str, dict]:
+    """Verify cost ratio v per draft length k: ``{str(k): {"verify_cost_ratio", "verify_forward_s",
+    "target_forward_s"}}`` = (k + 1)-position target forward / one-position forward (seconds; medians of ``trials``,
+    the decoder's own forward path, widths alternating: :func:`decode.block_forward_times_s`). ``draft_lengths``:
+    every draft length (and token tree's mean node count) the decodes used, :func:`eval.evaluate.verified_lengths`;
+    0 is skipped (v_0 = 1)."""
+    device = next(target.parameters()).device
+    ks = sorted({int(k) for k in draft_lengths if int(k) > 0})
+    if not ks:
+        return {}
+    widths = sorted({1, *(k + 1 for k in ks)})
+    t = block_forward_times_s(target, input_ids.to(device), widths, steps=trials, fast_path=fast_path)
+    return {str(k): {"verify_cost_ratio": t[k + 1] / t[1], "verify_forward_s": t[k + 1], "target_forward_s": t[1]}
+            for k in ks}
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity set; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+OTHER_LOAD_LIMIT = 0.25  # cores other processes may keep busy before a domain's timing counts as disturbed
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds every process on the machine has spent busy since boot (``/proc/stat``'s first line: everything
+    but idle and iowait), or None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def load_record(before, after, own_cores: float | None = None, other_cores: float | None = None) -> dict:
+    """The machine's load around a measurement: ``{"loadavg_before": [1, 5, 15 min], "loadavg_after": [...],
+    "cores": n, "own_cores", "other_load", "overloaded": bool}``.
+
+    ``own_cores``: the cores this process kept busy while measuring (its CPU seconds / wall seconds, all threads).
+    ``other_cores``: the cores every other process kept busy over the same interval (the machine's busy CPU
+    seconds from ``/proc/stat`` minus this process's, per wall second): recorded as ``other_load``. Without it,
+    ``other_load`` = the higher 1-minute load average minus ``own_cores`` (the load average counts this process's
+    busy threads too, and lags by about a minute). Overloaded when ``other_load`` exceeds :data:`OTHER_LOAD_LIMIT`
+    (a quarter of a core); without ``own_cores`` either (an older caller) when the load average exceeds the
+    cores."""
+    cores = cpu_cores()
+    before, after = [round(float(x), 2) for x in before], [round(float(x), 2) for x in after]
+    peak = max(before[0], after[0])
+    if own_cores is None and other_cores is None:
+        return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": None,
+                "other_load": None, "overloaded": peak > cores}
+    own = None if own_cores is None else round(float(own_cores), 2)
+    other = round(max(0.0, float(other_cores) if other_cores is not None else peak - own), 2)
+    return {"loadavg_before": before, "loadavg_after": after, "cores": cores, "own_cores": own,
+            "other_load": other, "overloaded": other > OTHER_LOAD_LIMIT}
+
+
+class LoadMeter:
+    """The machine's load over a timed measurement (the evaluation's domains, the decoder benchmark):
+    ``meter = LoadMeter().start()`` ... ``meter.stop()`` (or ``with LoadMeter() as meter:``) sets ``meter.record``
+    to :func:`load_record` over that interval (``meter.seconds``: its wall seconds), this process's busy cores from
+    its CPU time and every other process's from ``/proc/stat``."""
+
+    record: dict | None = None
+
+    def start(self) -> "LoadMeter":
+        self._t, self._cpu, self._busy = time.perf_counter(), time.process_time(), busy_cpu_seconds()
+        self._load = os.getloadavg()
+        return self
+
+    def stop(self) -> dict:
+        wall, own = time.perf_counter() - self._t, time.process_time() - self._cpu
+        busy = busy_cpu_seconds()
+        self.seconds = wall
+        self.record = load_record(self._load, os.getloadavg(), own / wall if wall > 0 else None,
+                                  (busy - self._busy - own) / wall if wall > 0 and None not in (self._busy, busy)
+                                  else None)
+        return self.record
+
+    def __enter__(self) -> "LoadMeter":
+        return self.start()
+
+    def __exit__(self, *exc) -> bool:
+        self.stop()
+        return False
+
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +209,7 @@ class Prompt:
     domain: str
     id: str
     text: str
-    format: str = "raw"  # how it reaches the target (data.chat.FORMATS): chat_template, chat_template_user_turn, ...
+    format: str = "raw"  # how it reaches the target (data.text.FORMATS): chat_template, chat_template_user_turn, ...
 
 
 def verified_lengths(rows: list[dict]) -> set[int]:
@@ -160,7 +337,7 @@ class _Evaluation:
 
     def paired_trials(self, ids: torch.Tensor, seed: int, bar):
         """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd
-        rounds run the speculative settings first: :func:`eval.timing.alternated_rounds` with ``rotate``) so each
+        rounds run the speculative settings first: :func:`eval.evaluate.alternated_rounds` with ``rotate``) so each
         round is a side-by-side pair. Returns the target-only output of the first round, its seconds per round,
         ``{(setting index, draft): (output, policy)}`` of the first round, and ``{(setting index, draft): [seconds
         per round]}``."""
@@ -228,7 +405,7 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         drafts: name -> HF causal LM.
         prompts_by_domain: domain -> prompts.
         num_draft_tokens: gamma, or a list of gammas to sweep (the fixed policy).
-        draft_length_policies: policy name -> factory of a fresh :class:`decode.policies.DraftLengthPolicy`
+        draft_length_policies: policy name -> factory of a fresh :class:`decode.speculative.DraftLengthPolicy`
             (e.g. ``DecodeConfig.make_policy``); each decode gets its own policy, so every prompt is an independent
             run and its row does not depend on the order of prompts. Their rows carry the policy's name in
             ``draft_length_policy`` and its cap ``max_draft_tokens`` in ``num_draft_tokens``.
@@ -241,10 +418,10 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
 
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
-        (:func:`eval.timing.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
+        (:func:`eval.evaluate.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
         "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
         "target_only", "target_outputs"}`` (``target_outputs``: domain -> prompt id -> the target-only greedy ids of
-        the first trial; ``machine_load``: :func:`eval.timing.load_record` per domain; ``target_only``: per domain the
+        the first trial; ``machine_load``: :func:`eval.evaluate.load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """
@@ -284,3 +461,95 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             "max_new_tokens": max_new_tokens, "sampling": decode_kwargs, "truncated_prompts": truncated_total,
             "draft_length_policies": list(policies), "timing_trials": ev.trials, "machine_load": load,
             "target_only": target_only, "target_outputs": ev.target_outputs}
+
+
+def _div(a, b):
+    return a / b if a is not None and b not in (None, 0) and math.isfinite(b) else None
+
+
+def phase_split(wall_s: float, prefill_s: float | None, draft_s: float, verify_s: float, missing=None) -> dict:
+    """Speculative decoding's wall seconds split by phase: ``{"wall_s", "prefill_s", "draft_s", "verify_s",
+    "other_s", "loop_efficiency"}`` with ``other_s = wall_s - prefill_s - draft_s - verify_s`` (the loop's own work)
+    and ``loop_efficiency = (prefill_s + draft_s + verify_s) / wall_s`` (time in model forwards / wall). Seconds
+    summed over the decodes (``AcceptanceStats.prefill_time_s`` / ``draft_time_s`` / ``verify_time_s``); what cannot
+    be computed (``prefill_s`` None, a zero wall time) is ``missing``."""
+    forwards = None if prefill_s is None else prefill_s + draft_s + verify_s
+    efficiency = _div(forwards, wall_s)
+    return {"wall_s": wall_s, "prefill_s": prefill_s, "draft_s": draft_s, "verify_s": verify_s,
+            "other_s": missing if forwards is None else wall_s - forwards,
+            "loop_efficiency": missing if efficiency is None else efficiency}
+
+
+def time_breakdown(rows: list[dict], cost_ratio: dict, verify_cost_ratio: dict | None, drafts: dict,
+                   num_draft_tokens: int) -> dict:
+    """``{draft: {domain: {...}}}`` (fields in the module docstring) at gamma ``num_draft_tokens``, fixed policy.
+
+    ``rows``: per-prompt rows (:data:`eval.metrics.PER_PROMPT_COLUMNS`); ``cost_ratio``: ``{draft: {"cost_ratio",
+    "target_forward_s", ...}}``; ``verify_cost_ratio``: ``{str(gamma): {"verify_cost_ratio", ...}}`` or None;
+    ``drafts``: the metrics document's ``drafts`` (for the token acceptance rate, measured and expected speedup).
+    """
+    g = int(num_draft_tokens)
+    v = ((verify_cost_ratio or {}).get(str(g)) or {}).get("verify_cost_ratio")
+    out: dict[str, dict] = {}
+    for name, by_domain in drafts.items():
+        cost = cost_ratio.get(name) or {}
+        c, t1 = cost.get("cost_ratio"), cost.get("target_forward_s")
+        for domain, entry in by_domain.items():
+            cell = [r for r in rows if r["draft"] == name and r["domain"] == domain and int(r["num_draft_tokens"]) == g
+                    and r.get("draft_length_policy", "fixed") == "fixed"]
+            if not cell:
+                continue
+            wall = sum(r["speculative_time_s"] for r in cell)
+            draft_s = sum(r["draft_time_s"] for r in cell)
+            verify_s = sum(r["verify_time_s"] for r in cell)
+            pre = [r.get("prefill_time_s") for r in cell]
+            prefill_s = None if any(p is None for p in pre) else sum(pre)
+            steps = sum(r["verify_steps"] for r in cell)
+            drafted = sum(r["drafted_tokens"] for r in cell)
+            a = entry.get("token_acceptance_rate")
+            finite = a is not None and math.isfinite(a) and c is not None
+            out.setdefault(name, {})[domain] = {
+                "num_draft_tokens": g,
+                **phase_split(wall, prefill_s, draft_s, verify_s),
+                "cost_ratio": c,
+                "cost_ratio_in_loop": _div(_div(draft_s, drafted), t1),
+                "verify_cost_ratio": v,
+                "verify_cost_ratio_in_loop": _div(_div(verify_s, steps), t1),
+                "measured_speedup": entry.get("measured_speedup"),
+                "expected_speedup_leviathan": expected_speedup(a, g, c) if finite else None,
+                "expected_speedup_components": entry.get("expected_speedup_components") if v else None,
+            }
+    return out
+
+
+def _f(x, fmt: str, suffix: str = "") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt) + suffix
+
+
+def _share(x, wall) -> str:
+    return "n/a" if x is None or not wall else f"{x:.3f} ({x / wall:.0%})"
+
+
+def time_breakdown_section(doc: dict) -> list[str]:
+    """Markdown lines of the report's "Where decoding time goes" section (empty without ``time_breakdown``)."""
+    tb = doc.get("time_breakdown") or {}
+    if not tb:
+        return []
+    lines = ["", f"## Where decoding time goes (gamma = {doc['num_draft_tokens']})", "",
+             "Seconds summed over the domain's prompts (share of the speculative wall time); c and v measured "
+             "standalone (in the loop); expected speedup from the measured c and v beside Leviathan's (v = 1). "
+             "Loop efficiency = time in model forwards / wall time.", "",
+             "| domain | draft | wall s | prefill s | draft s | verify s | other s | loop efficiency | c (in loop) | "
+             "v (in loop) | measured speedup | expected: measured c, v | expected: Leviathan |", "|" + "---|" * 13]
+    for name, by_domain in tb.items():
+        for domain, e in by_domain.items():
+            wall = e["wall_s"]
+            lines.append(
+                f"| {domain} | {name} | {_f(wall, '.3f')} | {_share(e['prefill_s'], wall)} | "
+                f"{_share(e['draft_s'], wall)} | {_share(e['verify_s'], wall)} | {_share(e['other_s'], wall)} | "
+                f"{_f(e['loop_efficiency'], '.2f')} | {_f(e['cost_ratio'], '.3f')} "
+                f"({_f(e['cost_ratio_in_loop'], '.3f')}) | {_f(e['verify_cost_ratio'], '.2f')} "
+                f"({_f(e['verify_cost_ratio_in_loop'], '.2f')}) | {_f(e['measured_speedup'], '.2f', 'x')} | "
+                f"{_f(e['expected_speedup_components'], '.2f', 'x')} | "
+                f"{_f(e['expected_speedup_leviathan'], '.2f', 'x')} |")
+    return lines

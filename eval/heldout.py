@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
 import numpy as np
 import torch
+from eval.metrics import _cell_seed, bootstrap_ratio_ci
 
-from .metrics import _cell_seed, bootstrap_ratio_ci
 
 _WORD = re.compile(r"\w+")
 
@@ -230,7 +229,7 @@ class HeldoutSection:
 
 
 def _rendered(render, row: dict) -> str:
-    from data.chat import decode_messages
+    from data.text import decode_messages
 
     return render(row["prompt"], row["completion"], decode_messages(row["messages"]))[0] if render else row["prompt"]
 
@@ -243,8 +242,8 @@ def heldout_prompts(domain: str, splits, tokenizer, limit: int, index: NearDupli
     Raises:
         DataSourceError: the domain has no test prompts left.
     """
-    from data.chat import renderer
-    from data.errors import DataSourceError
+    from data.text import renderer
+    from core.errors import DataSourceError
 
     render, out, removed = renderer(tokenizer), [], 0
     for row in splits["test"]:
@@ -303,11 +302,11 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
 
     A domain without a held-out prompt is left out and named in ``skipped_domains`` with the reason.
     """
-    from data.chat import renderer
-    from data.tokenization import encode_prompt
+    from data.text import renderer
+    from data.text import encode_prompt
     from decode.common import default_eos, output_vocab_size
 
-    from data.errors import DataSourceError
+    from core.errors import DataSourceError
     from data.loading import load_domain
 
     loaded = {d: load_domain(d, opts) for d in dict.fromkeys(list(domains) + list(train_domains))}

@@ -15,10 +15,9 @@ import hashlib
 import math
 from pathlib import Path
 from typing import Any, Iterable
-
 import numpy as np
-
 from decode.stats import expected_speedup, expected_speedup_from_costs, expected_speedup_mixture
+
 
 # per_prompt.csv columns, in order. List-valued columns are space-separated integers.
 PER_PROMPT_COLUMNS = (
@@ -161,7 +160,7 @@ def cell_metrics(rows: list[dict], cost_ratio: float, *, num_draft_tokens: int, 
     (:func:`decode.stats.expected_speedup_mixture`). ``expected_speedup_components`` is the expectation from the
     measured parts instead: the cell's tau over its steps' mean cost ``k c + v_k`` in one-position target forwards
     (:func:`decode.stats.expected_speedup_from_costs`; ``verify_cost_ratio``: ``{str(k): {"verify_cost_ratio"}}``
-    as :func:`eval.timing.measure_verify_cost_ratio` returns it; ``step_overhead``: the loop's own work per step
+    as :func:`eval.evaluate.measure_verify_cost_ratio` returns it; ``step_overhead``: the loop's own work per step
     in one-position target forwards, :func:`loop_overhead_per_step`; None without ``verify_cost_ratio``, ``step_overhead``
     or a needed ``v_k``)."""
     g = int(num_draft_tokens)

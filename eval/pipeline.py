@@ -4,30 +4,247 @@
 target and the drafts (``eval.drafts`` or ``<run_dir>/drafts/*``), the prompts of ``eval.domains`` (+
 ``eval.extra_domains``), decodes (:mod:`eval.evaluate`), aggregates (:mod:`eval.metrics`), writes ``report.md``,
 ``metrics.json``, ``per_prompt.csv``, ``plots/*.png`` (:mod:`eval.report`), ``routing.json`` (domain -> the draft
-with the best measured speedup, :mod:`eval.routing`) and, with ``logger=wandb``, a wandb run.
+with the best measured speedup, :mod:`eval.decision`) and, with ``logger=wandb``, a wandb run.
 With ``decode.draft_routing=PATH`` each domain is decoded only with the draft the table routes it to.
 Beside the fixed-gamma sweep every draft also decodes under each draft-length policy of
 ``eval.draft_length_policies`` (default: ``decode.draft_length_policy``), a fresh policy per prompt.
+
+Which drafts an evaluation reads (``eval.drafts``, a routing table, or the run directory's ``drafts/*``), and the
+check, before a training run loads anything, that the drafts its stages must still write can be written.
+
+Tracking: the run's local JSONL event log and, with ``logger=wandb``, a Weights & Biases run.
+
+The wandb run defaults to ``mode=offline`` (nothing leaves the machine; ``wandb sync <dir>`` uploads later) and
+writes its folder under the run directory (``<run_dir>/wandb/offline-run-*``). It receives the same numbers as
+``metrics.json`` (flattened ``<draft>/<domain>/<field>`` into the run summary and one history step), the plots as
+``wandb.Image``, a ``metrics`` table (one row per draft x domain x num_draft_tokens), optionally the per-prompt
+table, and copies of ``metrics.json`` / ``report.md`` (``specdraft_metrics.json`` / ``specdraft_report.md``)
+in the run's files.
 """
 from __future__ import annotations
 
+from pathlib import Path
 import json
 import logging
+import math
 import shutil
+from typing import Any
 from dataclasses import asdict, is_dataclass
-from pathlib import Path
-
-from data.devices import torch_threads
-from data.io import atomic_file_set, write_text_atomic
+from core.cli import torch_threads
+from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
+from eval.evaluate import Prompt, evaluate_drafts
+from eval.report import render_markdown, setting_label, write_report
+from eval.decision import routing_section, write_routing
+from eval.report import verdicts_section
 
-from .evaluate import Prompt, evaluate_drafts
-from .report import render_markdown, setting_label, write_report
-from .routing import routing_section, write_routing
-from .run_drafts import _later_drafts, check_planned_drafts, draft_paths, routed_drafts
-from .verdicts import verdicts_section
+__all__ = ['routed_drafts', 'draft_paths', 'check_planned_drafts']
+
+
+def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None) -> tuple[dict, dict]:
+    """``decode.draft_routing``: (draft name -> path, domain -> draft name, None for a domain routed to the target
+    alone) for ``domains``, checked before any model loads.
+
+    Raises:
+        RoutingError (a ValueError): missing / invalid table, a domain without a route and no ``default``, or
+            ``eval.drafts`` given as well (the table decides the drafts).
+    """
+    from decode.config import RoutingError, load_routing
+
+    if eval_drafts:
+        raise RoutingError("decode.draft_routing and eval.drafts both name drafts; with a routing table the table "
+                           "decides which draft decodes each domain. Drop one of them.")
+    table = load_routing(table_path)
+    paths: dict[str, Path] = {}
+    routed: dict[str, str] = {}
+    for d in domains:
+        r = table.draft_for(d)
+        if r.target_only:  # routed to no draft: decoded with the target alone
+            routed[d] = None
+            continue
+        name = r.draft
+        if name in paths and paths[name] != Path(r.path):  # two different checkpoints share a name
+            name = f"{r.draft}@{Path(r.path).parent.name}/{Path(r.path).name}"
+        paths[name] = Path(r.path)
+        routed[d] = name
+    return paths, routed
+
+
+def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
+    """name -> draft directory: ``eval.drafts``, else ``<run_dir>/drafts/*``. A relative ``eval.drafts`` path
+    ``drafts/<name>`` is the run directory's (a draft an earlier stage of the run writes) unless only the working
+    directory has it, so an experiment can evaluate its own drafts beside one from elsewhere (``lora_med``: the
+    committed general draft).
+
+    Raises:
+        ValueError: no drafts at all (says how to give some).
+    """
+    drafts_dir = Path(run_dir) / "drafts"
+    if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
+        paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
+    elif rc.eval.drafts:
+        def where(p) -> Path:  # drafts/<name>: the run's, unless only the working directory has it
+            p = Path(p).expanduser()
+            if p.is_absolute() or p.parts[:1] != ("drafts",):
+                return p
+            in_run = Path(run_dir) / p
+            return in_run if in_run.exists() or not p.exists() else p
+
+        paths = {n: where(p) for n, p in rc.eval.drafts.items()}
+    else:
+        paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
+            if drafts_dir.is_dir() else {}
+    if not paths and not rc.decode.draft_routing:  # a table may route every domain to the target alone
+        raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
+                         f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
+    return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
+
+
+def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
+    """The drafts of ``paths`` that are the run directory's and do not exist yet (an earlier stage writes them)."""
+    run_drafts = (Path(run_dir) / "drafts").resolve()
+    return {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
+
+
+def check_planned_drafts(rc, run_dir: Path, later: dict[str, Path] | None = None) -> None:
+    """Before a training run loads anything: every ``eval.drafts`` entry that its stages must still write can be
+    written; ``drafts/<name>_int8`` only is under ``draft.quantize=int8``.
+
+    Raises:
+        ValueError: an ``_int8`` draft without ``draft.quantize=int8`` (names both fixes).
+    """
+    if later is None:
+        if not rc.eval.drafts or rc.decode.draft_routing:
+            return
+        later = _later_drafts(draft_paths(rc, run_dir), run_dir)
+    quantize = getattr(getattr(rc, "draft", None), "quantize", "none")
+    for n, p in later.items():  # <name>_int8 copies are written only under draft.quantize=int8
+        if p.name.endswith("_int8") and quantize != "int8":
+            raise ValueError(f"eval.drafts.{n} is drafts/{p.name}, which this run writes only with "
+                             f"draft.quantize=int8 (it is {quantize}): set draft.quantize=int8, or evaluate the "
+                             f"fp32 draft with eval.drafts.{n}=drafts/{p.name[:-len('_int8')]}")
+
 
 log = logging.getLogger(__name__)
+
+SUMMARY_FIELDS = ("acceptance_rate", "token_acceptance_rate", "mean_accepted_length", "expected_mean_accepted_length",
+                  "measured_speedup", "expected_speedup", "target_tokens_per_s", "speculative_tokens_per_s",
+                  "cost_ratio", "draft_time_s", "verify_time_s", "num_prompts", "best_num_draft_tokens")
+TABLE_COLUMNS = ("draft", "domain", "num_draft_tokens", "acceptance_rate", "acceptance_rate_ci_low",
+                 "acceptance_rate_ci_high", "mean_accepted_length", "mean_accepted_length_ci_low",
+                 "mean_accepted_length_ci_high", "measured_speedup", "measured_speedup_ci_low",
+                 "measured_speedup_ci_high", "expected_speedup", "target_tokens_per_s", "speculative_tokens_per_s",
+                 "speculative_latency_p50_s", "speculative_latency_p95_s", "speculative_latency_p99_s",
+                 "num_prompts", "lossless")
+
+
+def _num(x) -> Any:
+    return x if x is None or not isinstance(x, float) or math.isfinite(x) else None
+
+
+def flat_metrics(doc: dict) -> dict[str, Any]:
+    """``{"<draft>/<domain>/<field>": value}`` for the primary gamma, plus ``.../gamma<g>/<field>`` per swept gamma,
+    ``.../<policy>/<field>`` per draft-length policy, ``recommendation/<domain>/...`` and ``lossless_all``."""
+    out: dict[str, Any] = {"lossless_all": doc.get("lossless_all")}
+    for draft, by_domain in doc["drafts"].items():
+        for domain, e in by_domain.items():
+            for f in SUMMARY_FIELDS:
+                out[f"{draft}/{domain}/{f}"] = _num(e.get(f))
+            for f in ("mean_accepted_length_ci", "measured_speedup_ci", "acceptance_rate_ci"):
+                if e.get(f):
+                    out[f"{draft}/{domain}/{f}_low"], out[f"{draft}/{domain}/{f}_high"] = e[f]
+            for g, s in e.get("sweep", {}).items():
+                for f in ("mean_accepted_length", "measured_speedup", "expected_speedup", "acceptance_rate"):
+                    out[f"{draft}/{domain}/gamma{g}/{f}"] = _num(s.get(f))
+            for p, s in e.get("policies", {}).items():
+                for f in ("mean_accepted_length", "measured_speedup", "expected_speedup", "acceptance_rate",
+                          "mean_draft_length"):
+                    out[f"{draft}/{domain}/{p}/{f}"] = _num(s.get(f))
+    for domain, r in doc.get("recommendation", {}).items():
+        out[f"recommendation/{domain}/draft"] = r["draft"]
+        out[f"recommendation/{domain}/num_draft_tokens"] = r["num_draft_tokens"]
+        out[f"recommendation/{domain}/draft_length_policy"] = r.get("draft_length_policy", "fixed")
+        out[f"recommendation/{domain}/measured_speedup"] = _num(r["measured_speedup"])
+    return out
+
+
+def metrics_rows(doc: dict) -> list[list]:
+    """One row per draft x domain x num_draft_tokens, columns :data:`TABLE_COLUMNS`."""
+    rows = []
+    for draft, by_domain in doc["drafts"].items():
+        for domain, entry in by_domain.items():
+            for g, e in entry["sweep"].items():
+                def ci(f, i):
+                    return e[f"{f}_ci"][i] if e.get(f"{f}_ci") else None
+
+                lat = e["speculative_latency_s"]
+                rows.append([draft, domain, int(g), e["acceptance_rate"], ci("acceptance_rate", 0),
+                             ci("acceptance_rate", 1), e["mean_accepted_length"], ci("mean_accepted_length", 0),
+                             ci("mean_accepted_length", 1), e["measured_speedup"], ci("measured_speedup", 0),
+                             ci("measured_speedup", 1), e["expected_speedup"], e["target_tokens_per_s"],
+                             e["speculative_tokens_per_s"], lat["p50"], lat["p95"], lat["p99"], e["num_prompts"],
+                             e["lossless"]])
+    return rows
+
+
+def log_to_wandb(logger_cfg, run_dir: str | Path, doc: dict, *, config: dict | None = None,
+                 name: str | None = None, per_prompt_rows: list[dict] | None = None,
+                 events_path: str | Path | None = None) -> str | None:
+    """Log one evaluation to a wandb run (offline unless ``logger.mode=online``); returns the run's local folder.
+
+    Training events found in ``events_path`` (``train_step`` / ``train_eval``) are replayed as history so the same
+    run shows the training curves of a pipeline run.
+    """
+    import wandb
+
+    run_dir = Path(run_dir)
+    wdir = Path(logger_cfg.dir).expanduser() if logger_cfg.dir else run_dir
+    wdir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=logger_cfg.project, entity=logger_cfg.entity, mode=logger_cfg.mode, dir=str(wdir),
+                     name=name, config=config or {}, tags=list(logger_cfg.tags) or None, job_type="eval",
+                     settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
+    try:
+        if events_path and Path(events_path).exists():
+            _replay_training_events(run, Path(events_path))
+        flat = flat_metrics(doc)
+        images = {f"plots/{k}": wandb.Image(str(run_dir / rel), caption=k) for k, rel in doc.get("plots", {}).items()}
+        table = wandb.Table(columns=list(TABLE_COLUMNS), data=metrics_rows(doc))
+        payload = {**{f"eval/{k}": v for k, v in flat.items() if isinstance(v, (int, float)) or v is None},
+                   **images, "eval/metrics_table": table}
+        if logger_cfg.log_per_prompt and per_prompt_rows:
+            from eval.metrics import PER_PROMPT_COLUMNS, row_to_csv
+
+            payload["eval/per_prompt"] = wandb.Table(
+                columns=list(PER_PROMPT_COLUMNS), data=[list(row_to_csv(r).values()) for r in per_prompt_rows])
+        run.log(payload)
+        for k, v in flat.items():
+            run.summary[f"eval/{k}"] = v
+        # copies in the run's files (uploaded by `wandb sync`); renamed so tools that glob for metrics.json in a
+        # sweep folder (scripts/compare_runs.py) do not count the copy as a second run
+        for src, dst in (("metrics.json", "specdraft_metrics.json"), ("report.md", "specdraft_report.md")):
+            if (run_dir / src).exists() and run.dir:
+                shutil.copyfile(run_dir / src, Path(run.dir) / dst)
+        local = str(Path(run.dir).parent) if run.dir else None
+    finally:
+        run.finish()
+    return local
+
+
+def _replay_training_events(run, path: Path) -> None:
+    for line in path.read_text().splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if ev.get("event") not in ("train_step", "train_eval"):
+            continue
+        stage = ev.get("stage", "train")
+        nums = {f"train/{stage}/{k}": v for k, v in ev.items()
+                if k not in ("time", "event", "stage") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if nums:
+            run.log(nums)
+
+
 
 
 def _domain_objects(rc) -> dict:
@@ -42,8 +259,8 @@ def load_prompts(domains: list | dict, opts: DataOptions, max_prompts: int,
     """domain -> its first ``max_prompts`` evaluation prompts (test split, hash order). ``domains``: names, or
     name -> registry name / :class:`data.registry.Domain`. ``caps``: a per-domain cap replacing ``max_prompts``
     (``None``: every prompt), used for the user files of ``eval.extra_domains``, whose count is logged.
-    ``tokenizer``: the target's; chat records are rendered in its chat template (:class:`data.chat.Renderer`)."""
-    from data.chat import Renderer
+    ``tokenizer``: the target's; chat records are rendered in its chat template (:class:`data.text.Renderer`)."""
+    from data.text import Renderer
 
     items = domains.items() if isinstance(domains, dict) else ((d, d) for d in domains)
     caps = caps or {}
@@ -73,7 +290,7 @@ _FORMAT_WORDS = {
 
 def prompt_format_section(formats: dict[str, list[str]]) -> str:
     """The report's "Prompt format" section: how each domain's prompts reached the target (``formats``: domain ->
-    the :data:`data.chat.FORMATS` its prompts used)."""
+    the :data:`data.text.FORMATS` its prompts used)."""
     rows = ["## Prompt format", "", "| domain | prompts sent as |", "|---|---|"]
     rows += [f"| {d} | {'; '.join(_FORMAT_WORDS.get(f, f) for f in fs)} |" for d, fs in formats.items()]
     return "\n".join(rows)
@@ -82,7 +299,7 @@ def prompt_format_section(formats: dict[str, list[str]]) -> str:
 def target_description(target, tokenizer) -> dict:
     """What the report says of the target: architecture, layers, hidden size, heads, vocabulary, parameters, context,
     whether its tokenizer has a chat template, and where a converted target came from (its ``specdraft.json``)."""
-    from data.chat import chat_template_of
+    from data.text import chat_template_of
 
     c = target.config
     out = {"model_type": getattr(c, "model_type", None), "num_layers": getattr(c, "num_hidden_layers", None),
@@ -91,8 +308,8 @@ def target_description(target, tokenizer) -> dict:
            "parameters": sum(int(p.numel()) for p in target.parameters()),
            "max_position_embeddings": getattr(c, "max_position_embeddings", None),
            "chat_template": chat_template_of(tokenizer) is not None}
-    from data.checkpoints import read_specdraft_meta
-    from data.errors import CheckpointError
+    from models.checkpoints import read_specdraft_meta
+    from core.errors import CheckpointError
 
     path = getattr(c, "_name_or_path", None)
     try:
@@ -106,7 +323,7 @@ def target_description(target, tokenizer) -> dict:
 
 def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
     """name -> [(source, license)] for the report's attribution table."""
-    from data.domains import get_domain
+    from data.loading import get_domain
 
     out = {}
     for name, dom in domains.items():
@@ -117,7 +334,7 @@ def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
 
 def training_section(drafts_meta: dict) -> str:
     """The report's "Drafts" section: how each draft of this pipeline was trained and with what budget
-    (``drafts_meta``: name -> :class:`data.specdraft_meta.SpecdraftMeta`; drafts not trained here are left out)."""
+    (``drafts_meta``: name -> :class:`models.checkpoints.SpecdraftMeta`; drafts not trained here are left out)."""
     rows = ["## Drafts", "", "| draft | training loss | steps trained (selected) | unique tokens (most reads) | "
             "training time s (one-off teacher passes s) | budget | parameters (draft / target) | validation CE on "
             "training domain (draft / target, nats/token) |", "|---|---|---|---|---|---|---|---|"]
@@ -167,9 +384,9 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         ValueError: no drafts; ``CheckpointError`` (missing / partial / unreadable checkpoint);
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
-    from data.checkpoints import check_checkpoint_dir, load_tokenizer
-    from data.gguf_target import resolve_target
-    from data.tokenizer_check import check_tokenizers_compatible
+    from models.checkpoints import check_checkpoint_dir, load_tokenizer
+    from models.target import resolve_target
+    from models.vocab import check_tokenizers_compatible
 
     try:
         paths = draft_paths(rc, run_dir)
@@ -222,7 +439,7 @@ def check_prompt_lengths(prompts: dict[str, list[Prompt]], tokenizer, max_prompt
 def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                  command_record: tuple[Path, str] | None = None) -> dict:
     """Evaluate every draft (``eval.drafts``, else ``<run_dir>/drafts/*``) on the configured domains; write the
-    report files into ``run_dir`` as one set (:func:`data.io.atomic_file_set`: a killed evaluation leaves the
+    report files into ``run_dir`` as one set (:func:`core.io.atomic_file_set`: a killed evaluation leaves the
     previous complete report set, and rerunning the command produces the same numbers).
     ``events(name, **fields)``: the run's event log (optional). ``command_record``: ``(folder, name)``, a record of
     the command (Hydra's) copied into the report set as ``name``, so it is replaced together with the report.
@@ -234,7 +451,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
         ArtifactWriteError: the report could not be written (full disk, read-only folder); the previous report
             set is intact.
     """
-    from decode.quantize import check_quantize_device
+    from decode.fast_settings import check_quantize_device
 
     run_dir = Path(run_dir)
     ev = events or (lambda *a, **k: None)
@@ -246,7 +463,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                            tokenizer)
     check_prompt_lengths(prompts, tokenizer, rc.eval.max_prompt_tokens, rc.eval.prompt_overflow)
     from decode.fast_llama import compile_enabled, compile_seconds, row_layout_record, set_compile
-    from decode.threads import set_block_threads
+    from decode.fast_settings import set_block_threads
 
     set_compile(rc.decode.compile)  # decode.compile: the lean forwards built from here on
     set_block_threads(rc.decode.block_threads)  # decode.block_threads: forwards over more than one token
@@ -267,7 +484,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                "row_layout": row_layout_record()}  # what decode.row_layout=auto chose (several rows, one row)
     vocab = {n: {k: v for k, v in m[0].draft_vocab.items() if k != "draft_to_target"}
              for n, m in meta.items() if m[0] is not None and m[0].draft_vocab}
-    if vocab:  # trimmed draft vocabularies (data/draft_vocab.py): size and how the kept ids were counted
+    if vocab:  # trimmed draft vocabularies (models/vocab.py): size and how the kept ids were counted
         context["draft_vocab"] = vocab
     if routed is not None:
         context["draft_routing"] = {"table": str(rc.decode.draft_routing), "routes": routed,
@@ -290,7 +507,6 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
            "routing": str(routing_path) if routing_path else None, "routed": routed,
            "serving": str(run_dir / "serving.json")}
     if rc.logger.name == "wandb":
-        from .tracking import log_to_wandb
 
         cfg = asdict(rc) if is_dataclass(rc) else {}
         out["wandb_dir"] = log_to_wandb(rc.logger, run_dir, doc, config=cfg, name=rc.experiment_name,
@@ -303,12 +519,12 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
 def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     """The target and every draft in ``eval.dtype`` on ``eval.device``, each checked against the tokenizer, the
     context the evaluation needs and the decoder's cache policy. Returns ``(target, tokenizer, drafts, meta)``, ``meta``
-    name -> ``(specdraft.json as :class:`data.specdraft_meta.SpecdraftMeta`, decoder forward "lean" /
+    name -> ``(specdraft.json as :class:`models.checkpoints.SpecdraftMeta`, decoder forward "lean" /
     "hugging_face")``."""
-    from data.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
+    from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
     from decode import cache_policy
     from decode.fast_llama import fast_path_supported
-    from decode.quantize import load_draft
+    from decode.fast_settings import load_draft
 
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -331,8 +547,8 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
 def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | None, device, dtype, ev) -> tuple:
     """Decode every prompt target-only and with every draft at every gamma, draft-length policy and token tree
     (with routing: each domain with its routed draft only, or the target alone). Returns ``(results, runtime)``."""
-    from data.devices import runtime_record
-    from decode.threads import resolved_block_threads
+    from core.cli import runtime_record
+    from decode.fast_settings import resolved_block_threads
 
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)
     policy_names = rc.eval.policies(rc.decode.draft_length_policy)  # measured beside the fixed sweep
@@ -374,18 +590,18 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
 def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict, run_dir: Path) -> tuple:
     """The report's extra sections (training, draft sources, prompt format, serving settings); the serving
     section is returned too (its document is written as ``serving.json``)."""
-    from data.chat import Renderer
+    from data.text import Renderer
 
-    from .serving import ServingSection
+    from eval.sections import ServingSection
 
     saved = {n: m for n, (m, _) in meta.items()}
     sections = [training_section(saved)] if any(m.train is not None for m in saved.values()) else []
     if any(m.init or m.quantize_mode != "none" for m in saved.values()):
-        from .draft_sources import draft_sources_section
+        from eval.sections import draft_sources_section
 
         sections.append(draft_sources_section(meta))
     if any(m.kind in ("lora", "finetune") for m in saved.values()):
-        from .adaptation import AdaptationSection
+        from eval.sections import AdaptationSection
 
         sections.append(AdaptationSection(saved, draft_paths))
     prompt_format = Renderer(tokenizer).format
@@ -401,9 +617,9 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
     """The "Engine check" report section (:mod:`eval.engine`): llama.cpp serving the target alone and with each
     draft on the same prompts, when ``eval.engine`` asks for it and the engine is installed (else one line saying
     why not). An engine failure is reported in the section, never loses the evaluation."""
-    from data.tokenization import encode_prompt
+    from data.text import encode_prompt
 
-    from .engine import EngineSection, engine_wanted, run_engine_check
+    from eval.engine import EngineSection, engine_wanted, run_engine_check
 
     ec = rc.eval.engine
     kw = dict(samples=rc.eval.bootstrap_samples, confidence=rc.eval.confidence, seed=rc.seed)
@@ -429,7 +645,7 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
 def _heldout(rc, opts: DataOptions, target, tokenizer, drafts: dict, ev):
     """The "Held-out acceptance" report section (:mod:`eval.heldout`) over ``eval.domains`` (the built-in ones:
     a user's file has no training split to hold out from), beside the training prompts of the drafts' domains."""
-    from .heldout import HeldoutSection, measure_heldout
+    from eval.heldout import HeldoutSection, measure_heldout
 
     hc = rc.eval.heldout
     if not hc.enabled or not drafts or not rc.eval.domains:
@@ -457,7 +673,7 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
         return None
     from decode.timing import weights_read_per_token
 
-    from .projection import deployment_cost_ratios
+    from eval.decision import deployment_cost_ratios
 
     count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)
     return deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},

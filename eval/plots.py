@@ -12,13 +12,12 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
-
 import matplotlib
+from core.io import write_bytes_atomic
+import matplotlib.pyplot as plt  # noqa: E402
 
-from data.io import write_bytes_atomic
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 

@@ -15,8 +15,8 @@ target-only decoding (ours), transformers' assisted generation (``num_assistant_
 constant schedule) and its plain generate, and ours speculative, and prints a ``| metric | value |`` table:
 tokens/s, speedups, acceptance alpha and tau, the cost ratios c and v, the expected speedup (Leviathan et al. 2023,
 Thm 3.8) and where the time goes, the machine's load first (DISTURBED above a quarter of a core). The engine, what
-each number is and how it is measured: :mod:`eval.bench` (timing: :mod:`eval.timing`, the evaluation's); the table:
-:mod:`eval.bench_table`.
+each number is and how it is measured: :mod:`eval.bench` (timing: :mod:`eval.evaluate`, the evaluation's); the table:
+:mod:`eval.sections`.
 
 ``--family NAME`` benchmarks a tiny random model of that family (draft = the target's first layer) on random ids;
 ``--target-dtype`` / ``--draft-dtype`` run the two models in different dtypes (e.g. a bf16 target, fp32 draft).
@@ -50,11 +50,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from decode import expected_speedup  # noqa: E402,F401  (re-exported: the tests check the expectation with it)
 from eval.bench import leviathan_expectation, run_bench  # noqa: E402,F401
-from eval.bench_setup import (FAMILIES, BenchConfig, BenchError, load_prompts,  # noqa: E402,F401
+from eval.bench import (FAMILIES, BenchConfig, BenchError, load_prompts,  # noqa: E402,F401
                               read_prompts_file)
-from eval.bench_setup import resolve_device_dtype as _resolve_device_dtype  # noqa: E402
-from data.io import write_text_atomic  # noqa: E402
-from eval.bench_table import format_compare, format_table  # noqa: E402
+from eval.bench import resolve_device_dtype as _resolve_device_dtype  # noqa: E402
+from core.io import write_text_atomic  # noqa: E402
+from eval.sections import format_compare, format_table  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "target-only decoding in this dtype")
     ap.add_argument("--draft-dtype", help="dtype of the draft only (default: --dtype)")
     ap.add_argument("--draft-quantize", choices=("auto", "none", "int8"), default="auto",
-                    help="the draft's weights: int8 = dynamic int8 Linear layers (decode/quantize.py, CPU), for "
+                    help="the draft's weights: int8 = dynamic int8 Linear layers (decode/fast_settings.py, CPU), for "
                          "ours and transformers' assisted generation alike; auto (default) = as the draft "
                          "directory's specdraft.json records (drafts/<name>_int8 from draft.quantize=int8)")
     ap.add_argument("--stop-at-eos", action="store_true", help="stop rows at the target's EOS (default: ignore)")
@@ -141,8 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.family is not None:
         args.prompt_ids = True
     else:
-        from data.checkpoints import check_checkpoint_dir
-        from data.errors import CheckpointError
+        from models.checkpoints import check_checkpoint_dir
+        from core.errors import CheckpointError
 
         try:  # before anything loads: a path that is not a model directory
             check_checkpoint_dir(args.target, "target", "--target", need_tokenizer=not args.prompt_ids)
@@ -180,14 +180,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if sum(bool(x) for x in (args.domain, args.prompts_file, args.prompt_ids)) > 1:
         ap.error("--domain, --prompts-file and --prompt-ids are alternatives: give one of them")
     if args.domain:
-        from data.domains import get_domain
+        from data.loading import get_domain
 
         try:
             get_domain(args.domain)
         except ValueError as e:
             # the fix is this flag, not the Hydra keys the shared message names
             ap.error(f"--domain: {e}".replace("Fix eval.domains / data.domain", "Fix --domain"))
-    from decode.threads import parse_block_threads
+    from decode.fast_settings import parse_block_threads
 
     try:
         parse_block_threads(args.block_threads)
@@ -220,7 +220,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def resolve_device_dtype(device: str, dtype: str):
-    """``--device`` / ``--dtype`` resolved (:func:`eval.bench_setup.resolve_device_dtype`); an unavailable GPU or
+    """``--device`` / ``--dtype`` resolved (:func:`eval.bench.resolve_device_dtype`); an unavailable GPU or
     an unknown name ends the script with a one-line error."""
     try:
         return _resolve_device_dtype(device, dtype)

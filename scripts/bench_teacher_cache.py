@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
     from distill.losses import forward_kl
-    from distill.models import LlamaArch, build_llama, count_parameters
+    from distill.drafts import LlamaArch, build_llama, count_parameters
     from distill.teacher import build_teacher_cache, make_cached_distill_step
     from distill.trainer import TrainerConfig, make_distill_step, train
-    from distill.vocab import shared_vocab_size
+    from distill.teacher import shared_vocab_size
 
     if args.threads:
         torch.set_num_threads(args.threads)

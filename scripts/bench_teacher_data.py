@@ -43,11 +43,11 @@ def load_smollm2(num_prompts: int) -> tuple:
     from omegaconf import OmegaConf
 
     from data.blocks import training_prompts
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
     from data.config import TargetConfig
-    from data.gguf_target import prepare_target
+    from models.target import prepare_target
     from data.loading import DataOptions
-    from data.tokenization import encode_prompt
+    from data.text import encode_prompt
 
     tc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TargetConfig),
                                              OmegaConf.load(ROOT / "conf" / "target" / "smollm2.yaml")))

@@ -109,7 +109,7 @@ def collect(source: str, budget_s: float, ctx: dict, root: Path) -> dict:
 
 def train_draft(ctx: dict, got: dict, out: Path):
     """distill_med's draft trained once over ``got``'s blocks (forward KL on the cached top-k)."""
-    from data.draft_vocab import install_trimmed_head
+    from models.vocab import install_trimmed_head
     from distill.teacher import make_cached_distill_step, over_kept_ids
     from distill.trainer import TrainerConfig, train
 
@@ -127,7 +127,7 @@ def train_draft(ctx: dict, got: dict, out: Path):
 def step_seconds(ctx: dict, got: dict, threads: int, steps: int, out: Path) -> float:
     """Seconds per distillation step of distill_med's draft on ``got``'s first blocks at ``trainer.num_threads =
     threads`` (0: the cores other processes leave free), after one warm-up step."""
-    from data.draft_vocab import install_trimmed_head
+    from models.vocab import install_trimmed_head
     from distill.teacher import make_cached_distill_step, over_kept_ids
     from distill.trainer import TrainerConfig, train
 
@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from data.blocks import domain_blocks
-    from data.draft_vocab import kept_token_ids
+    from models.vocab import kept_token_ids
     from data.loading import DataOptions
     from decode.llamacpp import engine_available
-    from distill.selfdraft import build_layer_pruned
+    from distill.drafts import build_layer_pruned
     from distill.trainer import batch_indices
-    from distill.vocab import forced_ids
+    from distill.teacher import forced_ids
     from eval.config import HeldoutConfig
     from eval.heldout import measure_heldout
 

@@ -19,7 +19,7 @@ if str(ROOT) not in sys.path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from decode.gguf_export import OUTTYPES, export_gguf, source_gguf, vocab_compatibility
+    from decode.llamacpp import OUTTYPES, export_gguf, source_gguf, vocab_compatibility
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path, help="the draft's Hugging Face folder (e.g. <run>/drafts/distilled_int8)")

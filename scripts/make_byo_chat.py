@@ -31,7 +31,7 @@ def default_out() -> Path:
     """``$SPECDRAFT_BYO_DIR``, else ``$SPECDRAFT_CACHE/byo_chat``, else ``~/.cache/specdraft/byo_chat``."""
     if os.environ.get("SPECDRAFT_BYO_DIR"):
         return Path(os.environ["SPECDRAFT_BYO_DIR"]).expanduser()
-    from data.tokenization import cache_root
+    from data.text import cache_root
 
     return cache_root() / "byo_chat"
 
@@ -54,7 +54,7 @@ def main(argv=None) -> Path:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: see the module docstring)")
     ap.add_argument("--data-root", type=Path, default=None, help="data root (default: $SPECDRAFT_DATA_ROOT)")
     args = ap.parse_args(argv)
-    from data.paths import PROJECT_ROOT, resolve_data_root
+    from data.loading import PROJECT_ROOT, resolve_data_root
 
     root = resolve_data_root(args.data_root)
     if root is None or not (root / "chat").is_dir():

@@ -111,9 +111,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_nodes < args.depths[-1]:
         ap.error(f"--max-nodes {args.max_nodes} is below the deepest --depths {args.depths[-1]}: a tree of depth d "
                  f"needs at least d nodes; raise --max-nodes or lower --depths")
-    from data.checkpoints import check_checkpoint_dir
-    from data.domains import get_domain
-    from data.errors import CheckpointError
+    from models.checkpoints import check_checkpoint_dir
+    from data.loading import get_domain
+    from core.errors import CheckpointError
 
     try:
         get_domain(args.domain)
@@ -132,7 +132,7 @@ def main(argv=None) -> None:
 
     import torch
 
-    from data.checkpoints import check_context_fits, load_target_and_draft
+    from models.checkpoints import check_context_fits, load_target_and_draft
     from data.loading import eval_prompts
     from decode.timing import block_forward_times_s
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _DRIVER = r"""
 import importlib, json, os, runpy, sys, traceback
 module, jobs_file, out_dir, workers = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-PRELOAD = {"train": ("train.schema", "train.run"), "eval": ("eval.config", "eval.pipeline")}
+PRELOAD = {"train": ("train.run", "train.run"), "eval": ("eval.config", "eval.pipeline")}
 importlib.import_module(module + ".__main__")  # its imports, once (each child runs the module itself again)
 for name in PRELOAD.get(module, ()):  # what main() imports lazily on every path (the schema, the checks)
     importlib.import_module(name)

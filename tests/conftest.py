@@ -46,7 +46,7 @@ def smollm2_dir() -> str:
     from omegaconf import OmegaConf
 
     from data.config import TargetConfig
-    from data.gguf_target import prepare_target
+    from models.target import prepare_target
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "target", "smollm2.yaml"))
     cache = os.environ.get("SPECDRAFT_CACHE") or os.path.expanduser("~/.cache/specdraft")
@@ -57,6 +57,6 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
     """``(model, tokenizer)`` of the converted SmolLM2-135M-Instruct (float32, eval mode), loaded once per session."""
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     return load_causal_lm(smollm2_dir, role="target")

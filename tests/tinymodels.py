@@ -113,10 +113,10 @@ def save_code_target(out_dir, *, num_layers: int, hidden_size: int, seed: int = 
                      vocab_size: int = 300):
     """A tiny Llama target with a BPE tokenizer trained on the code domain's first ``records`` training records,
     saved as a Hugging Face directory ``out_dir``. Returns (tokenizer, the records' dataset)."""
-    from data.io import save_hf_atomic
+    from models.checkpoints import save_hf_atomic
     from data.loading import DataOptions, load_domain
-    from data.tokenization import train_bpe_tokenizer
-    from distill.models import LlamaArch, build_llama
+    from data.text import train_bpe_tokenizer
+    from distill.drafts import LlamaArch, build_llama
 
     rows = load_domain("code", DataOptions())["train"].select(range(records))
     tok = train_bpe_tokenizer((r["prompt"] + r["completion"] for r in rows), vocab_size=vocab_size)

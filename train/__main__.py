@@ -1,19 +1,18 @@
 """``python -m train +experiment=NAME``: compose the Hydra config and run the configured stages.
 
 The command is checked (config, target path, run-directory policy, write access) before Hydra creates or writes
-anything in the run directory (:func:`data.cli.preflight`); errors end in one ``error: ...`` line on stderr and an
+anything in the run directory (:func:`core.cli.preflight`); errors end in one ``error: ...`` line on stderr and an
 exit code: 2 bad input, 3 an artifact could not be written, 4 the training loss diverged, 130 interrupted.
 """
 from __future__ import annotations
 
 import logging
 import sys
-
 import hydra
 from omegaconf import DictConfig, OmegaConf
+from core.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
+from data.loading import PROJECT_ROOT
 
-from data.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
-from data.paths import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 quiet_libraries()
@@ -48,14 +47,14 @@ def hydra_main(cfg: DictConfig) -> None:
         exit_on_error(e)
         raise
     summary = (results or {}).get("eval", {}).get("summary") if isinstance((results or {}).get("eval"), dict) else None
-    if summary:  # the verdict section of report.md, as it is there (eval.verdicts.verdicts_section)
+    if summary:  # the verdict section of report.md, as it is there (eval.report.verdicts_section)
         print(summary)
         print()
     print(f"run directory: {run_dir}")
 
 
 def main() -> None:
-    from .schema import RootConfig
+    from train.run import RootConfig
 
     typed = sys.argv[1:]
     sys.argv[1:] = replace_mapping_overrides(typed, RootConfig)

@@ -1,22 +1,109 @@
-"""The pipeline: ``run(cfg) -> dict`` runs the configured stages in order inside one run directory."""
+"""The pipeline: ``run(cfg) -> dict`` runs the configured stages in order inside one run directory.
+
+Hydra callbacks of ``python -m train`` (registered in conf/config.yaml under ``hydra.callbacks``).
+
+The typed root of the config tree (``conf/``): each section's dataclass lives in the package that owns it.
+
+Hydra composes the YAML files; :func:`validate` merges the result onto :class:`RootConfig`, which type-checks every
+key and runs the range checks in each section's ``__post_init__`` before any model is loaded. Unknown keys are
+errors.
+"""
 from __future__ import annotations
 
-import json
 import logging
+from pathlib import Path
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+from dataclasses import dataclass, field
+from typing import Any
+from data.config import validate_structured
+from distill.config import DistillConfig, DraftConfig
+from distill.lora import LoraSectionConfig
+from distill.draft_init import ReferenceConfig
+from distill.config import TrainerConfig
+from eval.config import EvalRootConfig
+from train.stages import AdaptConfig
+from train.stages import KNOWN_STAGES
+import json
 import os
 import time
 from dataclasses import asdict
-from pathlib import Path
+from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
+from core.io import EventLog, write_json_atomic
+from train.stages import STAGES, lora_draft_name
 
-from omegaconf import DictConfig
-
-from data.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
-from data.io import EventLog, write_json_atomic
-
-from .schema import RootConfig, validate
-from .stages import STAGES, lora_draft_name
 
 log = logging.getLogger("specdraft")
+
+
+class CompareSweep(Callback):
+    """When a multirun (``python -m train -m ...``) ends, write ``comparison.md`` / ``comparison.json`` into the
+    sweep folder: one table of every job's distilled draft per domain (see :mod:`eval.sections`)."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        from eval.sections import render_markdown, write_comparison
+
+        sweep = Path(str(config.hydra.sweep.dir))
+        try:
+            doc = write_comparison(sweep)
+        except (FileNotFoundError, ValueError) as e:
+            log.warning("no sweep comparison written: %s", e)
+            return
+        print(render_markdown(doc))
+        print(f"sweep comparison: {sweep / 'comparison.md'}")
+
+
+@dataclass
+class RootConfig(EvalRootConfig):
+    """The whole tree: the sections ``python -m eval`` reads (:class:`eval.config.EvalRootConfig`) plus training."""
+
+    experiment_name: str = "default"
+    overwrite: bool = False  # replace the artifacts of a run already in hydra.run.dir (else: refuse, or resume)
+    stages: list[str] = field(default_factory=lambda: ["distill", "baseline", "eval"])
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    lora: LoraSectionConfig = field(default_factory=LoraSectionConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        bad = [s for s in self.stages if s not in KNOWN_STAGES]
+        if bad:
+            raise ValueError(f"stages: unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")
+        if not self.stages:
+            raise ValueError("stages is empty; list at least one of " + ", ".join(KNOWN_STAGES))
+        from data.loading import get_domain
+
+        get_domain(self.data.domain)
+        if "draft_init" in self.stages and self.draft.init == "config":
+            raise ValueError("stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
+                             "draft=pretrained), or remove draft_init from stages")
+        uses_lora = [s for s in self.stages if s in ("lora", "finetune", "adapt")]
+        if uses_lora and not self.lora.enabled:
+            raise ValueError(f"stages {uses_lora} LoRA-adapt drafts but lora=none: add `lora=default` to the command "
+                             f"(conf/lora/default.yaml holds rank, alpha, dropout, target modules and steps)")
+        if "lora" in self.stages or "finetune" in self.stages:
+            dom = self.lora.domain or self.data.domain
+            from train.stages import trainable_domain
+
+            if not trainable_domain(dom):
+                raise ValueError(f"lora.domain {dom!r} has no training split (a test-only benchmark); adapt to a "
+                                 f"domain with training text (medical, code, chat, math, ...)")
+        if uses_lora and self.lora.teacher_signal == "cached" and (
+                self.distill.loss == "reverse_kl" or (self.distill.loss == "generalized_jsd" and self.distill.beta == 1)):
+            raise ValueError("lora.teacher_signal=cached: reverse KL is infinite against a cached top-k teacher; set "
+                             "lora.teacher_signal=online, or a distill.loss that stays finite (forward_kl, ...)")
+        if uses_lora:
+            self.lora.trainer_config(self.trainer)  # the adapter's optimiser settings are valid before any model loads
+
+
+def validate(cfg: Any) -> RootConfig:
+    """Typed, range-checked config; raises ValueError naming the bad key (see :func:`validate_structured`)."""
+    return validate_structured(RootConfig, cfg)
+
+
 
 
 # Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
@@ -130,7 +217,7 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
         if STAGES[stage].draft is not None:
             produced.add(STAGES[stage].draft(rc))
         if stage == "eval" and rc.decode.draft_routing:
-            from decode.routing import load_routing
+            from decode.config import load_routing
 
             load_routing(rc.decode.draft_routing)
 
@@ -147,7 +234,7 @@ def check_draft_source(rc: RootConfig) -> None:
     if "draft_init" not in rc.stages and rc.draft.init == "config":
         return
     if rc.draft.init == "layer_pruned" and rc.draft.layers.method != "search":
-        from distill.selfdraft import resolve_layers
+        from distill.drafts import resolve_layers
 
         cfg_path = Path(rc.target.name_or_path).expanduser() / "config.json"
         if cfg_path.is_file():
@@ -160,7 +247,7 @@ def check_draft_source(rc: RootConfig) -> None:
     elif rc.draft.init == "layer_pruned" and rc.draft.layers.k < 1:
         raise ValueError(f"draft.layers.k must be >= 1, got {rc.draft.layers.k}")
     if rc.draft.init == "pretrained" and rc.draft.name_or_path:
-        from data.checkpoints import check_checkpoint_dir
+        from models.checkpoints import check_checkpoint_dir
 
         check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
 
@@ -191,8 +278,8 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     Raises:
         ValueError: the first problem found, with a message naming it and the fix.
     """
-    from data.checkpoints import check_checkpoint_dir
-    from data.gguf_target import resolve_target
+    from models.checkpoints import check_checkpoint_dir
+    from models.target import resolve_target
     from distill.pipeline import check_draft_config
 
     rc = validate(cfg)
@@ -201,7 +288,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     check_draft_config(rc)
     _check_engine(rc)
     if "eval" in rc.stages:
-        from eval.run_drafts import check_planned_drafts
+        from eval.pipeline import check_planned_drafts
 
         check_planned_drafts(rc, run_dir)  # before the target is converted: a config mistake costs no minute
     builds_target = "reference_target" in rc.stages
@@ -229,7 +316,7 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
         ArtifactWriteError: an artifact could not be written (full disk, read-only folder).
     """
     rc = validate(cfg)
-    from decode.threads import set_block_threads
+    from decode.fast_settings import set_block_threads
 
     set_block_threads(rc.decode.block_threads)  # decode.block_threads: teacher generation, selection, evaluation
     dist = _check_launch(rc)

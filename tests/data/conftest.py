@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from data.paths import default_data_root
+from data.loading import default_data_root
 
 
 @pytest.fixture(scope="session")

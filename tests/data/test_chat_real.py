@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from data.chat import Renderer
+from data.text import Renderer
 from data.registry import DOMAINS
 from data.loading import eval_prompts
 
@@ -16,7 +16,7 @@ EVAL_DOMAINS = [d for d in DOMAINS if d != "corpus"]
 
 @pytest.fixture(scope="module")
 def tok(smollm2_dir):
-    from data.checkpoints import load_tokenizer
+    from models.checkpoints import load_tokenizer
 
     return load_tokenizer(smollm2_dir, role="target")
 

@@ -1,4 +1,4 @@
-"""data.checkpoints.load_target_and_draft (the scripts' loader) on tiny saved models with tokenizers trained in the
+"""models.checkpoints.load_target_and_draft (the scripts' loader) on tiny saved models with tokenizers trained in the
 test: what loads, and the one-line errors for a missing directory, a draft whose tokenizer differs, a draft with too
 few vocabulary rows; and the two scripts that use it (bench_decode.py, tree_bound.py) failing with those messages."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from data.checkpoints import load_target_and_draft
-from data.errors import CheckpointError
-from data.tokenizer_check import TokenizerMismatchError
+from models.checkpoints import load_target_and_draft
+from core.errors import CheckpointError
+from models.vocab import TokenizerMismatchError
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

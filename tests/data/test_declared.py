@@ -1,4 +1,4 @@
-"""Domains declared in YAML (data/declared.py), chat-template rendering (data/chat.py), mixtures and the serving
+"""Domains declared in YAML (data/loading.py), chat-template rendering (data/text.py), mixtures and the serving
 handoff: every format x record shape, rendering equal to ``apply_chat_template``, bad files named with the fix."""
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data.chat import REFERENCE_CHAT_TEMPLATE, Renderer, decode_messages, plain_render
-from data.declared import build_domain, declare, extra_domain
-from data.errors import DataFormatError, DataSourceError, UnknownDomainError
+from data.text import REFERENCE_CHAT_TEMPLATE, Renderer, decode_messages, plain_render
+from data.loading import build_domain, declare, extra_domain
+from core.errors import DataFormatError, DataSourceError, UnknownDomainError
 from data.loading import DataOptions, eval_prompts, iter_examples, load_domain
-from data.domains import get_domain
-from data.splits import assign_split
+from data.loading import get_domain
+from data.loading import assign_split
 
 ROOT = Path(__file__).resolve().parents[2]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -226,12 +226,12 @@ def test_yaml_declared_domain_works_where_built_ins_do(tmp_path, monkeypatch):
     dom = get_domain("support")
     assert dom.name == "support" and dom.sources[0].file == str(data)
     from tinymodels import compose_config
-    from train.schema import validate
+    from train.run import validate
 
     rc = validate(compose_config(["data.domain=support", "eval.domains=[support,chat]",
                                   "data.mixture={support: 3, chat: 1}"]))
     assert rc.data.training_domains() == {"support": 3.0, "chat": 1.0}
-    from train.adapt import trainable_domain
+    from train.stages import trainable_domain
 
     assert trainable_domain("support")
     with pytest.raises(UnknownDomainError) as ei:
@@ -370,7 +370,7 @@ def test_mixture_draws_blocks_in_proportion_to_its_weights(weights, total, seed)
 
 def test_mixture_config_errors():
     from tinymodels import compose_config
-    from train.schema import validate
+    from train.run import validate
 
     with pytest.raises(ValueError, match="weights > 0"):
         validate(compose_config(["data.mixture={medical: 0, code: 1}"]))
@@ -380,7 +380,7 @@ def test_mixture_config_errors():
 
 # --------------------------------------------------------------------------------------------- serving
 def test_serving_settings_for_each_recommendation(tmp_path):
-    from eval.serving import recommended_settings, serving_document
+    from eval.sections import recommended_settings, serving_document
 
     def entry(g, s):
         return {"num_draft_tokens": g, "measured_speedup": s}
@@ -419,7 +419,7 @@ def test_serving_settings_for_each_recommendation(tmp_path):
     with pytest.raises(ValueError, match="no checkpoint path"):
         serving_document(doc, {"baseline": tmp_path / "b"}, "org/target")  # chat's draft has no path
     # a domain whose verdict is the target alone gets no engine settings, and the report row says so
-    from eval.serving import serving_markdown
+    from eval.sections import serving_markdown
 
     doc["recommendation"]["math"] = {"action": "target_only", "draft": None, "num_draft_tokens": None,
                                      "measured_speedup": 0.7, "reason": "every interval lies below 1"}
@@ -465,7 +465,7 @@ def test_smoke_trains_and_evaluates_a_domain_declared_by_one_yaml_and_one_data_f
 def test_a_name_that_would_break_report_tables_or_file_names_is_refused(name):
     """Domain and draft names go into Markdown tables, plot file names and routing.json: a name with ``|``, spaces,
     slashes or backticks is a one-line error naming the key and a usable replacement, for every way to name one."""
-    from data.declared import build_domain
+    from data.loading import build_domain
     from eval.config import EvalConfig, ExtraDomainConfig
 
     spec = {"files": [{"path": "x.jsonl", "format": "jsonl", "shape": "text", "text_field": "t"}]}

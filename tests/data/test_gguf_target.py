@@ -1,4 +1,4 @@
-"""The GGUF target (data/gguf_target.py): a tiny Llama GGUF written with the ``gguf`` package's writer, inside a
+"""The GGUF target (models/target.py): a tiny Llama GGUF written with the ``gguf`` package's writer, inside a
 package made for the test, converted the way ``target=smollm2`` converts SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from data.config import TargetConfig
-from data.gguf_target import GGUFTargetError, prepare_target
+from models.target import GGUFTargetError, prepare_target
 from ggufwriter import write_tiny_llama_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def _target(tmp_path, package="tinyggufpkg", file="tiny.gguf"):
 def test_conversion_gives_the_logits_of_transformers_gguf_model(tmp_path, package):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     out = Path(prepare_target(_target(tmp_path)))
     model, tok = load_causal_lm(out, role="target")
@@ -65,7 +65,7 @@ def test_conversion_gives_the_logits_of_transformers_gguf_model(tmp_path, packag
 
 
 def test_a_second_call_reuses_the_cache(tmp_path, package, monkeypatch):
-    import data.gguf_target as g
+    import models.target as g
 
     out = Path(prepare_target(_target(tmp_path)))
     stamp = (out / "model.safetensors").stat().st_mtime_ns
@@ -75,7 +75,7 @@ def test_a_second_call_reuses_the_cache(tmp_path, package, monkeypatch):
 
 
 def test_a_changed_source_or_a_damaged_folder_is_converted_again(tmp_path, package):
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     out = Path(prepare_target(_target(tmp_path)))
     ids = torch.tensor([[5, 6, 7]])
@@ -157,7 +157,7 @@ def test_a_folder_of_the_users_is_never_replaced(tmp_path, package):
 
 @pytest.mark.parametrize("damage", ["config", "tokenizer", "template", "empty_weights", "huge_header"])
 def test_any_damaged_file_of_the_converted_folder_is_converted_again(tmp_path, package, damage):
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     out = Path(prepare_target(_target(tmp_path)))
     ids = torch.tensor([[5, 6, 7]])
@@ -199,7 +199,7 @@ def test_an_unwritable_cache_fails_before_reading_and_names_the_key(tmp_path, pa
 
 
 def test_a_killed_conversions_temporary_folder_is_cleared_later(tmp_path, package):
-    import data.gguf_target as g
+    import models.target as g
 
     parent = tmp_path / "cache" / "targets"
     stale = parent / ".tiny.tmp-killed"

@@ -1,4 +1,4 @@
-"""data.io under faults: a full disk or an unwritable folder is a clear ``ArtifactWriteError`` that leaves the earlier
+"""core.io under faults: a full disk or an unwritable folder is a clear ``ArtifactWriteError`` that leaves the earlier
 artifact intact and no temporary behind; a report set is replaced as one set (``atomic_file_set``), whatever
 step a crash hits; two processes building the same token-block cache entry at once both read complete data.
 
@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import data.io as dio
-from data.io import ArtifactWriteError, atomic_dir, atomic_file_set, save_hf_atomic, write_json_atomic
+import core.io as dio
+from core.io import ArtifactWriteError, atomic_dir, atomic_file_set, write_json_atomic
+from models.checkpoints import save_hf_atomic
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -185,7 +186,7 @@ def test_a_crash_at_any_step_leaves_one_complete_set(tmp_path_factory, crash_at,
 _BUILD = """
 import json, sys
 sys.path[:0] = [{root!r}, {tests!r}]
-from data.tokenization import cached_pack_blocks, train_bpe_tokenizer
+from data.text import cached_pack_blocks, train_bpe_tokenizer
 texts = ["the patient reports chest pain and cough number %d" % i for i in range(400)]
 tok = train_bpe_tokenizer(iter(texts), vocab_size=300, min_frequency=1)
 ds = cached_pack_blocks(["race-test"], lambda: texts, tok, 16)

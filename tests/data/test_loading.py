@@ -12,13 +12,13 @@ import sys
 
 import pytest
 
-import data.paths
-from data.errors import DataFormatError, DataSourceError, UnknownDomainError
+import data.loading
+from core.errors import DataFormatError, DataSourceError, UnknownDomainError
 from data.loading import DataOptions, eval_prompts, files_fingerprint, iter_examples, load_domain, user_domain
-from data.paths import ENV_DATA_ROOT, PROJECT_ROOT, default_data_root, resolve_data_root
-from data.domains import get_domain
+from data.loading import ENV_DATA_ROOT, PROJECT_ROOT, default_data_root, resolve_data_root
+from data.loading import get_domain
 from data.registry import DOMAINS, Domain
-from data.splits import assign_split, hash_unit
+from data.loading import assign_split, hash_unit
 
 
 def _source(domain: str, name: str):
@@ -42,7 +42,7 @@ def test_hash_unit_is_stable_in_range_and_process_independent():
     assert all(0 <= v < 1 for v in values)
     assert values == [hash_unit(k) for k in keys]
     # another interpreter, with a different str-hash seed, gets the same numbers (sha256, not hash())
-    code = "import json,sys; from data.splits import hash_unit; print(json.dumps([hash_unit(k) for k in json.load(sys.stdin)]))"
+    code = "import json,sys; from data.loading import hash_unit; print(json.dumps([hash_unit(k) for k in json.load(sys.stdin)]))"
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], input=json.dumps(keys), capture_output=True, text=True,
                          cwd=PROJECT_ROOT, env=env, timeout=60, check=True).stdout
@@ -199,7 +199,7 @@ def test_missing_file_of_a_source_with_hub_copy(tmp_path):
 
 def test_no_data_root_at_all(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV_DATA_ROOT, raising=False)
-    monkeypatch.setattr(data.paths, "PROJECT_ROOT", tmp_path / "repo")  # no ../shared/data beside it
+    monkeypatch.setattr(data.loading, "PROJECT_ROOT", tmp_path / "repo")  # no ../shared/data beside it
     assert default_data_root() is None
     with pytest.raises(DataSourceError) as ei:
         list(iter_examples("math"))
@@ -360,7 +360,7 @@ WORDS = ("the patient reported pain in the left arm after a long walk and the do
 def tokenizer():
     import random
 
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     rng = random.Random(0)
     sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))).capitalize() + "."
@@ -399,7 +399,7 @@ def test_tokenizer_round_trips(tokenizer, text):
 
 
 def test_pack_blocks(tokenizer):
-    from data.tokenization import pack_blocks
+    from data.text import pack_blocks
 
     docs = [f"document {i}: " + " ".join(WORDS[i % 7 : i % 7 + 5 + i % 4]) for i in range(30)]
     block_size = 16
@@ -424,7 +424,7 @@ def test_pack_blocks(tokenizer):
 
 
 def test_cached_pack_blocks(tokenizer, monkeypatch, tmp_path):
-    from data.tokenization import cache_root, cached_pack_blocks
+    from data.text import cache_root, cached_pack_blocks
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
     assert cache_root() == tmp_path
@@ -454,7 +454,7 @@ def test_damaged_block_cache_entry_is_rebuilt(tmp_path, monkeypatch):
     """A truncated cache file (a killed writer, a full disk) is detected and rebuilt, never read as data."""
     import glob
 
-    from data.tokenization import cache_root, cached_pack_blocks, train_bpe_tokenizer
+    from data.text import cache_root, cached_pack_blocks, train_bpe_tokenizer
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     tok = train_bpe_tokenizer(iter(["hello world this is text"] * 50), 300, min_frequency=1)
@@ -472,7 +472,7 @@ def test_damaged_block_cache_entry_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_non_utf8_data_file_names_the_file(tmp_path):
-    from data.errors import DataFormatError
+    from core.errors import DataFormatError
     from data.loading import eval_prompts, user_domain
 
     f = tmp_path / "bad.jsonl"

@@ -5,11 +5,11 @@ from collections import Counter
 
 import pytest
 
-from data.errors import UnknownDomainError
+from core.errors import UnknownDomainError
 from data.loading import DataOptions, eval_prompts, iter_examples, load_domain
-from data.domains import get_domain
+from data.loading import get_domain
 from data.registry import DOMAINS, Example, Source
-from data.splits import SPLITS
+from data.loading import SPLITS
 
 KNOWN_REPEATED_IDS = {"medquad_cancergov"}  # sources whose published files repeat a record id (see below)
 
@@ -67,7 +67,7 @@ def test_domain_sources(name, prefixes):
 
 
 def test_source_definitions_are_consistent():
-    from data.readers import READERS
+    from data.registry import READERS
 
     seen = set()
     for dom in DOMAINS.values():

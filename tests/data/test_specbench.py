@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from data.errors import DataFormatError
+from core.errors import DataFormatError
 from data.loading import DataOptions, eval_prompts, iter_examples, load_domain
-from data.domains import get_domain
+from data.loading import get_domain
 from data.registry import DOMAINS, SPECBENCH_CATEGORIES
 
 SPECBENCH = sorted(SPECBENCH_CATEGORIES)

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from data.checkpoints import CheckpointError, read_specdraft_meta
-from data.io import save_hf_atomic
-from data.specdraft_meta import SpecdraftMeta, SpecdraftMetaError, as_meta
+from models.checkpoints import CheckpointError, read_specdraft_meta
+from models.checkpoints import save_hf_atomic
+from models.checkpoints import SpecdraftMeta, SpecdraftMetaError, as_meta
 
 KNOWN = {f.name: f for f in fields(SpecdraftMeta) if f.name not in ("extra", "present")}
 HINTS = typing.get_type_hints(SpecdraftMeta)

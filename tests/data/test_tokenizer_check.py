@@ -1,4 +1,4 @@
-"""data.tokenizer_check on tiny byte-level BPE tokenizers trained in the test (no downloads)."""
+"""models.vocab on tiny byte-level BPE tokenizers trained in the test (no downloads)."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from data.tokenizer_check import TokenizerMismatchError, check_tokenizers_compatible, tokenizer_fingerprint
+from models.vocab import TokenizerMismatchError, check_tokenizers_compatible, tokenizer_fingerprint
 
 TEXT_A = [
     "the patient was given aspirin and the pain went away",

@@ -7,7 +7,7 @@ import torch
 from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
 
 from decode import autoregressive_generate, speculative_generate
-from decode import threads as block
+import decode.fast_settings as block
 from decode.common import KVState
 from decode.config import DecodeConfig
 from decode.fast_llama import FastKVState
@@ -125,7 +125,7 @@ def test_setting_refuses_other_values_naming_the_key(value):
 
 def test_a_count_above_the_cores_is_capped_with_a_warning(monkeypatch, block_threads, caplog):
     monkeypatch.setattr(block, "available_cores", lambda: 2)
-    with caplog.at_level("WARNING", logger="decode.threads"):
+    with caplog.at_level("WARNING", logger="decode.fast_settings"):
         block_threads(1000)
     assert "decode.block_threads=1000 exceeds the 2 CPU cores" in caplog.text
     assert block.resolved_block_threads("cpu") == 2

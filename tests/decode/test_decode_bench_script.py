@@ -155,7 +155,7 @@ def test_domain_prompts_and_argument_errors(capsys):
     from transformers import AutoTokenizer
 
     from data.loading import eval_prompts
-    from data.paths import default_data_root
+    from data.loading import default_data_root
 
     root = default_data_root()
     if root is None or not P(root).is_dir():  # the data root of README's setup
@@ -218,11 +218,11 @@ def tps_ratio(result: dict, peer: str) -> float:
 
 
 def test_bench_decode_with_a_trimmed_draft_keeps_the_targets_whole_vocabulary(tmp_path, capsys):
-    """A draft with a trimmed vocabulary (data/draft_vocab.py) has an N-row head but scores every id: the benchmark
+    """A draft with a trimmed vocabulary (models/vocab.py) has an N-row head but scores every id: the benchmark
     must decode the target over its whole vocabulary (it once cut both models to the draft's N rows, so every
     method agreed with each other and none with the target's real greedy output)."""
-    from data.draft_vocab import draft_vocab_record, install_trimmed_head
-    from data.io import save_hf_atomic
+    from models.vocab import draft_vocab_record, install_trimmed_head
+    from models.checkpoints import save_hf_atomic
 
     target, draft = make_pair(seed=2, noise=0.3)
     head = install_trimmed_head(draft, torch.arange(0, 64, 2))  # the even ids: half the target's argmaxes are odd
@@ -246,8 +246,8 @@ def test_bench_decode_int8_draft_from_its_directory_and_by_flag(tmp_path, capsys
     """``--draft-quantize auto`` quantizes a draft whose specdraft.json says int8 (drafts/<name>_int8), ``int8``
     any fp32 draft; the trimmed head is quantized too, ours runs it in the lean forward, every method stays
     lossless; an int8 draft in another dtype is a one-line error."""
-    from data.draft_vocab import draft_vocab_record, install_trimmed_head
-    from data.io import save_hf_atomic
+    from models.vocab import draft_vocab_record, install_trimmed_head
+    from models.checkpoints import save_hf_atomic
 
     target, draft = make_pair(seed=4, noise=0.3)
     head = install_trimmed_head(draft, torch.arange(0, 64, 2))

@@ -1,4 +1,4 @@
-"""Trimmed draft vocabularies (data/draft_vocab.py): a draft head over N of the target's V ids stays lossless.
+"""Trimmed draft vocabularies (models/vocab.py): a draft head over N of the target's V ids stays lossless.
 
 Greedy: speculative output equals target-only greedy for random target/draft pairs, random kept-set sizes (kept
 sets that miss the target's argmax included), gamma 1-5, batch 1 and left-padded batches, on the lean forward and on
@@ -20,7 +20,7 @@ from decode_testutils import hf_greedy, left_pad, make_pair, random_prompts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from data.draft_vocab import (TrimmedLMHead, draft_labels, full_vocab_head, install_trimmed_head, kept_token_ids,
+from models.vocab import (TrimmedLMHead, draft_labels, full_vocab_head, install_trimmed_head, kept_token_ids,
                               trimmed_logits)
 from decode import autoregressive_generate, process_logits, speculative_generate
 from tinymodels import tiny_llama
@@ -169,9 +169,9 @@ def test_trimmed_sampling_first_token_matches_target(sampling_pair, cfg):
 def test_full_vocab_export_decodes_like_trimmed(tmp_path, sampling_pair):
     from transformers import AutoModelForCausalLM
 
-    from data.checkpoints import load_causal_lm
-    from data.draft_vocab import draft_vocab_record
-    from data.io import save_hf_atomic
+    from models.checkpoints import load_causal_lm
+    from models.vocab import draft_vocab_record
+    from models.checkpoints import save_hf_atomic
 
     target, draft = make_pair(11, 0.3)
     kept = kept_set(4, 20)
@@ -237,9 +237,9 @@ def test_weights_read_per_token_counts_a_lookup_embedding_as_rows_not_as_a_matri
 def test_a_damaged_draft_vocab_record_is_one_clear_error(tmp_path, edit):
     import json
 
-    from data.checkpoints import CheckpointError, load_causal_lm
-    from data.draft_vocab import draft_vocab_record
-    from data.io import save_hf_atomic
+    from models.checkpoints import CheckpointError, load_causal_lm
+    from models.vocab import draft_vocab_record
+    from models.checkpoints import save_hf_atomic
 
     d = trimmed(tiny_llama(vocab_size=V, hidden_size=32, num_layers=1), [0, 3, 5, 9])
     save_hf_atomic(d, None, tmp_path / "d", extra={"kind": "distilled",

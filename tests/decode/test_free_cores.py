@@ -1,4 +1,4 @@
-"""Threads that follow the free cores (decode/threads.py): ``free_cores`` counts the cores other processes leave,
+"""Threads that follow the free cores (decode/fast_settings.py): ``free_cores`` counts the cores other processes leave,
 ``FreeCoreThreads`` re-measures between steps and sets torch's thread count to it."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-import decode.threads as threads
-from decode.threads import FreeCoreThreads, available_cores
+import decode.fast_settings as threads
+from decode.fast_settings import FreeCoreThreads, available_cores
 
 N = available_cores()
 shared_cpu = pytest.mark.skipif(N < 2 or not os.path.exists("/proc/stat"), reason="needs 2+ cores and /proc/stat")

@@ -1,4 +1,4 @@
-"""GGUF export (decode/gguf_export.py): round trips through transformers' own GGUF reader, the target's tokenizer
+"""GGUF export (decode/llamacpp.py): round trips through transformers' own GGUF reader, the target's tokenizer
 carried over key for key, llama.cpp's vocabulary checks, and every draft kind (full head, trimmed head, tied
 embeddings, grouped-query attention, Qwen2's biases)."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from data.config import TargetConfig
-from data.gguf_target import prepare_target
-from decode.gguf_export import (GGUFExportError, _permute, export_gguf, export_once, gguf_tokenizer_matches,
+from models.target import prepare_target
+from decode.llamacpp import (GGUFExportError, _permute, export_gguf, export_once, gguf_tokenizer_matches,
                                 source_gguf, target_gguf, vocab_compatibility, vocab_summary)
 from ggufwriter import write_tiny_llama_gguf
 from tinymodels import tiny_family_lm
@@ -48,7 +48,7 @@ def _logits(model, ids):
 
 
 def test_f32_round_trip_gives_the_same_logits_and_the_targets_tokenizer(tmp_path, converted):
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     folder, source = converted
     res = export_gguf(folder, tmp_path / "t.gguf", outtype="f32", tokenizer_gguf=source)
@@ -66,7 +66,7 @@ def test_f32_round_trip_gives_the_same_logits_and_the_targets_tokenizer(tmp_path
 
 
 def test_q8_0_and_f16_round_trips_are_close_and_smaller(tmp_path, converted):
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     folder, source = converted
     model, tok = load_causal_lm(folder, role="target")
@@ -89,9 +89,9 @@ def test_q8_0_and_f16_round_trips_are_close_and_smaller(tmp_path, converted):
 def test_trimmed_head_draft_exports_its_full_vocabulary_form(tmp_path, converted):
     """A trimmed-head draft is saved with zero rows outside its kept ids: the GGUF keeps the full vocabulary (what
     llama.cpp's vocabulary check needs) and gives exactly the saved logits."""
-    from data.checkpoints import load_causal_lm
-    from data.draft_vocab import full_vocab_head, install_trimmed_head
-    from data.io import save_hf_atomic
+    from models.checkpoints import load_causal_lm
+    from models.vocab import full_vocab_head, install_trimmed_head
+    from models.checkpoints import save_hf_atomic
 
     folder, source = converted
     draft, tok = load_causal_lm(folder, role="draft")
@@ -234,7 +234,7 @@ def test_refusals_rope_scaling_wrong_vocabulary_and_shared_store_names(tmp_path,
     exported into one store get different files."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from decode.gguf_export import target_export_name
+    from decode.llamacpp import target_export_name
 
     folder, source = converted
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""decode.quantize: INT8 drafts (torch.ao dynamic quantization). The lean forward runs Llama-like int8 drafts (a
+"""decode.fast_settings: INT8 drafts (torch.ao dynamic quantization). The lean forward runs Llama-like int8 drafts (a
 biased family falls back to the Hugging Face forward), a trimmed head is quantized too, speculative greedy with an
 INT8 draft equals target greedy, and an INT8 draft directory is an fp32 HF checkpoint that our loader quantizes."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from decode import autoregressive_generate, speculative_generate
 from decode.common import new_kv_state, output_vocab_size
 from decode.fast_llama import FastKVState, unsupported_reason as _unsupported_reason
-from decode.quantize import is_quantized, load_draft, quantize_draft
+from decode.fast_settings import is_quantized, load_draft, quantize_draft
 from decode_testutils import left_pad, make_pair, random_prompts
 
 TARGET, DRAFT = make_pair(seed=5, noise=0.3)
@@ -61,7 +61,7 @@ def test_stacked_int8_rows_equal_the_separate_projections_bit_for_bit(rows, widt
     """fuse_int8_rows (what the lean forward calls for q/k/v and gate/up): per-row int8 weights keep their values
     and scales and the activation is quantized from the same input, so the stacked product is the separate ones
     concatenated, exactly, for any row counts, widths and batch shapes."""
-    from decode.quantize import fuse_int8_rows
+    from decode.fast_settings import fuse_int8_rows
 
     g = torch.Generator().manual_seed(seed)
     lins = torch.nn.Sequential(*[torch.nn.Linear(width, r, bias=False) for r in rows])
@@ -93,7 +93,7 @@ def test_lean_forward_stacks_int8_qkv_and_gate_up():
 def test_stacked_int8_follows_weights_reloaded_in_place_and_skips_float16_modules():
     """load_state_dict / set_weight_bias repack an int8 module's weights inside the same module object: the lean
     forward must then run the new weights (no stale stack), and a float16 dynamic draft is not stacked (it runs)."""
-    from decode.quantize import fuse_int8_rows
+    from decode.fast_settings import fuse_int8_rows
 
     _, other = make_pair(seed=9, noise=0.3)
     a, b = quantize_draft(DRAFT), quantize_draft(other)
@@ -129,11 +129,11 @@ def test_int8_draft_of_a_biased_family_falls_back_to_the_hf_forward():
 
 
 def test_int8_trimmed_head_quantizes_its_rows_and_decodes_losslessly():
-    """A trimmed draft head (data.draft_vocab) is quantized too; its logits stay -inf outside the kept ids, the
+    """A trimmed draft head (models.vocab) is quantized too; its logits stay -inf outside the kept ids, the
     lean and HF forwards agree, and speculative greedy equals target greedy."""
     import copy
 
-    from data.draft_vocab import install_trimmed_head, trimmed_head
+    from models.vocab import install_trimmed_head, trimmed_head
 
     trimmed = copy.deepcopy(DRAFT)
     install_trimmed_head(trimmed, torch.arange(0, 64, 2))  # even ids only: the target's odd argmaxes are missed
@@ -224,7 +224,7 @@ def test_int8_drafts_of_each_family_decode_like_their_hf_forward(family):
     """Every lean-forward family: an int8 draft runs in the lean forward where the family has no projection biases
     (else the HF forward), its prefill and cached steps equal the HF int8 forward's, and speculative greedy with it
     equals the target's greedy output."""
-    from eval.bench_setup import family_models
+    from eval.bench import family_models
 
     target, draft = family_models(family, layers=2, hidden=64, window=6, vocab=96, seed=1)
     q = quantize_draft(draft)
@@ -248,7 +248,7 @@ def test_head_share_times_the_head_the_forward_runs():
     """decode.timing.head_share: the fp32 head's rows, an int8 draft's quantized head (LM head or trimmed rows)."""
     import copy
 
-    from data.draft_vocab import install_trimmed_head
+    from models.vocab import install_trimmed_head
     from decode.timing import head_share
 
     assert head_share(DRAFT, steps=3)["head_rows"] == 64

@@ -14,7 +14,7 @@ QUESTIONS = ["What are the symptoms of anemia?", "How is high blood pressure tre
 
 @pytest.fixture(scope="module")
 def pair(smollm2):
-    from distill.selfdraft import build_layer_pruned
+    from distill.drafts import build_layer_pruned
 
     target, tok = smollm2
     return target, build_layer_pruned(target, [0, 12]), tok
@@ -67,7 +67,7 @@ def test_a_saved_self_draft_loads_with_auto_class_and_assists_generate(pair, tmp
     to the target's own."""
     from transformers import AutoModelForCausalLM
 
-    from data.io import save_hf_atomic
+    from models.checkpoints import save_hf_atomic
 
     target, draft, tok = pair
     save_hf_atomic(draft, tok, tmp_path / "draft", extra={"kind": "layer_pruned"})

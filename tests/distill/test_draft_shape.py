@@ -1,7 +1,7 @@
-"""A config-built draft whose shape does not fit the target is named, not silently trained (distill.models)."""
+"""A config-built draft whose shape does not fit the target is named, not silently trained (distill.drafts)."""
 from __future__ import annotations
 
-from distill.models import LlamaArch, build_llama, describe_shape_warnings
+from distill.drafts import LlamaArch, build_llama, describe_shape_warnings
 from tinymodels import tiny_llama
 
 

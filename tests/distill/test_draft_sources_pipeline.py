@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.io import save_hf_atomic
-from distill.models import LlamaArch, build_llama
+from models.checkpoints import save_hf_atomic
+from distill.drafts import LlamaArch, build_llama
 from train.run import run
-from train.schema import validate
+from train.run import validate
 from tinymodels import save_code_target
-from data.specdraft_meta import SpecdraftMeta
+from models.checkpoints import SpecdraftMeta
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
@@ -139,9 +139,9 @@ def test_pretrained_draft_distilled_further(tiny, tmp_path):
 
 
 def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):
-    from data.tokenization import train_bpe_tokenizer
-    from data.tokenizer_check import TokenizerMismatchError
-    from distill.vocab import VocabMismatchError
+    from data.text import train_bpe_tokenizer
+    from models.vocab import TokenizerMismatchError
+    from distill.teacher import VocabMismatchError
 
     other = train_bpe_tokenizer(["completely different text " * 5, "zzz yyy xxx"] * 20, vocab_size=280)
     cases = [(_pretrained(tiny, tmp_path / "a", tokenizer=other), TokenizerMismatchError, "not compatible"),
@@ -163,7 +163,7 @@ def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):
 def test_int8_vs_fp32_needs_the_fp32_draft_under_another_name():
     """An int8 draft evaluated under its fp32 draft's name (distill_med's eval.drafts: distilled ->
     drafts/distilled_int8) has no fp32 partner in the run: no INT8 vs fp32 table pairing it with itself."""
-    from eval.draft_sources import _int8_vs_fp32
+    from eval.sections import _int8_vs_fp32
 
     entry = {"acceptance_rate": 0.2, "mean_accepted_length": 1.5, "measured_speedup": 1.2,
              "stats": {"drafted_tokens": 30, "draft_time_s": 0.1}}

@@ -12,11 +12,11 @@ import torch
 from tinymodels import tiny_family_lm, tiny_llama
 
 from distill.losses import get_loss
-from distill.adaptation import adapt_draft
+from distill.lora import adapt_draft
 from distill.lora import (ALL_LINEAR, LoraError, LoraSectionConfig, adaptable_module_names, adapted_module_names,
                           merge_lora, wrap_lora)
 from distill.trainer import TrainerConfig, make_distill_step, train
-from data.specdraft_meta import SpecdraftMeta
+from models.checkpoints import SpecdraftMeta
 
 
 def _adapt_tiny(tmp_path, rank=4, dropout=0.0, modules=None, steps=4, seed=0):
@@ -59,7 +59,7 @@ def test_saved_merged_checkpoint_loads_and_works_as_assistant_model(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from data.io import save_hf_atomic
+    from models.checkpoints import save_hf_atomic
     from decode import autoregressive_generate, speculative_generate
 
     target, base, peft_model = _adapt_tiny(tmp_path)
@@ -180,9 +180,9 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from data.checkpoints import load_causal_lm
-    from data.io import save_hf_atomic
-    from train.schema import validate
+    from models.checkpoints import load_causal_lm
+    from models.checkpoints import save_hf_atomic
+    from train.run import validate
 
     _, tok = load_causal_lm("distill/reference_target", role="target")
     draft = tiny_family_lm("gpt2", vocab_size=tok.vocab_size if len(tok) <= tok.vocab_size else len(tok), seed=2,
@@ -211,12 +211,12 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
 def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_path):
     """The adapt stage on real data with tiny sizes: a domain below the threshold is adapted, a test-only one is
     reported as not adaptable, the routing table loads, and a resumed run reuses every finished part."""
-    from data.checkpoints import load_causal_lm
-    from data.io import save_hf_atomic
-    from decode.routing import load_routing
-    from distill.models import LlamaArch, build_llama
-    from train.adapt import adapt_domains
-    from train.schema import validate
+    from models.checkpoints import load_causal_lm
+    from models.checkpoints import save_hf_atomic
+    from decode.config import load_routing
+    from distill.drafts import LlamaArch, build_llama
+    from train.stages import adapt_domains
+    from train.run import validate
 
     _, tok = load_causal_lm("distill/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
@@ -260,7 +260,7 @@ def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
     assert not (tmp_path / "events.jsonl").exists()  # nothing ran
     bad = tmp_path / "routing.json"
     bad.write_text("[]")
-    from decode.routing import RoutingError
+    from decode.config import RoutingError
 
     with pytest.raises(RoutingError, match="JSON object"):
         run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)
@@ -272,10 +272,10 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     artifacts; killed right after its step-2 checkpoint, a resumed adaptation ends with the uninterrupted run's
     weights."""
     import distill.trainer as trainer_mod
-    from data.checkpoints import load_causal_lm
-    from data.io import save_hf_atomic
-    from distill.models import LlamaArch, build_llama
-    from train.schema import validate
+    from models.checkpoints import load_causal_lm
+    from models.checkpoints import save_hf_atomic
+    from distill.drafts import LlamaArch, build_llama
+    from train.run import validate
 
     _, tok = load_causal_lm("distill/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
@@ -337,7 +337,7 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
 def test_lora_batch_is_its_own_whatever_the_trainers_global_batch():
     """The smoke experiment's trainer sets global_batch_size 4 with micro-batch 2; the adapter's 16-sequence
     micro-batch must not be checked against that (it used to fail after the models had loaded)."""
-    from train.schema import validate
+    from train.run import validate
 
     rc = validate({"stages": ["lora"], "lora": {"enabled": True, "base": "drafts/distilled", "micro_batch_size": 16},
                    "trainer": {"micro_batch_size": 2, "global_batch_size": 4}})
@@ -423,13 +423,13 @@ def test_module_names_are_checked_from_the_base_config_before_any_weights_load(t
 
 @pytest.mark.parametrize("signal", ["online", "cached"])
 def test_a_trimmed_base_draft_adapts_over_its_kept_ids(tmp_path, signal):
-    """LoRA on a draft with a trimmed vocabulary (data/draft_vocab.py): the teacher is read over the kept ids, the
+    """LoRA on a draft with a trimmed vocabulary (models/vocab.py): the teacher is read over the kept ids, the
     merged draft keeps the id map (saved as the full-vocabulary export) and reloads trimmed."""
-    from data.checkpoints import load_causal_lm
-    from data.draft_vocab import TrimmedLMHead, draft_vocab_record, install_trimmed_head
-    from data.io import save_hf_atomic
+    from models.checkpoints import load_causal_lm
+    from models.vocab import TrimmedLMHead, draft_vocab_record, install_trimmed_head
+    from models.checkpoints import save_hf_atomic
     from decode import speculative_generate
-    from train.schema import validate
+    from train.run import validate
 
     target, tok = load_causal_lm("distill/reference_target", role="target")
     draft = tiny_family_lm("llama", vocab_size=target.config.vocab_size, seed=3, max_position_embeddings=256)

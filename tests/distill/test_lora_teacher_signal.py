@@ -85,7 +85,7 @@ def test_a_draft_trained_on_the_cached_teacher_merges_to_the_adapted_outputs(tmp
 
 
 def test_lora_signal_settings_are_checked_before_any_model_loads():
-    from train.schema import validate
+    from train.run import validate
 
     for bad, msg in (({"data_source": "on_policy"}, "lora.data_source must be teacher"),
                      ({"teacher_signal": "disk"}, "lora.teacher_signal must be cached"),

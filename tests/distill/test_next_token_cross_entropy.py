@@ -1,4 +1,4 @@
-"""The one next-token cross-entropy (distill.step_losses.next_token_cross_entropy) that the baseline's step and
+"""The one next-token cross-entropy (distill.trainer.next_token_cross_entropy) that the baseline's step and
 every validation loss use: it equals transformers' own causal-LM loss on a real forward, counts only the positions
 asked for, and with a trimmed draft vocabulary is the cross-entropy over the kept rows with other labels left out."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tinymodels import tiny_llama
 
-from data.draft_vocab import install_trimmed_head, trimmed_logits
-from distill.step_losses import next_token_cross_entropy
+from models.vocab import install_trimmed_head, trimmed_logits
+from distill.trainer import next_token_cross_entropy
 
 
 @settings(max_examples=20, deadline=None)

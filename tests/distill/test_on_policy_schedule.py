@@ -12,7 +12,7 @@ from distill.config import GenerationConfig, OnPolicySchedule
 from distill.generation import OnPolicyHook
 from distill.losses import forward_kl, total_variation
 from distill.teacher import build_teacher_cache, make_cached_distill_step
-from distill.topk import topk_forward_kl
+from distill.losses import topk_forward_kl
 from distill.trainer import MicroBatch, TrainerConfig, train
 from tinymodels import tiny_llama
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from distill.pipeline import baseline_stage, distill_stage
-from train.schema import validate
+from train.run import validate
 from tinymodels import save_code_target
-from data.specdraft_meta import SpecdraftMeta
+from models.checkpoints import SpecdraftMeta
 
 TINY = {"hidden_size": 32, "num_layers": 1, "num_heads": 4, "intermediate_size": 64, "max_position_embeddings": 128}
 
@@ -186,8 +186,8 @@ def test_trimmed_draft_vocab_distill_and_baseline(tiny_target, tmp_path, signal)
     import torch
     from transformers import AutoModelForCausalLM
 
-    from data.checkpoints import load_causal_lm
-    from data.draft_vocab import TrimmedLMHead
+    from models.checkpoints import load_causal_lm
+    from models.vocab import TrimmedLMHead
     from decode import speculative_generate
 
     rc = _rc(tiny_target, data_source="teacher", teacher_signal=signal, cache_top_k=8, cache_shard_blocks=16,

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from data.specdraft_meta import SpecdraftMeta
+from models.checkpoints import SpecdraftMeta
 
 pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
 
@@ -17,7 +17,7 @@ REF = ROOT / "distill" / "reference_target"
 
 
 def test_committed_reference_target_is_complete_and_small():
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
 
     weights = list(REF.glob("*.safetensors"))
     assert weights, "distill/reference_target has no safetensors"
@@ -31,7 +31,7 @@ def test_committed_reference_target_is_complete_and_small():
     assert model.config.model_type == "llama"
     assert tok.bos_token == "<s>" and tok.eos_token == "</s>" and tok.pad_token == "<pad>"
     assert model.config.vocab_size == len(tok)
-    from data.chat import REFERENCE_CHAT_TEMPLATE
+    from data.text import REFERENCE_CHAT_TEMPLATE
 
     assert tok.chat_template == REFERENCE_CHAT_TEMPLATE  # renders the plain format it was trained on
 

@@ -1,4 +1,4 @@
-"""distill.selfdraft: layer-pruned self-drafts are exactly the target with some layers removed, standalone, loadable
+"""distill.drafts: layer-pruned self-drafts are exactly the target with some layers removed, standalone, loadable
 by transformers and usable as its assistant_model; layer rules; greedy / beam search within its budget."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distill.selfdraft import (LayerChoice, LayerSearchConfig, build_layer_pruned, resolve_layers, search_layers,
+from distill.drafts import (LayerChoice, LayerSearchConfig, build_layer_pruned, resolve_layers, search_layers,
                                search_evaluations_needed)
 from tinymodels import tiny_llama
 

@@ -1,4 +1,4 @@
-"""distill.teacher / distill.shards: the cached teacher top-k is exact, resumable after a kill, checksummed
+"""distill.teacher / distill.teacher: the cached teacher top-k is exact, resumable after a kill, checksummed
 (a corrupt shard is recomputed), and training from it reproduces online training."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from distill.losses import forward_kl
-from distill.shards import ShardStore
+from distill.teacher import ShardStore
 from distill.teacher import build_teacher_cache, make_cached_distill_step
-from distill.topk import teacher_topk
+from distill.losses import teacher_topk
 from distill.trainer import MicroBatch, TrainerConfig, make_distill_step, train
 from tinymodels import tiny_llama
 

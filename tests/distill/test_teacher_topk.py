@@ -1,4 +1,4 @@
-"""distill.topk: the sparse (top-k) forward KL equals the dense one when k = V, and stays close when the top-k
+"""distill.losses: the sparse (top-k) forward KL equals the dense one when k = V, and stays close when the top-k
 covers the teacher's mass; densify_topk gives the dense losses the same renormalised teacher."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from distill.losses import forward_kl, generalized_jsd, skew_kl, total_variation
-from distill.topk import densify_topk, teacher_topk, topk_forward_kl
+from distill.losses import densify_topk, teacher_topk, topk_forward_kl
 
 
 def _logits(seed, shape=(3, 7, 50), scale=3.0):

@@ -1,4 +1,4 @@
-"""distill.vocab: padded embedding rows are tolerated (one warning), real vocabulary mismatches are errors."""
+"""distill.teacher: padded embedding rows are tolerated (one warning), real vocabulary mismatches are errors."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distill.losses import forward_kl
-from distill.vocab import VocabMismatchError, VocabPaddingWarning, shared_vocab_size, slice_to_shared
+from distill.teacher import VocabMismatchError, VocabPaddingWarning, shared_vocab_size, slice_to_shared
 
 
 def test_equal_sizes_no_warning():

@@ -1,5 +1,5 @@
 """Keeping or refusing a domain's adapter (issue 20): kept exactly when the adapted draft's tau interval lies wholly
-above the base draft's (eval.verdicts.adapter_decision), and the adapt stage's routing table then sends a domain
+above the base draft's (eval.report.adapter_decision), and the adapt stage's routing table then sends a domain
 to its adapter only when it was kept, else to the base draft or, when the base is not faster, the target alone."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eval.decision import adapter_decision, candidates, decide
-from train.adapt import adapted_routing, render_adapt_report
+from train.stages import adapted_routing, render_adapt_report
 
 finite = st.floats(1.0, 5.0, allow_nan=False)
 
@@ -95,7 +95,7 @@ def test_the_report_says_which_domains_were_left_alone_and_why():
 
 
 def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation(tmp_path):
-    from eval.adaptation import AdaptationSection
+    from eval.sections import AdaptationSection
 
     doc = {"drafts": {n: {"medical": {"mean_accepted_length": t, "mean_accepted_length_ci": [t - .1, t + .1],
                                       "measured_speedup": sp, "measured_speedup_ci": [sp - .1, sp + .1]}}
@@ -107,7 +107,7 @@ def test_adaptation_table_rows_come_from_the_drafts_specdraft_and_the_evaluation
             "distilled": {"distilled": True, "data_source": "teacher", "teacher_signal": "cached",
                           "draft_parameters": 1000, "train": {"steps": 50, "train_time_s": 30.0},
                           "teacher_data": {"time_s": 0.1, "computed": 0}}}
-    from data.specdraft_meta import SpecdraftMeta
+    from models.checkpoints import SpecdraftMeta
 
     meta = {n: SpecdraftMeta.from_dict(m) for n, m in meta.items()}
     sec = AdaptationSection(meta, {"general": tmp_path / "g", "lora_medical": tmp_path / "l",

@@ -1,4 +1,4 @@
-"""eval.compare (and scripts/compare_runs.py, the train multirun callback): a sweep folder becomes one loss x domain
+"""eval.sections (and scripts/compare_runs.py, the train multirun callback): a sweep folder becomes one loss x domain
 comparison (Markdown + JSON)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import eval.compare as compare_runs
+import eval.sections as compare_runs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_duplicate_losses_are_labelled_by_job_and_empty_sweep_fails(tmp_path):
 def test_multirun_callback_writes_the_comparison(tmp_path):
     from omegaconf import OmegaConf
 
-    from train.callbacks import CompareSweep
+    from train.run import CompareSweep
 
     _job(tmp_path, "0_distill.loss=forward_kl", "forward_kl", {"medical": 2.6}, {"medical": 2.0})
     CompareSweep().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))

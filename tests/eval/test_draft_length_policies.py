@@ -35,7 +35,7 @@ POLICY_ARGS = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """A tiny target with a BPE tokenizer, and a draft that is a noisy copy of it (partial agreement)."""
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     tmp = tmp_path_factory.mktemp("policy_models")
     tok = train_bpe_tokenizer(iter(TEXT), vocab_size=300, min_frequency=1)
@@ -105,7 +105,7 @@ def test_policy_from_the_command_line_decodes_losslessly(policy_runs, policy):
 def test_recorded_draft_lengths_are_what_the_decoder_ran(policy_runs, policy):
     """per_prompt.csv's draft lengths = those of a direct decode with a fresh policy from the same config; they
     add up to the row's counts, and metrics.json's pooled histograms / means are rebuilt from them."""
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
     from decode import speculative_generate
     from eval.config import validate_eval
     from eval.evaluate import encode_prompt
@@ -166,9 +166,9 @@ def test_eval_compares_all_policies_and_can_recommend_one(models, tmp_path):
     fastest = doc["best_measured"]["chat"]  # the fastest measured setting, a policy included
     assert fastest["measured_speedup"] == best["measured_speedup"]
     assert fastest["draft_length_policy"] == best["draft_length_policy"]
-    rec = doc["recommendation"]["chat"]  # the verdict's decision follows from those numbers (eval.verdicts)
+    rec = doc["recommendation"]["chat"]  # the verdict's decision follows from those numbers (eval.report)
     from eval.decision import candidates
-    from eval.decision_check import check_consistent
+    from decision_oracle import check_consistent
 
     check_consistent(rec, candidates(doc, "chat"))
     assert out["recommended_setting"]["chat"] == (setting_label(rec) if rec["draft"] else "the target alone")
@@ -211,7 +211,7 @@ BAD = {  # case -> (overrides, the message)
 def test_bad_policy_parameters_are_one_line_config_errors(case):
     """The eval root and the training root both refuse them with one ``invalid config: ...`` line."""
     from eval.config import validate_eval
-    from train.schema import validate
+    from train.run import validate
 
     overrides, message = BAD[case]
     cfg = compose_config(overrides)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import stat
 from pathlib import Path
 
@@ -139,11 +138,11 @@ def test_section_records_a_skip():
 @pytest.fixture
 def tiny_ggufs(tmp_path, monkeypatch):
     """A converted tiny GGUF target and a 1-layer self-draft of it, both exported to f32 GGUF."""
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
     from data.config import TargetConfig
-    from data.gguf_target import prepare_target
-    from data.io import save_hf_atomic
-    from decode.gguf_export import export_gguf
+    from models.target import prepare_target
+    from models.checkpoints import save_hf_atomic
+    from decode.llamacpp import export_gguf
     from ggufwriter import write_tiny_llama_gguf
 
     pkg = tmp_path / "site" / "tinyenginepkg"
@@ -183,7 +182,7 @@ def test_real_server_speculative_greedy_equals_alone(tiny_ggufs):
 def test_engine_teacher_sequences_match_our_greedy_answers(tiny_ggufs, tmp_path):
     """distill.generation.engine=llama_cpp: the same stored format as our decoder's teacher data, and (f32 served
     target) the same greedy answers."""
-    from data.checkpoints import load_causal_lm
+    from models.checkpoints import load_causal_lm
     from distill.config import GenerationConfig
     from distill.generation import generate_teacher_sequences, generate_teacher_sequences_engine
 

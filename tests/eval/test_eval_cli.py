@@ -29,7 +29,7 @@ SWEEP = [1, 2, 3]
 
 
 def _save(tmp: Path, name: str, texts, vocab_size: int, seed: int) -> Path:
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(iter(texts), vocab_size=vocab_size, min_frequency=1)
     model = tiny_llama(vocab_size=len(tok), seed=seed, eos_token_id=tok.eos_token_id)
@@ -147,7 +147,7 @@ def test_per_prompt_csv_recomputes_metrics_json(cli_run):
     assert again["recommendation"] == doc["best_measured"]  # the fastest measured setting; the verdict's decision
     import copy
 
-    from eval.verdicts import add_decisions  # is a function of the document's numbers
+    from eval.report import add_decisions  # is a function of the document's numbers
 
     fresh = copy.deepcopy(doc)
     for k in ("recommendation", "noisy", "verdicts"):
@@ -161,7 +161,7 @@ def test_sweep_recommends_num_draft_tokens_per_domain(cli_run):
     doc = json.loads((run_dir / "metrics.json").read_text())
     assert set(doc["recommendation"]) == {"chat", "specbench_qa", "mine_file"}
     from eval.decision import candidates
-    from eval.decision_check import check_consistent
+    from decision_oracle import check_consistent
 
     for domain, r in doc["recommendation"].items():
         check_consistent(r, candidates(doc, domain))  # the decision follows from the domain's numbers

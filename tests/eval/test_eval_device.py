@@ -30,7 +30,7 @@ def _eval(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     tmp = tmp_path_factory.mktemp("pair")
     tok = train_bpe_tokenizer(iter(TEXT), vocab_size=300, min_frequency=1)
@@ -66,8 +66,8 @@ def test_bfloat16_on_cpu_end_to_end_and_the_report_says_so(pair, tmp_path):
 
 
 def test_models_load_in_the_requested_dtype_and_device(pair):
-    from data.checkpoints import load_causal_lm
-    from decode.quantize import load_draft
+    from models.checkpoints import load_causal_lm
+    from decode.fast_settings import load_draft
 
     model, _ = load_causal_lm(pair["target"], role="target", dtype=torch.bfloat16, device="cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -93,7 +93,7 @@ def test_unavailable_cuda_is_refused_with_one_line_and_exit_2(pair, tmp_path):
 
 def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
     """Faked: one visible GPU; cuda:1 names a device that is not there (cuda:0 and null resolve)."""
-    from data.devices import DeviceError, resolve_device, resolve_dtype
+    from core.cli import DeviceError, resolve_device, resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -115,7 +115,7 @@ def test_bad_device_or_dtype_names_are_config_errors(device, dtype, match):
 
 
 def test_defaults_follow_the_machine(monkeypatch):
-    from data.devices import resolve_device, resolve_dtype
+    from core.cli import resolve_device, resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")
@@ -124,8 +124,8 @@ def test_defaults_follow_the_machine(monkeypatch):
 
 
 def test_int8_draft_on_bfloat16_is_refused_before_loading(pair, tmp_path):
-    from data.checkpoints import CheckpointError
-    from decode.quantize import check_quantize_device
+    from models.checkpoints import CheckpointError
+    from decode.fast_settings import check_quantize_device
 
     d = tmp_path / "int8"
     shutil.copytree(pair["draft"], d)

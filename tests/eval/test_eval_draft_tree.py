@@ -36,7 +36,7 @@ def test_eval_measures_trees_beside_the_chain_losslessly(tmp_path):
     """A whole in-process ``python -m eval`` run with two tree shapes beside gamma 3: every decode is lossless, each
     tree is a policy cell ``tree:<shape>`` whose mean draft length is the tree depth, and it competes for the
     recommendation."""
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
     from eval.__main__ import run
     from tinymodels import tiny_llama
 

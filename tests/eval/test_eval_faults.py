@@ -32,7 +32,7 @@ TIMING = ("_time_s", "_times_s", "_tokens_per_s", "speedup", "cost_ratio", "over
 
 
 def _save(tmp: Path, name: str, vocab_size: int, seed: int, tokenizer=None) -> Path:
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     tok = tokenizer or train_bpe_tokenizer(iter(TEXT), vocab_size=vocab_size, min_frequency=1)
     model = tiny_llama(vocab_size=len(tok), seed=seed, eos_token_id=tok.eos_token_id)
@@ -118,9 +118,9 @@ def test_kill_9_during_eval_keeps_the_old_report_and_rerun_gives_the_same_number
 
 
 def test_full_disk_while_writing_the_report_keeps_the_previous_set(models, tmp_path, monkeypatch):
-    import data.io as dio
-    from data.cli import EXIT_WRITE_FAULT, classify
-    from data.io import ArtifactWriteError
+    import core.io as dio
+    from core.cli import EXIT_WRITE_FAULT, classify
+    from core.io import ArtifactWriteError
 
     run_dir = tmp_path / "run"
     _run_in_process(models, run_dir)
@@ -188,7 +188,7 @@ def test_truncated_weights_file_is_a_clear_error(models, tmp_path):
     """A checkpoint whose weights file was cut short (a killed copy): the error names the draft and the folder."""
     import shutil
 
-    from data.checkpoints import CheckpointError
+    from models.checkpoints import CheckpointError
 
     _, draft, _ = models
     bad = tmp_path / "cut"

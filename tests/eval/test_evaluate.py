@@ -17,7 +17,7 @@ TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def a
 def setup():
     import torch
 
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # batch-1 decoding of tiny models: one thread is fastest and steadiest

@@ -268,7 +268,7 @@ def test_time_breakdown_splits_the_wall_time_and_prices_the_measured_components(
     """Per (draft, domain): prefill + draft + verify + other = the speculative wall time (pooled over prompts),
     loop efficiency = time in forwards / wall, the in-loop ratios divide per-step / per-token times by the target's
     one-position forward, and the expected speedup from measured components is the cell's tau over k c + v."""
-    from eval.breakdown import time_breakdown, time_breakdown_section
+    from eval.evaluate import time_breakdown, time_breakdown_section
 
     rows = []
     for i, (wall, fp, fd, fv) in enumerate(cells):

@@ -1,5 +1,5 @@
 """The routing table: written from measured numbers (best measured speedup per domain), loaded by the decoder side
-(decode.routing.load_routing) with clear errors, and used by the evaluation (each domain decoded with its draft)."""
+(decode.config.load_routing) with clear errors, and used by the evaluation (each domain decoded with its draft)."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from decode.routing import DEFAULT_KEY, RoutingError, load_routing
+from decode.config import DEFAULT_KEY, RoutingError, load_routing
 from eval.report import metrics_document
-from eval.routing import routing_table, write_routing
+from eval.decision import write_routing
 
 
 def _row(draft, domain, pid, g, spec_t, emitted, steps):
@@ -120,9 +120,9 @@ def test_loader_errors_name_the_problem(tmp_path):
 
 
 def _save_tiny_draft(out: Path, seed: int):
-    from data.checkpoints import load_causal_lm
-    from data.io import save_hf_atomic
-    from distill.models import LlamaArch, build_llama
+    from models.checkpoints import load_causal_lm
+    from models.checkpoints import save_hf_atomic
+    from distill.drafts import LlamaArch, build_llama
 
     _, tok = load_causal_lm("distill/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
@@ -131,7 +131,7 @@ def _save_tiny_draft(out: Path, seed: int):
 
 
 def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_path):
-    from train.schema import validate
+    from train.run import validate
 
     from eval.pipeline import evaluate_run
 

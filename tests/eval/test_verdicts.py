@@ -1,4 +1,4 @@
-"""Decisions that follow the evidence (eval.verdicts): every decision is consistent with its numbers (property test
+"""Decisions that follow the evidence (eval.report): every decision is consistent with its numbers (property test
 over random metric tables), none recommends a setting measured slower than the target alone, the speedup
 interval resamples timing trials as well as prompts, the deployment projection is Leviathan's formula, and the
 decision is the same when another process loads the cores during one of two evaluations (slow)."""
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from decode.stats import expected_speedup
 from eval.metrics import bootstrap_ratio_ci, bootstrap_speedup_ci
 from eval.decision import SPECULATE, TARGET_ONLY, decide, interval, model_field
-from eval.decision_check import check_consistent
-from eval.projection import add_projection, deployment_cost_ratios
+from decision_oracle import check_consistent
+from eval.decision import add_projection, deployment_cost_ratios
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -240,10 +240,10 @@ def _rows(draft, domain, g, speed, n=4, emitted=12, steps=4):
 def test_report_verdicts_routing_and_summary_agree(tmp_path):
     """slow domain: every setting below 1 -> the target alone, in the verdict and in routing.json (which the
     router loads as a route to no draft); fast domain: a clear winner; the summary printed is report.md's section."""
-    from decode.routing import load_routing
+    from decode.config import load_routing
     from eval.report import render_markdown, write_report
-    from eval.routing import write_routing
-    from eval.verdicts import verdicts_section
+    from eval.decision import write_routing
+    from eval.report import verdicts_section
 
     rows = (_rows("a", "slow", 2, 0.5) + _rows("a", "slow", 4, 0.7) + _rows("b", "slow", 2, 0.6)
             + _rows("b", "slow", 4, 0.4) + _rows("a", "fast", 2, 1.2) + _rows("a", "fast", 4, 2.5)
@@ -293,7 +293,7 @@ def _identity_padded_target(tmp: Path):
     import torch
     from tinymodels import tiny_llama
 
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     text = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def add(a, b):\n    return a + b",
             "User: hello there\nAssistant: hi, how can I help?"] * 20
@@ -361,7 +361,7 @@ def test_recommendation_is_the_same_with_the_cores_loaded(tmp_path):
             b.terminate()
             b.join()
     for doc, out, md in ((quiet, quiet_out, quiet_md), (busy, busy_out, busy_md)):
-        from eval.verdicts import candidates
+        from eval.report import candidates
 
         for d, r in doc["recommendation"].items():
             check_consistent(r, candidates(doc, d))  # consistent with its own numbers
@@ -396,7 +396,7 @@ def test_bad_timing_and_deployment_settings_are_one_line_config_errors(override,
 def test_an_evaluation_on_every_core_is_not_noisy_by_its_own_load(monkeypatch):
     """The load average counts the evaluation's own busy threads: on 2 cores an evaluation using both holds it at
     about 2 by itself, which must not mark the timing noisy; another process keeping a core busy must."""
-    import eval.timing as ev
+    import eval.evaluate as ev
 
     monkeypatch.setattr(ev, "cpu_cores", lambda: 2)
     alone = ev.load_record([2.03, 1, 1], [1.98, 1, 1], own_cores=1.95)
@@ -423,7 +423,7 @@ def test_an_evaluation_on_every_core_is_not_noisy_by_its_own_load(monkeypatch):
     assert meter.seconds == 2.0 and meter.record["own_cores"] == 0.5 and meter.record["other_load"] == 1.0
     assert meter.record["overloaded"]
     monkeypatch.undo()
-    from eval.verdicts import noisy_reasons
+    from eval.report import noisy_reasons
 
     doc = {"timing": {"machine_load": {"x": busy}}}
     reasons = noisy_reasons(doc, "x", {"measured_speedup": 1.0, "measured_speedup_ci": [0.95, 1.05]}, 0.5)
@@ -462,7 +462,7 @@ def test_a_setting_clearly_above_1_gives_way_to_one_both_measurement_and_model_r
 def test_a_speedup_above_tau_is_marked_noisy():
     """A smoke re-evaluation under heavy load measured 1.69x [0.64, 2.51] at tau 1.04: no step can yield more than
     tau tokens per target forward, so the timing was disturbed and the verdict says so (and not for 1.1x at 1.04)."""
-    from eval.verdicts import noisy_reasons
+    from eval.report import noisy_reasons
 
     d = {"measured_speedup": 1.69, "measured_speedup_ci": [1.6, 1.8], "mean_accepted_length": 1.04}
     assert noisy_reasons({}, "code", d, 0.5) == [
@@ -498,7 +498,7 @@ def test_the_measurement_overrules_a_tie_break_it_contradicts():
 def test_a_setting_that_cannot_pay_for_itself_is_never_recommended(cands, min_tau):
     """Settings with tau below eval.min_mean_accepted_length, or measured faster than 1.1 tau (out of physical reach),
     are set aside before the rule; when none is left the domain goes to the target alone (basis low_tau)."""
-    from eval.verdicts import add_decisions
+    from eval.report import add_decisions
 
     doc = {"context": {"min_mean_accepted_length": min_tau}, "drafts": {}}
     for c in cands:
@@ -528,8 +528,8 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
     """A loaded SmolLM2 smoke run recommended drafts at tau 1.00 and 1.04 (measured 1.10x and 1.84x) and wrote them
     into routing.json and serving.json: now both domains go to the target alone and the default route too."""
     from eval.report import write_report
-    from eval.routing import write_routing
-    from eval.serving import recommended_settings
+    from eval.decision import write_routing
+    from eval.sections import recommended_settings
 
     rows = _rows("a", "medical", 2, 1.1, emitted=4, steps=4) + _rows("a", "code", 2, 1.84, emitted=4, steps=4)
     results = {"rows": rows, "cost_ratio": {"a": {"cost_ratio": 0.2, "draft_forward_s": 2e-4,
@@ -568,7 +568,7 @@ def test_the_speedup_bound_follows_the_measured_verify_cost():
 def test_a_speedup_its_tau_cannot_explain_is_never_deployed_and_the_verdict_asks_to_re_measure():
     """gamma 4 measured 3.5x at tau 2.0 (out of physical reach: disturbed timing) beside gamma 2 at 1.3x, tau 1.8:
     the decision is gamma 2, the disturbed setting is set aside by name, and the verdict is flagged RE-MEASURE."""
-    from eval.verdicts import add_decisions, flags, verdict_line
+    from eval.report import add_decisions, flags, verdict_line
 
     def e(g, s, tau):
         return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - 0.1, s + 0.1],
@@ -585,7 +585,7 @@ def test_a_speedup_its_tau_cannot_explain_is_never_deployed_and_the_verdict_asks
 
 
 def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
-    from eval.verdicts import add_decisions
+    from eval.report import add_decisions
 
     def doc(min_tau, tau):
         return {"context": {"min_mean_accepted_length": min_tau}, "drafts": {"a": {"d": {"sweep": {"2": {
@@ -604,7 +604,7 @@ def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
 def test_the_verdicts_are_one_row_per_domain_and_short_lines(cands, min_tau, noisy):
     """The verdict section: the table (one row per domain: deploy, measured speedup, tau, flags); every
     verdict line at most 40 words, whatever the decision and its flags; the reasoning sits under its own heading."""
-    from eval.verdicts import add_decisions, verdict_line, verdicts_section
+    from eval.report import add_decisions, verdict_line, verdicts_section
 
     doc = {"context": {"min_mean_accepted_length": min_tau}, "drafts": {}, "alert_mean_accepted_length": 2.0,
            "confidence": 0.95, "num_draft_tokens": 4, "num_draft_tokens_swept": [4], "decoding": "greedy",
@@ -719,7 +719,7 @@ def test_target_alone_never_records_a_speedup_its_tau_cannot_explain():
 def test_alert_reads_every_setting_of_a_draft_not_only_the_tables_gamma():
     """gamma 4 (the tables' gamma) reached tau 1.9, gamma 6 2.4 at 1.6x: the verdict deploys gamma 6 and is no ALERT
     (alert below 2): the alert is about drafts that accept too little at every setting."""
-    from eval.verdicts import add_decisions, flags
+    from eval.report import add_decisions, flags
 
     def e(g, s, tau):
         return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - .05, s + .05],
@@ -740,9 +740,9 @@ def test_serving_and_the_default_route_give_engines_only_a_fixed_gamma_that_pays
     """An adversarial table: gamma 2 measured 6.0x at tau 2.0 (disturbed: set aside), an adaptive policy 1.3x at tau
     3 (the decision). Engines need a fixed gamma: serving.json gives gamma 4 only where it pays (at least 1x, tau at
     least 1.5), else the target alone; routing.json's default never rests on the set-aside 6.0x."""
-    from eval.routing import routing_table
-    from eval.serving import recommended_settings
-    from eval.verdicts import add_decisions
+    from eval.decision import routing_table
+    from eval.sections import recommended_settings
+    from eval.report import add_decisions
 
     def e(g, s, tau):
         return {"num_draft_tokens": g, "measured_speedup": s, "measured_speedup_ci": [s - .05, s + .05],

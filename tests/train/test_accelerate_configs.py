@@ -9,8 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.paths import PROJECT_ROOT
-from train.schema import validate
+from data.loading import PROJECT_ROOT
+from train.run import validate
 
 CONF = PROJECT_ROOT / "conf"
 TRAINERS = sorted(p.stem for p in (CONF / "trainer").glob("*.yaml"))

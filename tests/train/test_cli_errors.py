@@ -61,7 +61,7 @@ def snapshot(folder: Path) -> dict[str, bytes | None]:
 def models(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from data.tokenization import train_bpe_tokenizer
+    from data.text import train_bpe_tokenizer
 
     tmp = tmp_path_factory.mktemp("models")
     tok = train_bpe_tokenizer(iter(TEXT), vocab_size=300, min_frequency=1)
@@ -244,7 +244,7 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
 
     import train.__main__  # noqa: F401  (registers the specdraft_root resolver)
     from train.run import RunDirInUseError, check_run_dir_free
-    from train.schema import validate
+    from train.run import validate
 
     def rc(*overrides):
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -272,7 +272,7 @@ def test_a_reused_run_directory_names_the_command_that_re_evaluates_it_as_it_was
     with the run's settings, not the defaults; it composes to the run's experiment and eval settings."""
     import shlex
 
-    from data.cli import compose
+    from core.cli import compose
 
     (finished_run / ".hydra" / "overrides.yaml").write_text(
         "- +experiment=smoke\n- eval.domains=[medical, code]\n- trainer.max_steps=3\n")
@@ -350,9 +350,9 @@ def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_
 def test_a_suggested_key_gets_the_value_in_the_shape_it_takes(key, value, suggestion):
     """"did you mean" names a key that may take a list or a mapping where the typo had a scalar: the suggestion is
     written so that pasting it works (the typed schema decides, also for keys whose default is null)."""
-    from data.cli import unknown_key_message
-    from data.paths import PROJECT_ROOT
-    from train.schema import RootConfig
+    from core.cli import unknown_key_message
+    from data.loading import PROJECT_ROOT
+    from train.run import RootConfig
 
     msg = unknown_key_message(key, [f"{key}={value}"], PROJECT_ROOT / "conf", RootConfig)
     assert f"did you mean {suggestion}?" in msg
@@ -369,7 +369,7 @@ def test_a_value_of_the_wrong_shape_or_range_names_the_key_and_the_fix(override,
     """A single value where the key takes a list or a mapping gets the pasteable form; a range error names the one
     key that is out of range and its value (validated in-process: the command line turns it into `error:`)."""
     from tinymodels import compose_config
-    from train.schema import validate
+    from train.run import validate
 
     with pytest.raises(ValueError) as e:
         validate(compose_config([override]))

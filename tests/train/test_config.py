@@ -15,12 +15,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.paths import PROJECT_ROOT
-from train.schema import KNOWN_STAGES, RootConfig, validate
+from data.loading import PROJECT_ROOT
+from train.run import KNOWN_STAGES, RootConfig, validate
 
 CONF = PROJECT_ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
-# conf/domain/ holds domain declarations (data.domain=<name> reads them, data/declared.py), not group options
+# conf/domain/ holds domain declarations (data.domain=<name> reads them, data/loading.py), not group options
 GROUP_OPTIONS = sorted(
     f"{p.parent.name}={p.stem}" for p in CONF.glob("*/*.yaml")
     if p.parent.name not in ("experiment", "accelerate", "domain")
@@ -286,7 +286,7 @@ def test_a_mapping_of_names_on_the_command_line_replaces_the_experiments(experim
     command composes to that mapping, with Hydra flags too); one entry is still changed alone with
     ``eval.drafts.NAME=PATH``; a config section typed as a mapping keeps Hydra's merge, so the keys left out keep
     the experiment's values (distill_med's greedy teacher continuations, its memory-bound deployment)."""
-    from data.cli import compose as cli_compose, replace_mapping_overrides
+    from core.cli import compose as cli_compose, replace_mapping_overrides
 
     argv = replace_mapping_overrides([f"+experiment={experiment}", f"eval.drafts={value}"], RootConfig)
     assert argv[1:] == ["eval.drafts=null", f"eval.drafts={value}"]
@@ -337,12 +337,12 @@ def test_int8_drafts_named_in_eval_drafts_need_draft_quantize_int8(tmp_path):
 def test_int8_eval_drafts_without_quantize_are_refused_before_the_target_is_converted(tmp_path, monkeypatch):
     """python -m train's checks refuse distill_med with draft.quantize=none before resolving (converting) the
     target: with an empty cache the mistake must not cost the minute of conversion first."""
-    import data.gguf_target
+    import models.target
     from train.run import check_before_run
 
     def no_conversion(rc):
         raise AssertionError("the target was resolved before the config was refused")
 
-    monkeypatch.setattr(data.gguf_target, "resolve_target", no_conversion)
+    monkeypatch.setattr(models.target, "resolve_target", no_conversion)
     with pytest.raises(ValueError, match="drafts/distilled_int8, which this run writes only with draft.quantize=int8"):
         check_before_run(compose_cfg(["+experiment=distill_med", "draft.quantize=none"]), tmp_path / "run")

@@ -173,7 +173,7 @@ def test_deepspeed_zero2_smoke_on_two_cpu_processes_matches_one_process(smoke_ru
 
 def test_train_prints_the_reports_verdict_section(smoke_run):
     """`python -m train`'s stdout carries report.md's verdicts and caveats, as they are there (one renderer:
-    eval.verdicts.verdicts_section)."""
+    eval.report.verdicts_section)."""
     out = (smoke_run.parent / "smoke_output.txt").read_text()
     report = (smoke_run / "report.md").read_text()
     section = report[report.index("## Verdicts"):]

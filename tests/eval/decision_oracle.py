@@ -1,6 +1,5 @@
-"""An oracle for :func:`eval.decision.decide`: properties any decision must have, checked from the numbers with
-helpers of its own (none of the rule's), so a bug in a shared helper cannot hide itself. Run on every report
-(:func:`eval.verdicts.add_decisions`) and by the property tests."""
+"""An oracle for :func:`eval.decision.decide` used by the property tests: properties any decision must have, checked
+from the numbers with helpers of its own (none of the rule's), so a bug in a shared helper cannot hide itself."""
 from __future__ import annotations
 
 import math

@@ -16,6 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the repository (or installed tree) root
+
+
 # errno -> what the user should do about it
 _WRITE_FIXES = {
     errno.ENOSPC: "the disk is full: free space (or point hydra.run.dir at another disk) and rerun the same command",
@@ -74,7 +77,7 @@ def translate_write_errors(path: str | os.PathLike) -> Iterator[None]:
         raise err from e
 
 
-def _umask() -> int:
+def umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -90,7 +93,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     with translate_write_errors(final):
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.tmp-"))
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; artifacts get the usual permissions
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; artifacts get the usual permissions
     try:
         yield tmp
         old = None
@@ -114,7 +117,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
     with translate_write_errors(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
+    os.chmod(tmp, 0o666 & ~umask())  # mkstemp makes 0600
     try:
         with translate_write_errors(path):
             with os.fdopen(fd, "wb") as f:
@@ -136,28 +139,6 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
-def save_hf_atomic(model, tokenizer, out_dir: str | os.PathLike, extra: Any = None) -> Path:
-    """``save_pretrained`` model (safetensors) and tokenizer into ``out_dir`` atomically; ``extra`` (a
-    :class:`data.specdraft_meta.SpecdraftMeta` or the dict of its fields, checked against the schema before anything
-    is written) goes to ``specdraft.json`` beside them (what produced the checkpoint).
-
-    Raises:
-        data.specdraft_meta.SpecdraftMetaError: a field of ``extra`` has the wrong type.
-    """
-    from .specdraft_meta import as_meta
-
-    from .draft_vocab import full_vocab_head
-
-    meta = as_meta(extra) if extra is not None else None
-    with atomic_dir(out_dir) as tmp, full_vocab_head(model):  # a trimmed head is saved as its full-vocabulary export
-        model.save_pretrained(tmp, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if meta is not None:
-            meta.write(tmp)
-    return Path(out_dir)
-
-
 @contextmanager
 def atomic_file_set(folder: str | os.PathLike, set_name: str = "report") -> Iterator[Path]:
     """Yield a staging folder; on success, everything written there replaces the same names in ``folder`` as one
@@ -176,7 +157,7 @@ def atomic_file_set(folder: str | os.PathLike, set_name: str = "report") -> Iter
     with translate_write_errors(store):
         store.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=store, prefix="tmp-"))
-        os.chmod(tmp, 0o777 & ~_umask())
+        os.chmod(tmp, 0o777 & ~umask())
     try:
         yield tmp
         with translate_write_errors(store):

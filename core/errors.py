@@ -1,5 +1,7 @@
-"""Errors raised by the data layer. Each message names the problem, where it is, and how to fix it."""
+"""Errors raised by the data layer. Each message names the problem, where it is, and how to fix it.
+"""
 from __future__ import annotations
+
 
 
 class SpecdraftDataError(ValueError):

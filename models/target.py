@@ -13,7 +13,7 @@ Where no model hub is reachable, the main job's target is SmolLM2-135M-Instruct,
 3. drop the quantization record (``save_pretrained`` refuses a model that carries one) and write safetensors, the
    tokenizer with its chat template, the generation config and ``specdraft.json`` (``kind: converted_target``, the
    package and its version, the file's name and sha256, the dtype) into a temporary folder renamed into place
-   (:func:`data.io.atomic_dir`), so a killed conversion leaves nothing half-written.
+   (:func:`core.io.atomic_dir`), so a killed conversion leaves nothing half-written.
 
 Later calls reuse the folder when its ``specdraft.json`` records the same package version and file hash and its
 files are complete; a changed package (another version or file) or a damaged folder is converted again.
@@ -32,8 +32,10 @@ import re
 import shutil
 import time
 from pathlib import Path
+from core.errors import CheckpointError
 
-from .errors import CheckpointError
+__all__ = ['GGUFTargetError', 'prepare_target', 'resolve_target', 'locate_gguf', 'convert_gguf', 'cached_source', 'install_command', 'sha256_file']
+
 
 log = logging.getLogger(__name__)
 
@@ -172,8 +174,8 @@ def convert_gguf(path: Path, out: Path, source: dict) -> Path:
     import torch
     from tqdm.auto import tqdm
 
-    from .io import _umask, atomic_dir
-    from .specdraft_meta import as_meta
+    from core.io import umask, atomic_dir
+    from models.checkpoints import as_meta
 
     if importlib.util.find_spec("gguf") is None:
         raise GGUFTargetError("reading a GGUF target needs the `gguf` package: run `pip install gguf` (the README "
@@ -208,7 +210,7 @@ def convert_gguf(path: Path, out: Path, source: dict) -> Path:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
             for p in tmp.iterdir():  # a shared cache: readable by every user, like the folder itself
-                os.chmod(p, 0o644 & ~_umask())
+                os.chmod(p, 0o644 & ~umask())
             meta = as_meta({"kind": KIND, "source": source, "files": folder_manifest(tmp),
                             "parameters": sum(p.numel() for p in model.parameters())})
             meta.write(tmp)
@@ -288,7 +290,3 @@ def _check_writable(out: Path) -> None:
 def resolve_target(rc) -> None:
     """Convert ``rc.target`` if it is a GGUF target (in place: the config keeps naming the converted folder)."""
     rc.target.name_or_path = prepare_target(rc.target)
-
-
-__all__ = ["GGUFTargetError", "prepare_target", "resolve_target", "locate_gguf", "convert_gguf", "cached_source",
-           "install_command", "sha256_file"]

@@ -1,4 +1,7 @@
-"""What the entry points (``python -m train``, ``python -m eval``) share around Hydra: checking a command before
+"""The command line and the machine: what both entry points share around Hydra (preflight, one-line errors, exit
+codes) and where models run (device, dtype, threads).
+
+What the entry points (``python -m train``, ``python -m eval``) share around Hydra: checking a command before
 Hydra creates or touches the run directory, and turning errors into one clear line and an exit code.
 
 Hydra writes ``.hydra/*.yaml`` and its log file into the run directory before the task function runs, so a bad
@@ -22,6 +25,8 @@ record every report carries (device, dtype, threads, torch / CUDA versions, GPU 
 naming the key, what was found and the fix.
 """
 from __future__ import annotations
+
+from core.errors import DeviceError
 
 import logging
 import os
@@ -240,7 +245,8 @@ def probe_writable(run_dir: Path) -> None:
     """
     import errno
 
-    from core.io import ArtifactWriteError, write_error
+    from core.io import write_error
+    from core.errors import ArtifactWriteError
 
     where = Path(os.path.abspath(run_dir))
     while not where.exists() and where != where.parent:
@@ -431,10 +437,6 @@ def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experim
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class DeviceError(ValueError):
-    """A device or dtype setting this machine cannot honour (a ValueError: exit code 2 on the command line)."""
 
 
 def resolve_device(name: str | None, key: str = "eval.device") -> torch.device:

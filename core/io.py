@@ -6,6 +6,8 @@ is left as it was.
 """
 from __future__ import annotations
 
+from core.errors import ArtifactWriteError
+
 import errno
 import json
 import os
@@ -30,10 +32,6 @@ _WRITE_FIXES = {
                  "permissions",
     errno.ENOTDIR: "a parent of that path is a file, not a folder: choose another output folder (hydra.run.dir=...)",
 }
-
-
-class ArtifactWriteError(OSError):
-    """An artifact could not be written (full disk, read-only or unwritable folder). Earlier artifacts are intact."""
 
 
 def _errno_of(e: BaseException) -> int | None:
@@ -225,3 +223,38 @@ class EventLog:
     def __call__(self, event: str, **fields) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps({"time": time.time(), "event": event, **fields}, default=str) + "\n")
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 22) -> str:
+    """Hex SHA-256 of a file's bytes, read in ``chunk_bytes`` chunks (the project's one file hash)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fmt(x: Any, spec: str = ".2f", *, missing: str = "n/a", suffix: str = "", exact_ints: bool = False,
+        text: bool = False, booleans: tuple[str, str] | None = None) -> str:
+    """The project's one number formatter for reports and logs: ``format(x, spec) + suffix`` for a finite real number
+    (numpy scalars too), ``missing`` for None, NaN, infinities and anything else.
+
+    Args:
+        spec: a format spec (``".2f"``, ``".1%"``, ``".3g"``).
+        exact_ints: integers print as themselves (``3``, not ``3.00``).
+        text: strings print as themselves instead of ``missing``.
+        booleans: ``(true, false)`` words for booleans; None: booleans are ``missing`` (a flag is not a number).
+    """
+    import math
+    import numbers
+
+    if isinstance(x, bool):
+        return missing if booleans is None else booleans[0 if x else 1]
+    if isinstance(x, numbers.Integral) and exact_ints:
+        return str(x)
+    if isinstance(x, numbers.Real):
+        v = float(x)
+        return format(v, spec) + suffix if math.isfinite(v) else missing
+    return x if text and isinstance(x, str) else missing

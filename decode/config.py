@@ -23,6 +23,8 @@ the loader only needs ``path`` (and ``draft``, the name shown in reports).
 """
 from __future__ import annotations
 
+from core.errors import RoutingError
+
 from dataclasses import dataclass
 from typing import Any
 import json
@@ -141,10 +143,6 @@ class DecodeConfig:
 
 SCHEMA = "specdraft.routing/1"
 DEFAULT_KEY = "default"
-
-
-class RoutingError(ValueError):
-    """A routing table that is missing, not valid, or has no route for a domain."""
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,10 @@ from decode.fast_weights import frozen_cached, frozen_weights, read_model, use_p
 from decode.fast_weights import tree_visibility
 from decode.fast_settings import BlockThreads
 
-__all__ = ['core', 'norm', 'head_norm', 'softcapped_attention', 'linear', 'fast_path_supported', 'FastKVState', 'frozen_weights']
+__all__ = [
+    'core', 'norm', 'head_norm', 'softcapped_attention', 'linear', 'fast_path_supported', 'FastKVState',
+    'frozen_weights',
+]
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -74,7 +74,14 @@ import torch
 import statistics
 import warnings
 
-__all__ = ['set_block_threads', 'block_thread_count', 'resolved_block_threads', 'parse_block_threads', 'block_threads_setting', 'available_cores', 'BlockThreads', 'free_cores', 'FreeCoreThreads', 'following_free_cores', 'SETTINGS', 'LeanSettings', 'COMPILE_MODES', 'ROW_LAYOUTS', 'set_compile', 'compile_enabled', 'compile_seconds', 'set_row_layout', 'row_layout_record', 'rows_times', 'rows_addmm', 'graph_count', 'QUANTIZE_MODES', 'quantize_draft', 'is_quantized', 'check_quantize_meta', 'check_quantize_device', 'load_draft', 'fuse_int8_rows']
+__all__ = [
+    'set_block_threads', 'block_thread_count', 'resolved_block_threads', 'parse_block_threads',
+    'block_threads_setting', 'available_cores', 'BlockThreads', 'free_cores', 'FreeCoreThreads',
+    'following_free_cores', 'SETTINGS', 'LeanSettings', 'COMPILE_MODES', 'ROW_LAYOUTS', 'set_compile',
+    'compile_enabled', 'compile_seconds', 'set_row_layout', 'row_layout_record', 'rows_times', 'rows_addmm',
+    'graph_count', 'QUANTIZE_MODES', 'quantize_draft', 'is_quantized', 'check_quantize_meta',
+    'check_quantize_device', 'load_draft', 'fuse_int8_rows',
+]
 
 
 log = logging.getLogger(__name__)

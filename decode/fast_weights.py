@@ -29,7 +29,10 @@ import contextlib
 import types
 import weakref
 
-__all__ = ['fast_path_supported', 'unsupported_reason', 'FAMILY_CLASSES', 'GEMMA_FAMILIES', 'ACTIVATIONS', 'norm_eps', 'layer_inv_freqs', 'frozen_weights', 'frozen_cached', 'read_model', 'use_packed']
+__all__ = [
+    'fast_path_supported', 'unsupported_reason', 'FAMILY_CLASSES', 'GEMMA_FAMILIES', 'ACTIVATIONS', 'norm_eps',
+    'layer_inv_freqs', 'frozen_weights', 'frozen_cached', 'read_model', 'use_packed',
+]
 
 
 _ROLLBACK_TYPES = ("full_attention", "sliding_attention")

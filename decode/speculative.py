@@ -48,7 +48,10 @@ from decode.common import (
 from decode.sampling import greedy_tokens, process_logits, sample_tokens, uniform, validate_sampling_args
 from decode.stats import AcceptanceStats
 
-__all__ = ['DraftLengthPolicy', 'FixedDraftLength', 'AdaptiveDraftLength', 'ConfidenceDraftLength', 'make_policy', 'speculative_generate', 'verify_block']
+__all__ = [
+    'DraftLengthPolicy', 'FixedDraftLength', 'AdaptiveDraftLength', 'ConfidenceDraftLength', 'make_policy',
+    'speculative_generate', 'verify_block',
+]
 
 
 def _check_int(name: str, value, low: int) -> int:

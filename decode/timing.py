@@ -6,7 +6,10 @@ import statistics
 import torch
 from decode.common import Timer, new_kv_state
 
-__all__ = ['forward_times_s', 'cost_ratio', 'block_forward_times_s', 'head_share', 'memory_bound_s', 'weights_read_per_token']
+__all__ = [
+    'forward_times_s', 'cost_ratio', 'block_forward_times_s', 'head_share', 'memory_bound_s',
+    'weights_read_per_token',
+]
 
 
 @torch.inference_mode()

@@ -1,6 +1,5 @@
-"""Model builders: Llama configs from a small architecture spec, loading HF checkpoints with clear errors.
-
-Layer-pruned self-drafts: a subset of the target's own decoder layers as a standalone smaller model.
+"""Draft builders: Llama drafts from a small architecture spec, and layer-pruned self-drafts (a subset of the
+target's own decoder layers as a standalone smaller model).
 
 A self-draft keeps the target's token embeddings, a chosen subset of its decoder layers (in their original order),
 its final norm and its LM head, with weights copied from the target, in a fresh model of the target's own class
@@ -25,7 +24,10 @@ import math
 from dataclasses import field
 from typing import Callable
 
-__all__ = ['LayerChoice', 'LayerSearchConfig', 'SUPPORTED_MODEL_TYPES', 'resolve_layers', 'build_layer_pruned', 'search_layers', 'search_evaluations_needed']
+__all__ = [
+    'LayerChoice', 'LayerSearchConfig', 'SUPPORTED_MODEL_TYPES', 'resolve_layers', 'build_layer_pruned',
+    'search_layers', 'search_evaluations_needed',
+]
 
 
 log = logging.getLogger(__name__)

@@ -197,7 +197,7 @@ def generate_teacher_sequences_engine(
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    from models.target import sha256_file
+    from core.io import sha256_file
     from decode.llamacpp import target_gguf
     from decode.llamacpp import LlamaServer, find_engine
     from decode.fast_settings import free_cores

@@ -32,6 +32,8 @@ accepted length on the domain's validation prompts, ``lora.eval_every``) and res
 """
 from __future__ import annotations
 
+from core.errors import LoraError
+
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -158,10 +160,6 @@ def _module_names(value, rule: str) -> list[str]:
             or any(not isinstance(m, str) or not m for m in value):
         raise ValueError(f"{rule}, got {value!r}")
     return list(value)
-
-
-class LoraError(ValueError):
-    """Bad LoRA input: target modules absent from the draft, a base draft that cannot be found."""
 
 
 def resolve_base(base: str, run_dir: Path) -> Path:
@@ -400,8 +398,6 @@ def adapter_bytes(adapter_dir: Path) -> int:
 def count_merged(total_with_adapters: int, adapter: int) -> int:
     """Parameters of the merged draft: the adapters fold into the base weights."""
     return total_with_adapters - adapter
-
-
 
 
 def adapt_draft(rc, opts, run_dir: str | os.PathLike, *, base: str | None = None, domain: str | None = None,

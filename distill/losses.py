@@ -84,7 +84,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ['forward_kl', 'reverse_kl', 'generalized_jsd', 'total_variation', 'skew_kl', 'cross_entropy', 'token_count', 'get_loss', 'LOSSES', 'topk_forward_kl', 'densify_topk', 'teacher_topk']
+__all__ = [
+    'forward_kl', 'reverse_kl', 'generalized_jsd', 'total_variation', 'skew_kl', 'cross_entropy', 'token_count',
+    'get_loss', 'LOSSES', 'topk_forward_kl', 'densify_topk', 'teacher_topk',
+]
 
 
 IGNORE_INDEX = -100

@@ -44,6 +44,9 @@ trained a trimmed head over the ids it learns from most (``draft.draft_vocab_siz
 """
 from __future__ import annotations
 
+from core.errors import VocabMismatchError
+from core.io import sha256_file
+
 import hashlib
 import json
 import logging
@@ -60,21 +63,15 @@ from distill.trainer import MicroBatch, StepLoss
 import warnings
 from torch import Tensor
 
-__all__ = ['VocabMismatchError', 'VocabPaddingWarning', 'shared_vocab_size', 'shared_vocab', 'slice_to_shared', 'forced_ids', 'trim_draft_vocab']
+__all__ = [
+    'VocabMismatchError', 'VocabPaddingWarning', 'shared_vocab_size', 'shared_vocab', 'slice_to_shared',
+    'forced_ids', 'trim_draft_vocab',
+]
 
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes (read in 1 MiB chunks)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _save_shard_atomic(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -169,8 +166,6 @@ class ShardStore:
         from safetensors.torch import load_file
 
         return load_file(str(self.shard_path(i)))
-
-
 
 
 def tensor_fingerprint(t: torch.Tensor) -> str:
@@ -390,10 +385,6 @@ class TrimmedTeacherCache:
 
         values, indices = self.cache.lookup(block_index, device)
         return remap_topk(self.head, values, indices)
-
-
-class VocabMismatchError(ValueError):
-    """The target's and draft's output vocabularies cannot be aligned over the tokenizer's ids."""
 
 
 class VocabPaddingWarning(UserWarning):

@@ -68,7 +68,13 @@ from core.cli import torch_threads
 from distill.launch import (check_launch, distributed_state, optimizer_parameters, prepare_run, uses_deepspeed)
 from distill.config import STRATEGIES, cosine_with_warmup
 
-__all__ = ['train', 'batch_indices', 'rows_this_run_uses', 'blocks_this_run_uses', 'BudgetClock', 'TrainerConfig', 'STRATEGIES', 'cosine_with_warmup', 'check_launch', 'distributed_state', 'uses_deepspeed', 'prepare_run', 'optimizer_parameters', 'Run', 'TrainState', 'save_checkpoint', 'check_resumable', 'CheckpointSelector', 'TrainLog', 'MicroBatch', 'StepLoss', 'BatchHook', 'EvalFn', 'cross_entropy_step', 'make_distill_step', 'count_tokens', 'next_token_cross_entropy', 'evaluate_loss']
+__all__ = [
+    'train', 'batch_indices', 'rows_this_run_uses', 'blocks_this_run_uses', 'BudgetClock', 'TrainerConfig',
+    'STRATEGIES', 'cosine_with_warmup', 'check_launch', 'distributed_state', 'uses_deepspeed', 'prepare_run',
+    'optimizer_parameters', 'Run', 'TrainState', 'save_checkpoint', 'check_resumable', 'CheckpointSelector',
+    'TrainLog', 'MicroBatch', 'StepLoss', 'BatchHook', 'EvalFn', 'cross_entropy_step', 'make_distill_step',
+    'count_tokens', 'next_token_cross_entropy', 'evaluate_loss',
+]
 
 
 @dataclass

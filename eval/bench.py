@@ -31,6 +31,8 @@ one-line errors, and the check that prompt + new tokens + a verify block fit bot
 """
 from __future__ import annotations
 
+from core.errors import BenchError
+
 import dataclasses
 import json
 from dataclasses import dataclass, fields
@@ -51,7 +53,10 @@ from decode.timing import head_share, memory_bound_s
 from eval.evaluate import phase_split
 from eval.evaluate import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
 
-__all__ = ['BUILTIN_PROMPTS', 'FAMILIES', 'BenchConfig', 'BenchError', 'check_context', 'family_models', 'load_models', 'load_prompts', 'read_prompts_file', 'resolve_device_dtype', 'leviathan_expectation', 'run_bench']
+__all__ = [
+    'BUILTIN_PROMPTS', 'FAMILIES', 'BenchConfig', 'BenchError', 'check_context', 'family_models', 'load_models',
+    'load_prompts', 'read_prompts_file', 'resolve_device_dtype', 'leviathan_expectation', 'run_bench',
+]
 
 
 BUILTIN_PROMPTS = [
@@ -62,11 +67,6 @@ BUILTIN_PROMPTS = [
 ]
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-
-
-class BenchError(ValueError):
-    """Input the benchmark cannot run on (a device this machine lacks, a model directory that does not load, two
-    tokenizers that differ, prompts too long for a model's context); the message is one line naming the flag."""
 
 
 @dataclass
@@ -222,7 +222,8 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     Raises:
         BenchError: an unavailable GPU or an unknown name (the message names the flag).
     """
-    from core.cli import DeviceError, resolve_device, resolve_dtype
+    from core.cli import resolve_device, resolve_dtype
+    from core.errors import DeviceError
 
     try:
         dev = resolve_device(device, "--device")

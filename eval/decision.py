@@ -65,6 +65,8 @@ alone when no pair qualifies.
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import math
 import numbers
 import statistics
@@ -162,9 +164,6 @@ def num(x) -> float:
     return float(x) if math.isfinite(float(x)) else math.nan
 
 
-def _fmt(v, digits: int = 2) -> str:
-    x = num(v)
-    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def _key(x) -> float:
@@ -446,8 +445,8 @@ def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:
         return (num(c[0]), num(c[1])) if c and len(c) == 2 and not any(math.isnan(num(v)) for v in c) else None
 
     b, a = ci(base_ci), ci(adapted_ci)
-    nums = f"tau {_fmt(adapted_tau)} [{_fmt(a[0]) if a else 'n/a'}, {_fmt(a[1]) if a else 'n/a'}] adapted vs " \
-           f"{_fmt(base_tau)} [{_fmt(b[0]) if b else 'n/a'}, {_fmt(b[1]) if b else 'n/a'}] base"
+    nums = f"tau {fmt(adapted_tau, '.2f')} [{fmt(a[0], '.2f') if a else 'n/a'}, {fmt(a[1], '.2f') if a else 'n/a'}] adapted vs " \
+           f"{fmt(base_tau, '.2f')} [{fmt(b[0], '.2f') if b else 'n/a'}, {fmt(b[1], '.2f') if b else 'n/a'}] base"
     if a is None or b is None:
         return {"keep": False, "basis": "no_interval",
                 "reason": f"no interval to separate ({nums}; set eval.bootstrap_samples > 0): adapter not kept"}
@@ -459,9 +458,6 @@ def adapter_decision(base_tau, base_ci, adapted_tau, adapted_ci) -> dict:
             "reason": f"intervals overlap ({nums}): the measurement does not show a lift"}
 
 
-def _fmt_projection(v, digits: int = 2) -> str:
-    x = num(v)
-    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def deployment_cost_ratios(deployment: dict | None, parameters: dict[str, int] | None,
@@ -539,11 +535,11 @@ def deployment_section(doc: dict) -> list[str]:
         if r.get("action") == SPECULATE:
             e = setting_entry(doc, d, r) or {}
             ci = e.get("measured_speedup_ci")
-            meas = f"{_fmt_projection(e.get('measured_speedup'))}x" + (f" [{_fmt_projection(ci[0])}, {_fmt_projection(ci[1])}]" if ci else "")
+            meas = f"{fmt(e.get('measured_speedup'), '.2f')}x" + (f" [{fmt(ci[0], '.2f')}, {fmt(ci[1], '.2f')}]" if ci else "")
             lines.append(f"| {d} | `{r['draft']}` with {label(r)} | {meas} | "
-                         f"{_fmt_projection(e.get('projected_speedup'))}x | {best_txt} |")
+                         f"{fmt(e.get('projected_speedup'), '.2f')}x | {best_txt} |")
         else:
-            fastest = _fmt_projection(r.get("measured_speedup"))
+            fastest = fmt(r.get("measured_speedup"), '.2f')
             lines.append(f"| {d} | target alone | {fastest}{'' if fastest == 'n/a' else 'x'} (fastest setting) | - | "
                          f"{best_txt} |")
     return lines

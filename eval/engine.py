@@ -26,6 +26,8 @@ share of prompts it prints.
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import logging
 import math
 import os
@@ -213,12 +215,10 @@ def _overlap(a, b) -> bool | None:
     return bool(a[0] <= b[1] and b[0] <= a[1])
 
 
-def _f(x, spec: str = ".2f") -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
 
 
 def _ci(ci, spec: str = ".2f") -> str:
-    return f" [{_f(ci[0], spec)}, {_f(ci[1], spec)}]" if ci else ""
+    return f" [{fmt(ci[0], spec, missing='-')}, {fmt(ci[1], spec, missing='-')}]" if ci else ""
 
 
 def engine_markdown(summary: dict, ours_lossless: bool | None = None) -> str:
@@ -238,17 +238,17 @@ def engine_markdown(summary: dict, ours_lossless: bool | None = None) -> str:
         for domain, e in by_domain.items():
             agree = {True: "yes", False: "NO", None: "-"}[e.get("agree")]
             lines.append(
-                f"| {name} | {domain} | {_f(e['acceptance_rate'])}{_ci(e['acceptance_rate_ci'])} | "
-                f"{_f(e.get('own_acceptance_rate'))}{_ci(e.get('own_acceptance_rate_ci'))} | {agree} | "
-                f"{_f(e['mean_accepted_length'])} | {_f(e['tokens_per_s'], '.1f')} ({_f(e['target_tokens_per_s'], '.1f')}) | "
-                f"{_f(e['speedup'])}x{_ci(e['speedup_ci'])} | {_f(e['cost_ratio'], '.3f')} | "
-                f"{_f(e['verify_cost_ratio'])} | {_f(e['expected_speedup'])}x | {e['verdict']} | "
+                f"| {name} | {domain} | {fmt(e['acceptance_rate'], '.2f', missing='-')}{_ci(e['acceptance_rate_ci'])} | "
+                f"{fmt(e.get('own_acceptance_rate'), '.2f', missing='-')}{_ci(e.get('own_acceptance_rate_ci'))} | {agree} | "
+                f"{fmt(e['mean_accepted_length'], '.2f', missing='-')} | {fmt(e['tokens_per_s'], '.1f', missing='-')} ({fmt(e['target_tokens_per_s'], '.1f', missing='-')}) | "
+                f"{fmt(e['speedup'], '.2f', missing='-')}x{_ci(e['speedup_ci'])} | {fmt(e['cost_ratio'], '.3f', missing='-')} | "
+                f"{fmt(e['verify_cost_ratio'], '.2f', missing='-')} | {fmt(e['expected_speedup'], '.2f', missing='-')}x | {e['verdict']} | "
                 f"{'yes' if e['lossless'] else 'NO (' + str(e['greedy_differs']) + ' prompts)'} |")
     diffs = [(n, d, x) for n, bd in summary["drafts"].items() for d, e in bd.items() for x in e.get("differences", [])]
     if diffs:
         gaps = [x["top2_gap_nats"] for _, _, x in diffs if x["top2_gap_nats"] is not None]
         lines += ["", f"Not lossless in the engine on {len(diffs)} (draft, prompt) pair(s): "
-                  + "; ".join(f"{n}/{d} at token {x['position']} (top-2 gap {_f(x['top2_gap_nats'], '.3f')} nats)"
+                  + "; ".join(f"{n}/{d} at token {x['position']} (top-2 gap {fmt(x['top2_gap_nats'], '.3f', missing='-')} nats)"
                               for n, d, x in diffs[:6])
                   + (". Each is a near-tie of the target's logits that llama.cpp's multi-token verify forward breaks "
                      "the other way from its one-token forward (its kernels differ with the batch)"

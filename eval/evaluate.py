@@ -42,6 +42,8 @@ measurement) is ``None``.
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import os
 import time
 from typing import Any, Callable, Hashable
@@ -59,7 +61,11 @@ from decode import autoregressive_generate, frozen_weights, speculative_generate
 import math
 from decode.stats import expected_speedup
 
-__all__ = ['OTHER_LOAD_LIMIT', 'LoadMeter', 'alternated_rounds', 'busy_cpu_seconds', 'cpu_cores', 'load_record', 'measure_cost_ratio', 'measure_verify_cost_ratio', 'timed_call', 'phase_split', 'time_breakdown', 'time_breakdown_section']
+__all__ = [
+    'OTHER_LOAD_LIMIT', 'LoadMeter', 'alternated_rounds', 'busy_cpu_seconds', 'cpu_cores', 'load_record',
+    'measure_cost_ratio', 'measure_verify_cost_ratio', 'timed_call', 'phase_split', 'time_breakdown',
+    'time_breakdown_section',
+]
 
 
 def timed_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
@@ -522,8 +528,6 @@ def time_breakdown(rows: list[dict], cost_ratio: dict, verify_cost_ratio: dict |
     return out
 
 
-def _f(x, fmt: str, suffix: str = "") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt) + suffix
 
 
 def _share(x, wall) -> str:
@@ -545,11 +549,11 @@ def time_breakdown_section(doc: dict) -> list[str]:
         for domain, e in by_domain.items():
             wall = e["wall_s"]
             lines.append(
-                f"| {domain} | {name} | {_f(wall, '.3f')} | {_share(e['prefill_s'], wall)} | "
+                f"| {domain} | {name} | {fmt(wall, '.3f')} | {_share(e['prefill_s'], wall)} | "
                 f"{_share(e['draft_s'], wall)} | {_share(e['verify_s'], wall)} | {_share(e['other_s'], wall)} | "
-                f"{_f(e['loop_efficiency'], '.2f')} | {_f(e['cost_ratio'], '.3f')} "
-                f"({_f(e['cost_ratio_in_loop'], '.3f')}) | {_f(e['verify_cost_ratio'], '.2f')} "
-                f"({_f(e['verify_cost_ratio_in_loop'], '.2f')}) | {_f(e['measured_speedup'], '.2f', 'x')} | "
-                f"{_f(e['expected_speedup_components'], '.2f', 'x')} | "
-                f"{_f(e['expected_speedup_leviathan'], '.2f', 'x')} |")
+                f"{fmt(e['loop_efficiency'], '.2f')} | {fmt(e['cost_ratio'], '.3f')} "
+                f"({fmt(e['cost_ratio_in_loop'], '.3f')}) | {fmt(e['verify_cost_ratio'], '.2f')} "
+                f"({fmt(e['verify_cost_ratio_in_loop'], '.2f')}) | {fmt(e['measured_speedup'], '.2f', suffix='x')} | "
+                f"{fmt(e['expected_speedup_components'], '.2f', suffix='x')} | "
+                f"{fmt(e['expected_speedup_leviathan'], '.2f', suffix='x')} |")
     return lines

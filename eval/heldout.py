@@ -29,6 +29,8 @@ bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import re
 from dataclasses import dataclass
 import numpy as np
@@ -183,12 +185,10 @@ def summarize_replays(replays: list[Replay], max_gamma: int, *, samples: int, co
     return out
 
 
-def _fmt(x, digits=2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _with_ci(x, ci) -> str:
-    return _fmt(x) + (f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "")
+    return fmt(x, '.2f', missing='-') + (f" [{fmt(ci[0], '.2f', missing='-')}, {fmt(ci[1], '.2f', missing='-')}]" if ci else "")
 
 
 class HeldoutSection:
@@ -220,9 +220,9 @@ class HeldoutSection:
         lines[3:3] = ["", *notes] if notes else []
         for name, per in r["drafts"].items():
             for dom, s in per.items():
-                alphas = [(_with_ci(a, c) if k == 0 else _fmt(a)) for k, (a, c) in
+                alphas = [(_with_ci(a, c) if k == 0 else fmt(a, '.2f', missing='-')) for k, (a, c) in
                           enumerate(zip(s["alpha"], s["alpha_ci"]))]
-                taus = [(_with_ci(s["tau"][k], s["tau_ci"][k]) if k == min(3, g) else _fmt(s["tau"][k]))
+                taus = [(_with_ci(s["tau"][k], s["tau_ci"][k]) if k == min(3, g) else fmt(s["tau"][k], '.2f', missing='-'))
                         for k in range(1, g + 1)]
                 lines.append(f"| {name} | {dom} | {s['prompts']} | " + " | ".join(alphas + taus) + " |")
         return "\n".join(lines)

@@ -23,6 +23,8 @@ in the run's files.
 """
 from __future__ import annotations
 
+from core.errors import PromptTooLongError
+
 from pathlib import Path
 import json
 import logging
@@ -49,7 +51,8 @@ def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None)
         RoutingError (a ValueError): missing / invalid table, a domain without a route and no ``default``, or
             ``eval.drafts`` given as well (the table decides the drafts).
     """
-    from decode.config import RoutingError, load_routing
+    from decode.config import load_routing
+    from core.errors import RoutingError
 
     if eval_drafts:
         raise RoutingError("decode.draft_routing and eval.drafts both name drafts; with a routing table the table "
@@ -245,8 +248,6 @@ def _replay_training_events(run, path: Path) -> None:
             run.log(nums)
 
 
-
-
 def _domain_objects(rc) -> dict:
     """domain name -> registry name or a user Domain (eval.extra_domains)."""
     extra = {e.name: user_domain(e.name, e.path, e.text_field, e.prompt_field, e.format, e.shape, e.field)
@@ -365,10 +366,6 @@ def training_section(drafts_meta: dict) -> str:
              "select the checkpoint; one-off teacher passes (top-k cache, teacher data) are timed separately."]
     rows += [""] + notes if notes else []
     return "\n".join(rows)
-
-
-class PromptTooLongError(ValueError):
-    """A prompt longer than ``eval.max_prompt_tokens`` with ``eval.prompt_overflow=error``."""
 
 
 def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):

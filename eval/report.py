@@ -18,6 +18,8 @@ domain was timed (``eval.evaluate.load_record``).
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import logging
 import math
 from typing import Any
@@ -36,9 +38,6 @@ from eval.metrics import PER_PROMPT_COLUMNS, aggregate, domains_of, json_clean, 
 log = logging.getLogger(__name__)
 
 
-def _fmt_verdict(v: Any, digits: int = 2) -> str:
-    x = num(v)
-    return "n/a" if math.isnan(x) else f"{x:.{digits}f}"
 
 
 def _named(c) -> str:
@@ -52,7 +51,7 @@ def _speedup(c) -> str:
     s = c.get("measured_speedup") if isinstance(c, dict) else c.measured_speedup
     ci = c.get("measured_speedup_ci") if isinstance(c, dict) else c.measured_speedup_ci
     lo, hi = interval({"measured_speedup": s, "measured_speedup_ci": ci})
-    return f"{_fmt_verdict(s)}x" + (f" [{_fmt_verdict(lo)}, {_fmt_verdict(hi)}]" if ci else "")
+    return f"{fmt(s, '.2f')}x" + (f" [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}]" if ci else "")
 
 
 # ------------------------------------------------------------------------------------------------ reasoning
@@ -66,21 +65,21 @@ def _tie_words_doc(r: Decision) -> str:
     pool = {"above_one": " among those whose interval lies above 1",
             "at_least_one": " among those measured at least as fast as the target alone", "all": "",
             "displaced": (f" among the settings that both the measurement and the model rate faster than "
-                          f"{_named(r.displaced)} ({_fmt_verdict(r.displaced['measured_speedup'])}x, expected "
-                          f"{_fmt_verdict(r.displaced.get(r.model))}x), the pick among those whose interval lies above 1"
+                          f"{_named(r.displaced)} ({fmt(r.displaced['measured_speedup'], '.2f')}x, expected "
+                          f"{fmt(r.displaced.get(r.model), '.2f')}x), the pick among those whose interval lies above 1"
                           if r.displaced else "")}[r.tie_pool or "all"]
     chosen_model = getattr(r, r.model) if r.model else None
     if len(r.model_near) == 1:
-        pick = f": the highest expected speedup {how} ({_fmt_verdict(chosen_model)}x)"
+        pick = f": the highest expected speedup {how} ({fmt(chosen_model, '.2f')}x)"
     else:
         err = 100 * (r.model_error or 0.0)
-        pick = (f", the highest expected speedup {how}, {_fmt_verdict(r.model_top)}x at best, within whose own error (it "
+        pick = (f", the highest expected speedup {how}, {fmt(r.model_top, '.2f')}x at best, within whose own error (it "
                 f"misses the measured speedups by {err:.0f}% here, median) {len(r.model_near)} settings lie "
                 f"({', '.join(_named(c) for c in r.model_near)}): among them the highest measured speedup "
-                f"({_fmt_verdict(r.measured_speedup)}x, expected {_fmt_verdict(chosen_model)}x)")
+                f"({fmt(r.measured_speedup, '.2f')}x, expected {fmt(chosen_model, '.2f')}x)")
     if r.model_pick:
         pick += (f"; but {_named(r)}, measured {_speedup(r)}, lies wholly above that pick's "
-                 f"{_fmt_verdict(r.model_pick['measured_speedup'])}x, so the measurement overrules the model")
+                 f"{fmt(r.model_pick['measured_speedup'], '.2f')}x, so the measurement overrules the model")
     return (f"tie: the measured speedup intervals of {len(r.tied_with) + 1} settings overlap (fastest measured: "
             f"{_named(best)}, {_speedup(best)}), so the measurement cannot order them; chosen by the cost model"
             + pool + pick)
@@ -101,8 +100,8 @@ def explain(r: Decision) -> str:
         why = ("its whole interval lies below 1" if hi < 1.0 else
                "slower than the target alone on the measurement (its interval reaches 1, so not clearly slower, "
                "but no setting was measured faster and the target alone needs no draft)")
-        return f"the fastest setting ({_named(best)}) measured {_fmt_verdict(best['measured_speedup'])}x " \
-               f"[{_fmt_verdict(lo)}, {_fmt_verdict(hi)}]: {why}"
+        return f"the fastest setting ({_named(best)}) measured {fmt(best['measured_speedup'], '.2f')}x " \
+               f"[{fmt(lo, '.2f')}, {fmt(hi, '.2f')}]: {why}"
     text = ("chosen on measured speedup: its measured speedup interval lies above every other setting's"
             if r.basis == "measured" else _tie_words_doc(r))
     if r.set_aside:
@@ -118,13 +117,13 @@ def noisy_reasons(doc: dict, domain: str, decision: dict, max_relative_width: fl
     lo, hi = interval(decision) if decision.get("measured_speedup") is not None else (math.nan, math.nan)
     s = num(decision.get("measured_speedup"))
     if not math.isnan(s) and s > 0 and (hi - lo) / s > max_relative_width:
-        out.append(f"speedup interval [{_fmt_verdict(lo)}, {_fmt_verdict(hi)}] is wider than {max_relative_width:g} x the "
+        out.append(f"speedup interval [{fmt(lo, '.2f')}, {fmt(hi, '.2f')}] is wider than {max_relative_width:g} x the "
                    f"estimate (eval.noisy_relative_width)")
     tau = num(decision.get("mean_accepted_length"))
     bound = speedup_bound(decision, doc.get("verify_cost_ratio"))
     if not math.isnan(s) and tau > 0 and s > IMPLAUSIBLE_OVER_TAU * bound:
-        out.append(f"measured speedup {_fmt_verdict(s)}x exceeds the mean accepted length {_fmt_verdict(tau)}"
-                   + (f" over the verify cost ratio ({_fmt_verdict(bound)})" if bound != tau else "")
+        out.append(f"measured speedup {fmt(s, '.2f')}x exceeds the mean accepted length {fmt(tau, '.2f')}"
+                   + (f" over the verify cost ratio ({fmt(bound, '.2f')})" if bound != tau else "")
                    + ": a verify step emits tau tokens on average for one verify forward, so the speedup cannot be "
                      "much above that")
     load = (doc.get("timing") or {}).get("machine_load", {}).get(domain)
@@ -204,7 +203,7 @@ def _why_target_alone(doc: dict, r: dict) -> str:
         return r["basis"]
     floor = doc.get("min_mean_accepted_length", MIN_MEAN_ACCEPTED_LENGTH)
     n = r.get("set_aside_reasons") or {}
-    parts = ([f"best tau {_fmt_verdict(r.get('highest_tau'))} < {floor:g}"] if n.get("low_tau") or n.get("no_tau") else []) \
+    parts = ([f"best tau {fmt(r.get('highest_tau'), '.2f')} < {floor:g}"] if n.get("low_tau") or n.get("no_tau") else []) \
         + ([f"{n['disturbed']} setting(s) faster than tau allows (re-measure)"] if n.get("disturbed") else [])
     return "no setting pays for itself: " + "; ".join(parts or ["none measured"])
 
@@ -220,7 +219,7 @@ def verdict_line(doc: dict, domain: str) -> str:
             f" (fastest {_named(best)}, {_speedup(best)})." if r["basis"] == "below_one" else ".")
     else:
         e = setting_entry(doc, domain, r) or r
-        line = (f"use {_named(r)}: measured speedup {_speedup(e)}, tau {_fmt_verdict(e.get('mean_accepted_length'))}; "
+        line = (f"use {_named(r)}: measured speedup {_speedup(e)}, tau {fmt(e.get('mean_accepted_length'), '.2f')}; "
                 + ("intervals separated." if r["basis"] == "measured" else "tie, broken by the cost model."))
     marks = [f for f in flags(doc, domain) if f != "tie"]
     return line + (" " + ", ".join(f"**{f}**" for f in marks) + "." if marks else "")
@@ -235,13 +234,13 @@ def verdicts_table(doc: dict) -> list[str]:
     for d, r in doc["recommendation"].items():
         if r["action"] == SPECULATE:
             e = setting_entry(doc, d, r) or r
-            what, speed, tau = _named(r), _speedup(e), _fmt_verdict(e.get("mean_accepted_length"))
+            what, speed, tau = _named(r), _speedup(e), fmt(e.get("mean_accepted_length"), '.2f')
         else:
             best = r.get("best_measured") or {}
             what = "target alone" if r["action"] == TARGET_ONLY else "no measurement"
             speed = "-" if not best else ("1.00x (no draft setting pays for itself)" if r["basis"] == "low_tau" else
                                           f"1.00x (fastest draft setting {_speedup(best)})")
-            tau = _fmt_verdict(r.get("highest_tau")) if r["basis"] == "low_tau" else "-"
+            tau = fmt(r.get("highest_tau"), '.2f') if r["basis"] == "low_tau" else "-"
         lines.append(f"| {d} | {what} | {speed} | {tau} | {', '.join(flags(doc, d)) or '-'} |")
     return lines
 
@@ -255,7 +254,7 @@ def verdicts_section(doc: dict) -> str:
     routing = (doc.get("context") or {}).get("draft_routing") or {}
     for d, x in (routing.get("target_only") or {}).items():
         lines.append(f"- **{d}**: decoded with the target alone (routed to no draft by `{routing.get('table')}`): "
-                     f"{_fmt_verdict(x.get('tokens_per_s'), 1)} tokens/s.")
+                     f"{fmt(x.get('tokens_per_s'), '.1f')} tokens/s.")
     notes = _timing_notes(doc)
     if doc.get("deployment"):
         notes.append(f"Projected speedups are not measured: {doc['deployment']['formula']}; c from "
@@ -289,27 +288,27 @@ def _reasoning(doc: dict, d: str, r: dict) -> str:
     text = r["reason"][0].upper() + r["reason"][1:] + "."
     if r["action"] == SPECULATE:
         e = setting_entry(doc, d, r) or {}
-        text += (f" Leviathan's formula expects {_fmt_verdict(e.get('expected_speedup'))}x"
-                 + (f", the measured parts {_fmt_verdict(e['expected_speedup_components'])}x"
+        text += (f" Leviathan's formula expects {fmt(e.get('expected_speedup'), '.2f')}x"
+                 + (f", the measured parts {fmt(e['expected_speedup_components'], '.2f')}x"
                     if e.get("expected_speedup_components") is not None else "") + ".")
         if r.get("draft_length_policy", "fixed") != "fixed":
-            text += f" Mean draft length {_fmt_verdict(e.get('mean_draft_length'))}."
+            text += f" Mean draft length {fmt(e.get('mean_draft_length'), '.2f')}."
         if e.get("projected_speedup") is not None:
-            text += f" Projected on the deployment: {_fmt_verdict(e['projected_speedup'])}x."
+            text += f" Projected on the deployment: {fmt(e['projected_speedup'], '.2f')}x."
         for n, by_domain in doc["drafts"].items():
             o = setting_entry(doc, d, {**r, "draft": n}) if n != r["draft"] and d in by_domain else None
             if o is not None:
-                text += f" `{n}` at the same setting: tau {_fmt_verdict(o['mean_accepted_length'])}, " \
-                        f"{_fmt_verdict(o['measured_speedup'])}x."
+                text += f" `{n}` at the same setting: tau {fmt(o['mean_accepted_length'], '.2f')}, " \
+                        f"{fmt(o['measured_speedup'], '.2f')}x."
     else:
         text += f" routing.json routes {d} to no draft."
     taus, low = _low_tau_drafts(doc, d)
     alert = doc["alert_mean_accepted_length"]
     if taus and len(low) == len(taus):
         text += (f" ALERT: mean accepted length below {alert:g} (eval.alert_mean_accepted_length) for every draft "
-                 f"at every setting (best {_fmt_verdict(max(taus.values()))}): adapt a draft to this domain.")
+                 f"at every setting (best {fmt(max(taus.values()), '.2f')}): adapt a draft to this domain.")
     elif low:
-        text += f" Below the alert threshold (tau < {alert:g}): " + ", ".join(f"`{n}` ({_fmt_verdict(taus[n])})"
+        text += f" Below the alert threshold (tau < {alert:g}): " + ", ".join(f"`{n}` ({fmt(taus[n], '.2f')})"
                                                                              for n in low) + "."
     if r.get("noisy"):
         text += " NOISY timing: " + "; ".join(r["noisy_reasons"]) + "."
@@ -332,20 +331,12 @@ METRIC_FIELDS = ("acceptance_rate", "mean_accepted_length", "target_tokens_per_s
                  "measured_speedup", "expected_speedup", "cost_ratio", "num_prompts", "lossless")
 
 
-def _fmt(v: Any, digits: int = 3) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, bool):
-        return "yes" if v else "**NO**"
-    if isinstance(v, float):
-        return "nan" if math.isnan(v) else f"{v:.{digits}f}"
-    return str(v)
 
 
 def _ci(v: Any, ci: list | None, digits: int = 2, suffix: str = "") -> str:
-    s = f"{_fmt(v, digits)}{suffix}"
+    s = f"{fmt(v, f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}{suffix}"
     if ci:
-        s += f" [{_fmt(ci[0], digits)}, {_fmt(ci[1], digits)}]"
+        s += f" [{fmt(ci[0], f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}, {fmt(ci[1], f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}]"
     return s
 
 
@@ -465,13 +456,13 @@ def policies_section(doc: dict) -> list[str]:
                     policy != "fixed" or rec.get("num_draft_tokens") == e["num_draft_tokens"])
                 lines.append(f"| {d} | {n} | {'**' + label + '**' if best else label} | "
                              f"{_ci(e['mean_accepted_length'], e.get('mean_accepted_length_ci'))} | "
-                             f"{_fmt(e['acceptance_rate'])} | "
+                             f"{fmt(e['acceptance_rate'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
                              f"{_ci(e['measured_speedup'], e.get('measured_speedup_ci'), 2, 'x')} | "
-                             f"{_fmt(e['expected_speedup'], 2)}x | "
-                             f"{_fmt(e.get('expected_speedup_components'), 2)}"
+                             f"{fmt(e['expected_speedup'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}x | "
+                             f"{fmt(e.get('expected_speedup_components'), '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}"
                              f"{'x' if e.get('expected_speedup_components') is not None else ''} | "
-                             f"{_fmt(e.get('mean_draft_length'), 2)} | "
-                             f"{histogram_text(e.get('draft_length_histogram'))} | {_fmt(e['lossless'])} |")
+                             f"{fmt(e.get('mean_draft_length'), '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
+                             f"{histogram_text(e.get('draft_length_histogram'))} | {fmt(e['lossless'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} |")
     lines += ["", "Bold: the recommended setting of the domain (see Verdicts: measured speedup where the intervals "
               "separate, else the cost model; none when decoding with the target alone)."]
     return lines
@@ -522,7 +513,7 @@ def _header_lines(doc: dict) -> list[str]:
               f"- intervals: {level}% percentile bootstrap over prompts ({doc['bootstrap_samples']} resamples, "
               f"pooled ratio recomputed per resample, seed {ctx.get('seed')})",
               f"- lossless (speculative greedy output equals target-only greedy output on every prompt): "
-              f"{_fmt(doc['lossless_all'])}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")
+              f"{fmt(doc['lossless_all'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")
               + _tie_words(doc)]
     if doc.get("truncated_prompts"):
         lines.append(f"- {doc['truncated_prompts']} prompt(s) were truncated from the left to eval.max_prompt_tokens")
@@ -601,9 +592,9 @@ def _summary_lines(doc: dict) -> list[str]:
             lines.append(f"| {d} | {n} | {_ci(e['acceptance_rate'], e['acceptance_rate_ci'])} | "
                          f"{_ci(e['mean_accepted_length'], e['mean_accepted_length_ci'])} | "
                          f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} | "
-                         f"{_fmt(e['expected_speedup'], 2)}x | {_fmt(e['target_tokens_per_s'], 1)} | "
-                         f"{_fmt(e['speculative_tokens_per_s'], 1)} | {e['best_num_draft_tokens']} | "
-                         f"{_fmt(e['lossless'])} |")
+                         f"{fmt(e['expected_speedup'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}x | {fmt(e['target_tokens_per_s'], '.1f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
+                         f"{fmt(e['speculative_tokens_per_s'], '.1f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | {e['best_num_draft_tokens']} | "
+                         f"{fmt(e['lossless'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} |")
     return lines
 
 
@@ -630,13 +621,13 @@ def _domain_lines(doc: dict, d: str) -> list[str]:
             continue
         tl, sl = e["target_latency_s"], e["speculative_latency_s"]
         lines.append(
-            f"| {n} | {e['num_draft_tokens']} | {_fmt(e['acceptance_rate'])} | "
-            f"{_fmt(e['token_acceptance_rate'])} | {_fmt(e['mean_accepted_length'], 2)} "
-            f"({_fmt(e['expected_mean_accepted_length'], 2)}) | {_fmt(e['draft_time_s'], 3)} | "
-            f"{_fmt(e['verify_time_s'], 3)} | {_fmt(tl['p50'])}/{_fmt(tl['p95'])}/{_fmt(tl['p99'])} | "
-            f"{_fmt(sl['p50'])}/{_fmt(sl['p95'])}/{_fmt(sl['p99'])} | {e['num_prompts']} |")
+            f"| {n} | {e['num_draft_tokens']} | {fmt(e['acceptance_rate'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
+            f"{fmt(e['token_acceptance_rate'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | {fmt(e['mean_accepted_length'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} "
+            f"({fmt(e['expected_mean_accepted_length'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}) | {fmt(e['draft_time_s'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
+            f"{fmt(e['verify_time_s'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | {fmt(tl['p50'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}/{fmt(tl['p95'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}/{fmt(tl['p99'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | "
+            f"{fmt(sl['p50'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}/{fmt(sl['p95'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}/{fmt(sl['p99'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} | {e['num_prompts']} |")
     lines += ["", "Per-position acceptance (P(token i accepted | earlier accepted)): " + "; ".join(
-        f"`{n}` " + ", ".join(_fmt(x, 2) for x in doc["drafts"][n][d]["per_position_acceptance"])
+        f"`{n}` " + ", ".join(fmt(x, '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**')) for x in doc["drafts"][n][d]["per_position_acceptance"])
         for n in drafts if d in doc["drafts"][n]), ""]
     if len(swept) <= 1:
         return lines
@@ -647,9 +638,9 @@ def _domain_lines(doc: dict, d: str) -> list[str]:
         for n in drafts:
             e = doc["drafts"][n].get(d, {}).get("sweep", {}).get(str(g))
             cells.append("n/a" if e is None else
-                         f"{_fmt(e['mean_accepted_length'], 2)} / "
+                         f"{fmt(e['mean_accepted_length'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))} / "
                          f"{_ci(e['measured_speedup'], e['measured_speedup_ci'], 2, 'x')} / "
-                         f"{_fmt(e['expected_speedup'], 2)}x")
+                         f"{fmt(e['expected_speedup'], '.2f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}x")
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
     r = doc["recommendation"].get(d)
     if r and r.get("draft"):

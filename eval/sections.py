@@ -1,4 +1,7 @@
-"""The report's "Adaptation" section: a domain's adapted drafts beside the alternatives, in one table.
+"""The report's comparison sections: adaptation, draft sources, sweep comparisons, the serving handoff and the
+decoder benchmark's tables.
+
+The report's "Adaptation" section: a domain's adapted drafts beside the alternatives, in one table.
 
 For the domain a LoRA (kind ``lora``) or fully fine-tuned (kind ``finetune``) draft of the evaluation was adapted
 to, one row per evaluated draft: how it was made, its trainable parameters, its training time (training loop +
@@ -62,6 +65,8 @@ row per number (:func:`format_table`) and chain vs tree (:func:`format_compare`)
 """
 from __future__ import annotations
 
+from core.io import fmt
+
 import math
 from pathlib import Path
 from models.checkpoints import SpecdraftMeta
@@ -80,12 +85,10 @@ __all__ = ['draft_sources_section', 'draft_tokens_per_s', 'format_compare', 'for
 ADAPTED_KINDS = ("lora", "finetune")
 
 
-def _f(x, digits: int = 2) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
 
 
 def _ci(ci) -> str:
-    return f" [{_f(ci[0])}, {_f(ci[1])}]" if ci else ""
+    return f" [{fmt(ci[0], '.2f')}, {fmt(ci[1], '.2f')}]" if ci else ""
 
 
 def _how(m: SpecdraftMeta) -> str:
@@ -164,10 +167,10 @@ class AdaptationSection:
             params = f"{r['trainable_parameters']:,}" if r["trainable_parameters"] else "-"
             lines.append(
                 f"| {r['draft']} | {r['kind']} | {params} | {r['steps'] if r['steps'] and not r['base'] else '-'} | "
-                f"{time_s} | {_f(r['tau'])}{_ci(r['tau_ci'])} | {_f(r['tau_vs_base'])} | "
-                f"{_f(r['speedup'])}x{_ci(r['speedup_ci'])} | "
+                f"{time_s} | {fmt(r['tau'], '.2f')}{_ci(r['tau_ci'])} | {fmt(r['tau_vs_base'], '.2f')} | "
+                f"{fmt(r['speedup'], '.2f')}x{_ci(r['speedup_ci'])} | "
                 f"{r['adapter_bytes'] if r['adapter_bytes'] is not None else '-'} | "
-                f"{_f(r['merge_time_s'], 3) if r['merge_time_s'] is not None else '-'} |")
+                f"{fmt(r['merge_time_s'], '.3f') if r['merge_time_s'] is not None else '-'} |")
         lines += ["", "Training time: the training loop's wall clock (checkpoint-selection evaluations excluded) "
                   "plus the one-off teacher passes the stage ran (target generations, top-k cache; a pass another "
                   "stage or an earlier run stored costs only its load time). tau: tokens per verify step on the "
@@ -191,8 +194,6 @@ def _describe(m: SpecdraftMeta, decoder_forward: str | None) -> dict:
             "fp32_draft": m.fp32_draft, "draft_parameters": m.draft_parameters, "decoder_forward": decoder_forward}
 
 
-def _f_source(x, digits: int = 2) -> str:
-    return "n/a" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
 def draft_sources_section(meta: dict[str, tuple[SpecdraftMeta, str | None]]):
@@ -241,7 +242,7 @@ def _tau_lines(doc: dict, names: list[str], domains: list[str]) -> list[str]:
     """Mean accepted length per domain, one column per draft."""
     lines = ["", f"### Mean accepted length by draft (gamma = {doc['num_draft_tokens']})", "",
              "| domain | " + " | ".join(names) + " |", "|" + "---|" * (1 + len(names))]
-    return lines + [f"| {d} | " + " | ".join(_f_source(doc["drafts"][n][d]["mean_accepted_length"]) if d in doc["drafts"][n]
+    return lines + [f"| {d} | " + " | ".join(fmt(doc["drafts"][n][d]["mean_accepted_length"], '.2f', exact_ints=True, text=True) if d in doc["drafts"][n]
                                               else "n/a" for n in names) + " |" for d in domains]
 
 
@@ -290,11 +291,11 @@ def _int8_lines(int8: dict, src: dict) -> list[str]:
                   "draft speedup | measured speedup fp32 / int8 |", "|---|---|---|---|---|---|"]
         for d, x in r["domains"].items():
             lines.append(
-                f"| {d} | {_f_source(x['acceptance_rate']['fp32'], 3)} / {_f_source(x['acceptance_rate']['int8'], 3)} | "
-                f"{_f_source(x['mean_accepted_length']['fp32'])} / {_f_source(x['mean_accepted_length']['int8'])} | "
-                f"{_f_source(x['draft_tokens_per_s']['fp32'], 0)} / {_f_source(x['draft_tokens_per_s']['int8'], 0)} | "
-                f"{_f_source(x['draft_speedup'])}x | {_f_source(x['measured_speedup']['fp32'])}x / "
-                f"{_f_source(x['measured_speedup']['int8'])}x |")
+                f"| {d} | {fmt(x['acceptance_rate']['fp32'], '.3f', exact_ints=True, text=True)} / {fmt(x['acceptance_rate']['int8'], '.3f', exact_ints=True, text=True)} | "
+                f"{fmt(x['mean_accepted_length']['fp32'], '.2f', exact_ints=True, text=True)} / {fmt(x['mean_accepted_length']['int8'], '.2f', exact_ints=True, text=True)} | "
+                f"{fmt(x['draft_tokens_per_s']['fp32'], '.0f', exact_ints=True, text=True)} / {fmt(x['draft_tokens_per_s']['int8'], '.0f', exact_ints=True, text=True)} | "
+                f"{fmt(x['draft_speedup'], '.2f', exact_ints=True, text=True)}x | {fmt(x['measured_speedup']['fp32'], '.2f', exact_ints=True, text=True)}x / "
+                f"{fmt(x['measured_speedup']['int8'], '.2f', exact_ints=True, text=True)}x |")
     return lines
 
 

@@ -1,4 +1,7 @@
-"""``specdraft.json``: how a checkpoint was made, one typed schema written and read through one class.
+"""Checkpoints: loading target and draft folders with clear errors, saving them atomically, and their
+``specdraft.json`` record.
+
+``specdraft.json``: how a checkpoint was made, one typed schema written and read through one class.
 
 Every checkpoint this project writes (the reference target, initial drafts, distilled / baseline / small drafts,
 LoRA adapters and their merged drafts, INT8 drafts) carries a ``specdraft.json`` beside its weights.
@@ -42,6 +45,8 @@ Loading Hugging Face causal-LM checkpoints (target and drafts) with clear errors
 """
 from __future__ import annotations
 
+from core.errors import SpecdraftMetaError
+
 import json
 import os
 import types
@@ -59,10 +64,6 @@ __all__ = ['FILENAME', 'ONE_OFF_PASSES', 'SpecdraftMeta', 'SpecdraftMetaError', 
 FILENAME = "specdraft.json"
 ONE_OFF_PASSES = ("teacher_cache", "teacher_data")  # blocks of a distilled draft's one-off teacher passes
 _TRAINED_KINDS = ("distilled", "baseline", "small_distilled")
-
-
-class SpecdraftMetaError(CheckpointError):
-    """A ``specdraft.json`` that is not valid JSON, not an object, or has a field of the wrong type."""
 
 
 @dataclass

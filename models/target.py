@@ -21,6 +21,9 @@ Every failure is one :class:`GGUFTargetError` line naming the install command.
 """
 from __future__ import annotations
 
+from core.errors import GGUFTargetError
+from core.io import sha256_file
+
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -32,9 +35,11 @@ import re
 import shutil
 import time
 from pathlib import Path
-from core.errors import CheckpointError
 
-__all__ = ['GGUFTargetError', 'prepare_target', 'resolve_target', 'locate_gguf', 'convert_gguf', 'cached_source', 'install_command', 'sha256_file']
+__all__ = [
+    'GGUFTargetError', 'prepare_target', 'resolve_target', 'locate_gguf', 'convert_gguf', 'cached_source',
+    'install_command',
+]
 
 
 log = logging.getLogger(__name__)
@@ -44,10 +49,6 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 STALE_TMP_S = 3600  # a temporary folder of a conversion older than this was left by a killed one
 DTYPE = "float32"
 FILES = ("config.json", "model.safetensors", "generation_config.json", "specdraft.json")
-
-
-class GGUFTargetError(CheckpointError):
-    """The GGUF target cannot be found, read or converted; the message names the fix."""
 
 
 def install_command(package: str) -> str:
@@ -86,14 +87,6 @@ def package_version(package: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            h.update(block)
-    return h.hexdigest()
 
 
 def installed_sha256(package: str, path: Path) -> str | None:

@@ -1,4 +1,7 @@
-"""Trimmed draft vocabularies: a draft output head over ``N`` of the target's ``V`` token ids, with a
+"""Vocabularies: trimmed draft heads (a draft's kept token ids) and the tokenizer compatibility check between
+target and draft.
+
+Trimmed draft vocabularies: a draft output head over ``N`` of the target's ``V`` token ids, with a
 draft-to-target id map (EAGLE-3's ``draft_vocab_size`` / ``d2t``; FR-Spec, Zhao et al. 2025; VocabTrim, Goel et
 al. 2025).
 
@@ -38,6 +41,8 @@ tokenizers); merges are compared when both are fast tokenizers with a BPE model.
 """
 from __future__ import annotations
 
+from core.errors import TokenizerMismatchError
+
 import contextlib
 from typing import Iterable, Iterator
 import torch
@@ -47,7 +52,11 @@ import hashlib
 import json
 from typing import Any, Optional
 
-__all__ = ['TrimmedLMHead', 'install_trimmed_head', 'trimmed_head', 'trimmed_logits', 'draft_labels', 'kept_token_ids', 'full_vocab_head', 'apply_saved_draft_vocab', 'draft_vocab_record', 'remap_topk', 'RemappedTeacher', 'kept_mass', 'TokenizerMismatchError', 'check_tokenizers_compatible', 'tokenizer_fingerprint']
+__all__ = [
+    'TrimmedLMHead', 'install_trimmed_head', 'trimmed_head', 'trimmed_logits', 'draft_labels', 'kept_token_ids',
+    'full_vocab_head', 'apply_saved_draft_vocab', 'draft_vocab_record', 'remap_topk', 'RemappedTeacher',
+    'kept_mass', 'TokenizerMismatchError', 'check_tokenizers_compatible', 'tokenizer_fingerprint',
+]
 
 
 class TrimmedLMHead(nn.Module):
@@ -309,10 +318,6 @@ def apply_saved_draft_vocab(model: nn.Module, record: dict | None, source: str =
 
 SPECIAL_TOKEN_NAMES = ("bos", "eos", "pad", "unk")
 _MAX_EXAMPLES = 5
-
-
-class TokenizerMismatchError(ValueError):
-    """Target and draft tokenizers differ; the message lists every difference and how to fix it."""
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from decode import expected_speedup  # noqa: E402,F401  (re-exported: the tests check the expectation with it)
 from eval.bench import leviathan_expectation, run_bench  # noqa: E402,F401
-from eval.bench import (FAMILIES, BenchConfig, BenchError, load_prompts,  # noqa: E402,F401
-                              read_prompts_file)
+from eval.bench import FAMILIES, BenchConfig, load_prompts, read_prompts_file  # noqa: E402,F401
+from core.errors import BenchError  # noqa: E402,F401
 from eval.bench import resolve_device_dtype as _resolve_device_dtype  # noqa: E402
 from core.io import write_text_atomic  # noqa: E402
 from eval.sections import format_compare, format_table  # noqa: E402

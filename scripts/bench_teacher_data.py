@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = ap.parse_args(argv)
 
-    from decode.llamacpp import EngineError, find_engine
+    from decode.llamacpp import find_engine
+    from core.errors import EngineError
     from distill.config import GenerationConfig
     from distill.generation import generate_teacher_sequences, generate_teacher_sequences_engine
 

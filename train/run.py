@@ -10,6 +10,8 @@ errors.
 """
 from __future__ import annotations
 
+from core.errors import RunDirInUseError
+
 import logging
 from pathlib import Path
 from hydra.experimental.callback import Callback
@@ -104,8 +106,6 @@ def validate(cfg: Any) -> RootConfig:
     return validate_structured(RootConfig, cfg)
 
 
-
-
 # Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
 # trainer.strategy may change (e.g. ddp -> single); the trainer refuses DeepSpeed checkpoints on another setup.
 RESUME_FREE_KEYS = {"trainer.resume", "overwrite", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
@@ -146,10 +146,6 @@ def check_resume_consistent(rc: RootConfig, run_dir: Path) -> None:
         raise ValueError(f"trainer.resume=true in {run_dir}, but the training settings differ from the interrupted "
                          f"run ({shown}{'; ...' if len(diff) > 8 else ''}). Resume with the same settings, or start a "
                          f"new run directory.")
-
-
-class RunDirInUseError(ValueError):
-    """The run directory already holds another run's artifacts and neither resume nor overwrite was asked for."""
 
 
 def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:

@@ -89,7 +89,8 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
         ValueError: ``lora=none`` (no LoRA settings), a missing draft, and every error of the evaluation and of
             :func:`distill.lora.adapt_draft`.
     """
-    from distill.lora import LoraError, resolve_base
+    from distill.lora import resolve_base
+    from core.errors import LoraError
     from eval.decision import adapter_decision
 
     ev = events or (lambda *a, **k: None)

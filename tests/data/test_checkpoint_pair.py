@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from models.checkpoints import load_target_and_draft
 from core.errors import CheckpointError
-from models.vocab import TokenizerMismatchError
+from core.errors import TokenizerMismatchError
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 

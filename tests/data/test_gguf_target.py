@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from data.config import TargetConfig
-from models.target import GGUFTargetError, prepare_target
+from models.target import prepare_target
+from core.errors import GGUFTargetError
 from ggufwriter import write_tiny_llama_gguf
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import core.io as dio
-from core.io import ArtifactWriteError, atomic_dir, atomic_file_set, write_json_atomic
+from core.io import atomic_dir, atomic_file_set, write_json_atomic
+from core.errors import ArtifactWriteError
 from models.checkpoints import save_hf_atomic
 
 ROOT = Path(__file__).resolve().parents[2]

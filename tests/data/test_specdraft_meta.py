@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from models.checkpoints import CheckpointError, read_specdraft_meta
 from models.checkpoints import save_hf_atomic
-from models.checkpoints import SpecdraftMeta, SpecdraftMetaError, as_meta
+from models.checkpoints import SpecdraftMeta, as_meta
+from core.errors import SpecdraftMetaError
 
 KNOWN = {f.name: f for f in fields(SpecdraftMeta) if f.name not in ("extra", "present")}
 HINTS = typing.get_type_hints(SpecdraftMeta)

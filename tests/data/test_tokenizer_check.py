@@ -8,7 +8,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from models.vocab import TokenizerMismatchError, check_tokenizers_compatible, tokenizer_fingerprint
+from models.vocab import check_tokenizers_compatible, tokenizer_fingerprint
+from core.errors import TokenizerMismatchError
 
 TEXT_A = [
     "the patient was given aspirin and the pain went away",

@@ -140,8 +140,8 @@ def test_pretrained_draft_distilled_further(tiny, tmp_path):
 
 def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):
     from data.text import train_bpe_tokenizer
-    from models.vocab import TokenizerMismatchError
-    from distill.teacher import VocabMismatchError
+    from core.errors import TokenizerMismatchError
+    from core.errors import VocabMismatchError
 
     other = train_bpe_tokenizer(["completely different text " * 5, "zzz yyy xxx"] * 20, vocab_size=280)
     cases = [(_pretrained(tiny, tmp_path / "a", tokenizer=other), TokenizerMismatchError, "not compatible"),

@@ -13,8 +13,8 @@ from tinymodels import tiny_family_lm, tiny_llama
 
 from distill.losses import get_loss
 from distill.lora import adapt_draft
-from distill.lora import (ALL_LINEAR, LoraError, LoraSectionConfig, adaptable_module_names, adapted_module_names,
-                          merge_lora, wrap_lora)
+from distill.lora import ALL_LINEAR, LoraSectionConfig, adaptable_module_names, adapted_module_names, merge_lora, wrap_lora
+from core.errors import LoraError
 from distill.trainer import TrainerConfig, make_distill_step, train
 from models.checkpoints import SpecdraftMeta
 
@@ -260,7 +260,7 @@ def test_pipeline_checks_the_base_draft_before_any_stage_runs(tmp_path):
     assert not (tmp_path / "events.jsonl").exists()  # nothing ran
     bad = tmp_path / "routing.json"
     bad.write_text("[]")
-    from decode.config import RoutingError
+    from core.errors import RoutingError
 
     with pytest.raises(RoutingError, match="JSON object"):
         run({"stages": ["eval"], "decode": {"draft_routing": str(bad)}}, tmp_path)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from distill.losses import forward_kl
-from distill.teacher import VocabMismatchError, VocabPaddingWarning, shared_vocab_size, slice_to_shared
+from distill.teacher import VocabPaddingWarning, shared_vocab_size, slice_to_shared
+from core.errors import VocabMismatchError
 
 
 def test_equal_sizes_no_warning():

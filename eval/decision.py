@@ -654,3 +654,34 @@ def routing_section(table: dict, path: str) -> str:
                       f"speedup {fx(dflt['geometric_mean_measured_speedup'])} over {len(dflt['over_domains'])} "
                       f"domains)."]
     return "\n".join(lines)
+
+
+def recommended_settings(doc: dict) -> dict[str, dict]:
+    """domain -> ``{"draft", "num_draft_tokens", "measured_speedup", "note"}``: the draft and fixed gamma to serve
+    each domain with, read from a ``metrics.json`` document's recommendation (the one place to re-point when the
+    verdict logic moves)."""
+    out = {}
+    for domain, r in (doc.get("recommendation") or {}).items():
+        if r.get("action", "speculate") != "speculate" or r.get("draft") is None:  # the verdict: no draft pays
+            out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": r.get("measured_speedup"),
+                           "note": "serve with the target alone: " + (r.get("reason") or "no draft measured faster")}
+            continue
+        gamma, note, s = r["num_draft_tokens"], "", r.get("measured_speedup")
+        policy = r.get("draft_length_policy", "fixed")
+        if policy != "fixed":
+            fixed = paying_fixed(doc, r["draft"], domain)
+            if not fixed:  # no fixed gamma of this draft paid for itself here: an engine would be slower
+                out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": s, "note": (
+                    f"the recommendation is draft_length_policy={policy}, which engines with a fixed draft length "
+                    f"cannot run, and no fixed gamma of `{r['draft']}` paid for itself here: serve with the target "
+                    f"alone (or an engine with adaptive draft lengths)")}
+                continue
+            best = max(fixed, key=lambda c: c["measured_speedup"])
+            gamma, s = best["num_draft_tokens"], best["measured_speedup"]
+            note = (f"the recommendation is draft_length_policy={policy}; engines take a fixed count, so this is "
+                    f"the draft's fastest fixed gamma among those that pay for themselves")
+        if isinstance(s, (int, float)) and math.isfinite(s) and s < 1:
+            note = (note + "; " if note else "") + (f"measured speedup {s:.2f}x < 1 here: speculative decoding was "
+                                                    f"slower than the target alone on this machine")
+        out[domain] = {"draft": r["draft"], "num_draft_tokens": int(gamma), "measured_speedup": s, "note": note}
+    return out

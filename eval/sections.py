@@ -43,7 +43,7 @@ The baseline row is the mean over the jobs' baseline drafts (every job of a loss
 The handoff to serving: for each domain's recommended draft and gamma, the settings to paste into vLLM, SGLang
 and transformers (``serving.json`` and the report's "Serving settings" section).
 
-The recommendation is read through :func:`recommended_settings` alone, so the rule that picks it (today the
+The recommendation is read through :func:`eval.decision.recommended_settings` alone, so the rule that picks it (today the
 evaluation's ``recommendation.<domain>``: the highest measured speedup) can change in one place.
 
 - vLLM: ``LLM(model=TARGET, speculative_config={"method": "draft_model", "model": DRAFT,
@@ -66,8 +66,8 @@ row per number (:func:`format_table`) and chain vs tree (:func:`format_compare`)
 from __future__ import annotations
 
 from core.io import fmt
+from eval.decision import recommended_settings
 
-import math
 from pathlib import Path
 from models.checkpoints import SpecdraftMeta
 from eval.metrics import json_clean
@@ -77,14 +77,11 @@ import sys
 from models.checkpoints import read_specdraft_meta
 from core.io import write_json_atomic, write_text_atomic
 import shlex
-from eval.decision import paying_fixed
 
 __all__ = ['draft_sources_section', 'draft_tokens_per_s', 'format_compare', 'format_table']
 
 
 ADAPTED_KINDS = ("lora", "finetune")
-
-
 
 
 def _ci(ci) -> str:
@@ -192,8 +189,6 @@ def _describe(m: SpecdraftMeta, decoder_forward: str | None) -> dict:
     return {"init": m.init_kind, "layers": m.layers, "pretrained_from": m.pretrained_from,
             "distilled": m.is_distilled, "training": m.loss, "steps": m.steps_trained, "quantize": m.quantize_mode,
             "fp32_draft": m.fp32_draft, "draft_parameters": m.draft_parameters, "decoder_forward": decoder_forward}
-
-
 
 
 def draft_sources_section(meta: dict[str, tuple[SpecdraftMeta, str | None]]):
@@ -481,37 +476,6 @@ if __name__ == "__main__":
 
 
 SCHEMA = "specdraft.serving/1"
-
-
-def recommended_settings(doc: dict) -> dict[str, dict]:
-    """domain -> ``{"draft", "num_draft_tokens", "measured_speedup", "note"}``: the draft and fixed gamma to serve
-    each domain with, read from a ``metrics.json`` document's recommendation (the one place to re-point when the
-    verdict logic moves)."""
-    out = {}
-    for domain, r in (doc.get("recommendation") or {}).items():
-        if r.get("action", "speculate") != "speculate" or r.get("draft") is None:  # the verdict: no draft pays
-            out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": r.get("measured_speedup"),
-                           "note": "serve with the target alone: " + (r.get("reason") or "no draft measured faster")}
-            continue
-        gamma, note, s = r["num_draft_tokens"], "", r.get("measured_speedup")
-        policy = r.get("draft_length_policy", "fixed")
-        if policy != "fixed":
-            fixed = paying_fixed(doc, r["draft"], domain)
-            if not fixed:  # no fixed gamma of this draft paid for itself here: an engine would be slower
-                out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": s, "note": (
-                    f"the recommendation is draft_length_policy={policy}, which engines with a fixed draft length "
-                    f"cannot run, and no fixed gamma of `{r['draft']}` paid for itself here: serve with the target "
-                    f"alone (or an engine with adaptive draft lengths)")}
-                continue
-            best = max(fixed, key=lambda c: c["measured_speedup"])
-            gamma, s = best["num_draft_tokens"], best["measured_speedup"]
-            note = (f"the recommendation is draft_length_policy={policy}; engines take a fixed count, so this is "
-                    f"the draft's fastest fixed gamma among those that pay for themselves")
-        if isinstance(s, (int, float)) and math.isfinite(s) and s < 1:
-            note = (note + "; " if note else "") + (f"measured speedup {s:.2f}x < 1 here: speculative decoding was "
-                                                    f"slower than the target alone on this machine")
-        out[domain] = {"draft": r["draft"], "num_draft_tokens": int(gamma), "measured_speedup": s, "note": note}
-    return out
 
 
 def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None,

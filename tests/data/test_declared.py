@@ -380,7 +380,8 @@ def test_mixture_config_errors():
 
 # --------------------------------------------------------------------------------------------- serving
 def test_serving_settings_for_each_recommendation(tmp_path):
-    from eval.sections import recommended_settings, serving_document
+    from eval.sections import serving_document
+    from eval.decision import recommended_settings
 
     def entry(g, s):
         return {"num_draft_tokens": g, "measured_speedup": s}

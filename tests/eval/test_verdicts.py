@@ -529,7 +529,7 @@ def test_the_loaded_smollm2_drafts_at_tau_1_are_not_routed(tmp_path):
     into routing.json and serving.json: now both domains go to the target alone and the default route too."""
     from eval.report import write_report
     from eval.decision import write_routing
-    from eval.sections import recommended_settings
+    from eval.decision import recommended_settings
 
     rows = _rows("a", "medical", 2, 1.1, emitted=4, steps=4) + _rows("a", "code", 2, 1.84, emitted=4, steps=4)
     results = {"rows": rows, "cost_ratio": {"a": {"cost_ratio": 0.2, "draft_forward_s": 2e-4,
@@ -741,7 +741,7 @@ def test_serving_and_the_default_route_give_engines_only_a_fixed_gamma_that_pays
     3 (the decision). Engines need a fixed gamma: serving.json gives gamma 4 only where it pays (at least 1x, tau at
     least 1.5), else the target alone; routing.json's default never rests on the set-aside 6.0x."""
     from eval.decision import routing_table
-    from eval.sections import recommended_settings
+    from eval.decision import recommended_settings
     from eval.report import add_decisions
 
     def e(g, s, tau):

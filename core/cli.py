@@ -26,20 +26,19 @@ naming the key, what was found and the fix.
 """
 from __future__ import annotations
 
-from core.errors import DeviceError
-
+import contextlib
 import logging
 import os
+import platform
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, NoReturn
-import contextlib
-import platform
-from typing import Iterator
+from typing import Any, Callable, Iterator, NoReturn
+
 import torch
 from omegaconf import OmegaConf
 
+from core.errors import DeviceError
 
 EXIT_BAD_INPUT = 2
 EXIT_WRITE_FAULT = 3
@@ -220,7 +219,8 @@ def compose(argv: list[str], config_dir: str | os.PathLike, config_name: str = "
     Raises:
         hydra.errors.HydraException: an unknown config group option (e.g. experiment) or a bad override.
     """
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
     from omegaconf import open_dict
 
     overrides = _overrides(argv)
@@ -245,8 +245,8 @@ def probe_writable(run_dir: Path) -> None:
     """
     import errno
 
-    from core.io import write_error
     from core.errors import ArtifactWriteError
+    from core.io import write_error
 
     where = Path(os.path.abspath(run_dir))
     while not where.exists() and where != where.parent:

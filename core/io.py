@@ -6,8 +6,6 @@ is left as it was.
 """
 from __future__ import annotations
 
-from core.errors import ArtifactWriteError
-
 import errno
 import json
 import os
@@ -17,6 +15,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
+from core.errors import ArtifactWriteError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # the repository (or installed tree) root
 
@@ -258,3 +258,8 @@ def fmt(x: Any, spec: str = ".2f", *, missing: str = "n/a", suffix: str = "", ex
         v = float(x)
         return format(v, spec) + suffix if math.isfinite(v) else missing
     return x if text and isinstance(x, str) else missing
+
+
+def fmt_interval(ci: Any, spec: str = ".2f", **options: Any) -> str:
+    """``" [lo, hi]"`` of an interval ``(lo, hi)`` with :func:`fmt` and its ``options``; ``""`` without one."""
+    return f" [{fmt(ci[0], spec, **options)}, {fmt(ci[1], spec, **options)}]" if ci else ""

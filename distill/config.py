@@ -6,11 +6,10 @@ learning-rate schedule those settings describe (:func:`cosine_with_warmup`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from distill.drafts import LlamaArch
-from distill.drafts import LayerChoice
 import math
+from dataclasses import dataclass, field
 
+from distill.drafts import LayerChoice, LlamaArch
 
 DRAFT_INITS = ("config", "layer_pruned", "pretrained")
 

@@ -20,26 +20,23 @@ directory with ``specdraft.json`` (the config, the data fingerprint and the vali
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
 import torch
-from models.checkpoints import save_hf_atomic
-import hashlib
-from dataclasses import dataclass, field
+
 from data.loading import DataOptions, files_fingerprint, load_domain
 from data.text import cached_pack_blocks, iter_texts, train_bpe_tokenizer
-from distill.drafts import LlamaArch, build_llama, count_parameters
-from distill.trainer import evaluate_loss
-from distill.trainer import train
 from distill.config import TrainerConfig
-
-__all__ = ['build_initial_draft', 'load_pretrained_draft', 'save_draft', 'run_draft_init', 'init_dir']
+from distill.drafts import LlamaArch, build_llama, count_parameters
+from distill.trainer import evaluate_loss, train
+from models.checkpoints import save_hf_atomic
 
 
 log = logging.getLogger(__name__)
-
 
 
 def init_dir(rc, run_dir: Path) -> Path:
@@ -71,11 +68,10 @@ def load_pretrained_draft(name_or_path: str, target, tokenizer):
         models.vocab.TokenizerMismatchError: its tokenizer maps some token to another id than the target's.
         distill.teacher.VocabMismatchError: it has fewer output rows than the tokenizer has tokens.
     """
+    from decode.common import output_vocab_size
+    from distill.teacher import shared_vocab_size
     from models.checkpoints import check_vocab_covers_tokenizer, load_causal_lm
     from models.vocab import check_tokenizers_compatible
-    from decode.common import output_vocab_size
-
-    from distill.teacher import shared_vocab_size
 
     draft, tok = load_causal_lm(name_or_path, role="draft")
     check_tokenizers_compatible(tokenizer, tok, draft_name=f"draft.name_or_path {name_or_path!r}")
@@ -88,11 +84,10 @@ def _search_score_fn(rc, opts, target, tokenizer):
     """The score the layer search maximises on ``draft.layers.search.prompts`` validation prompts of
     ``data.domain``: the mean accepted length of greedy speculative decoding, or (``metric=expected_acceptance``)
     :func:`expected_acceptance_score`."""
+    from data.blocks import domain_prompts
     from data.text import encode_prompt
     from decode.common import output_vocab_size
-
     from distill.generation import make_acceptance_eval
-    from data.blocks import domain_prompts
 
     s = rc.draft.layers.search
     texts = domain_prompts(rc.data.domain, "validation", opts, s.prompts, tokenizer)
@@ -148,8 +143,7 @@ def build_initial_draft(rc, opts, target, tokenizer, events=None) -> tuple[torch
         ValueError: see :func:`distill.drafts.build_layer_pruned`, :func:`distill.drafts.search_layers`,
             :func:`load_pretrained_draft`.
     """
-    from distill.drafts import build_llama
-    from distill.drafts import build_layer_pruned, resolve_layers, search_layers
+    from distill.drafts import build_layer_pruned, build_llama, resolve_layers, search_layers
 
     init = rc.draft.init
     if init == "config":
@@ -227,12 +221,11 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     Raises:
         ValueError: ``draft.init=config`` (a fresh random draft is not worth evaluating; use the distill stage).
     """
-    from models.checkpoints import load_causal_lm
     from core.cli import torch_threads
     from data.loading import files_fingerprint
-
     from distill.drafts import count_parameters
     from distill.trainer import evaluate_loss
+    from models.checkpoints import load_causal_lm
 
     if rc.draft.init == "config":
         raise ValueError("stage draft_init needs draft.init=layer_pruned or draft.init=pretrained (a fresh "
@@ -254,8 +247,6 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     written = save_draft(draft, tokenizer, out, meta, rc.draft.quantize)
     log.info("%s draft saved to %s", rc.draft.init, out)
     return {**meta, "path": str(out), "written": written}
-
-
 
 
 @dataclass

@@ -16,18 +16,13 @@ search adds one layer at a time to a kept set, within ``search.max_evaluations``
 """
 from __future__ import annotations
 
-import logging
-from dataclasses import asdict, dataclass
-import torch
 import copy
+import logging
 import math
-from dataclasses import field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-__all__ = [
-    'LayerChoice', 'LayerSearchConfig', 'SUPPORTED_MODEL_TYPES', 'resolve_layers', 'build_layer_pruned',
-    'search_layers', 'search_evaluations_needed',
-]
+import torch
 
 
 log = logging.getLogger(__name__)
@@ -99,8 +94,6 @@ def describe_shape_warnings(draft, target) -> list[str]:
         out.append(f"the draft's context is {mine:,} positions against the target's {theirs:,}: prompts plus "
                    f"generation beyond {mine:,} tokens cannot be drafted (raise draft.arch.max_position_embeddings)")
     return out
-
-
 
 
 # Decoder-only architectures whose checkpoints lay the decoder layers out as ``model.layers.<i>.*`` with one

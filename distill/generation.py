@@ -30,12 +30,13 @@ import os
 import time
 from dataclasses import asdict
 from pathlib import Path
+
 import torch
+
 from decode.common import left_pad
 from distill.config import GenerationConfig, OnPolicySchedule
 from distill.teacher import ShardStore
 from distill.trainer import EvalFn, MicroBatch
-
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,6 @@ def generate_teacher_sequences(
     from core.cli import run_precision
     from decode import autoregressive_generate
     from decode.fast_settings import following_free_cores
-
     from distill.teacher import model_fingerprint
 
     if not prompts:
@@ -198,9 +198,8 @@ def generate_teacher_sequences_engine(
     from concurrent.futures import ThreadPoolExecutor
 
     from core.io import sha256_file
-    from decode.llamacpp import target_gguf
-    from decode.llamacpp import LlamaServer, find_engine
     from decode.fast_settings import free_cores
+    from decode.llamacpp import LlamaServer, find_engine, target_gguf
 
     if not prompts:
         raise ValueError("no prompts to generate teacher data from (the domain's training split has no prompts)")

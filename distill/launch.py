@@ -12,7 +12,9 @@ import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
+
 import torch
+
 from distill.config import TrainerConfig, cosine_with_warmup, zero_stage
 
 

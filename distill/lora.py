@@ -32,23 +32,20 @@ accepted length on the domain's validation prompts, ``lora.eval_every``) and res
 """
 from __future__ import annotations
 
-from core.errors import LoraError
-
 import logging
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
-import torch
 import os
 import time
-from dataclasses import asdict
-from models.checkpoints import read_specdraft_meta
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.errors import LoraError
 from core.io import atomic_dir
-from models.checkpoints import save_hf_atomic
-from models.checkpoints import SpecdraftMeta
 from distill.pipeline import Pair, Recipe, Signal, teacher_signal_data, train_and_save
 from distill.trainer import evaluate_loss
-
+from models.checkpoints import SpecdraftMeta, read_specdraft_meta, save_hf_atomic
 
 log = logging.getLogger(__name__)
 
@@ -518,8 +515,7 @@ class Adaptation(Recipe):
             LoraError: bad ``lora.target_modules`` / ``lora.modules_to_save``.
         """
         from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
-        from models.vocab import trimmed_head
-        from models.vocab import check_tokenizers_compatible
+        from models.vocab import check_tokenizers_compatible, trimmed_head
 
         draft, draft_tok = load_causal_lm(self.base, role="lora.base draft")
         check_tokenizers_compatible(tokenizer, draft_tok, draft_name=f"lora.base draft {str(self.base)!r}")
@@ -537,7 +533,6 @@ class Adaptation(Recipe):
         """``before``: the domain's validation blocks (64), the base's validation cross-entropy on them and (with
         ``lora.eval_every``) its selection score, the mean accepted length on ``lora.eval_prompts`` prompts."""
         from data.blocks import domain_blocks, domain_prompts
-
         from distill.generation import selection_eval_from_texts
         from distill.teacher import shared_vocab
 

@@ -79,6 +79,7 @@ from __future__ import annotations
 import functools
 import math
 from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor

@@ -21,17 +21,24 @@ import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
+
 import torch
+
 from data.blocks import training_blocks, training_fingerprint, training_prompts
 from data.loading import DataOptions
 from data.text import encode_prompt
-from models.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
-from distill.losses import get_loss
 from distill.drafts import build_llama, count_parameters
-from distill.trainer import cross_entropy_step, evaluate_loss, make_distill_step
-from distill.trainer import batch_indices, rows_this_run_uses, train
+from distill.losses import get_loss
 from distill.teacher import trim_draft_vocab
-
+from distill.trainer import (
+    batch_indices,
+    cross_entropy_step,
+    evaluate_loss,
+    make_distill_step,
+    rows_this_run_uses,
+    train,
+)
+from models.checkpoints import check_context_fits, load_causal_lm, read_specdraft_meta
 
 log = logging.getLogger(__name__)
 
@@ -310,9 +317,8 @@ def selection_eval(rc, opts: DataOptions, pair: Pair, teacher, section=None) -> 
 def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict) -> dict:
     """``specdraft.json`` of a trained draft: how it was made (source, loss, data, budget), the selected step and
     its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision)."""
-    from data.text import Renderer
     from core.cli import run_precision
-
+    from data.text import Renderer
     from distill.generation import selection_meta
 
     precision, dc = rc.trainer.mixed_precision, rc.distill

@@ -44,29 +44,24 @@ trained a trimmed head over the ids it learns from most (``draft.draft_vocab_siz
 """
 from __future__ import annotations
 
-from core.errors import VocabMismatchError
-from core.io import sha256_file
-
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable
+
 import torch
+from torch import Tensor
 from tqdm.auto import tqdm
-from core.io import write_json_atomic
+
+from core.errors import VocabMismatchError
+from core.io import sha256_file, write_json_atomic
 from distill.losses import densify_topk, teacher_topk, topk_forward_kl
 from distill.trainer import MicroBatch, StepLoss
-import warnings
-from torch import Tensor
-
-__all__ = [
-    'VocabMismatchError', 'VocabPaddingWarning', 'shared_vocab_size', 'shared_vocab', 'slice_to_shared',
-    'forced_ids', 'trim_draft_vocab',
-]
 
 
 log = logging.getLogger(__name__)
@@ -489,9 +484,8 @@ def trim_draft_vocab(rc, pair, sig) -> dict:
     """
     import torch
 
-    from models.vocab import draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
-
     from distill.drafts import count_parameters
+    from models.vocab import draft_vocab_record, install_trimmed_head, kept_mass, kept_token_ids
 
     if pair.cut is not None:
         raise ValueError("draft.draft_vocab_size needs a draft with the target's vocabulary size (this draft's "

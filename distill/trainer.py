@@ -48,25 +48,32 @@ during training and keeps the best weights; :class:`TrainLog` is ``train_log.jso
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-import torch
-import torch.nn.functional as F
+import functools
 import json
 import logging
 import math
-import time
-from dataclasses import asdict
-from pathlib import Path
-from core.io import atomic_dir, write_json_atomic
-from distill.launch import Run, state_dict_copy
-from distill.config import TrainerConfig, zero_stage
-import functools
 import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
+
 from core.cli import torch_threads
-from distill.launch import (check_launch, distributed_state, optimizer_parameters, prepare_run, uses_deepspeed)
-from distill.config import STRATEGIES, cosine_with_warmup
+from core.io import atomic_dir, write_json_atomic
+from distill.config import STRATEGIES, TrainerConfig, cosine_with_warmup, zero_stage
+from distill.launch import (
+    Run,
+    check_launch,
+    distributed_state,
+    optimizer_parameters,
+    prepare_run,
+    state_dict_copy,
+    uses_deepspeed,
+)
 
 __all__ = [
     'train', 'batch_indices', 'rows_this_run_uses', 'blocks_this_run_uses', 'BudgetClock', 'TrainerConfig',

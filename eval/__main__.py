@@ -20,11 +20,12 @@ import os
 import sys
 import time
 from pathlib import Path
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
+
 from core.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
 from data.loading import PROJECT_ROOT
-
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 quiet_libraries()
@@ -79,8 +80,8 @@ def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:
     Raises:
         ValueError: bad config (before any model loads), no drafts, unreadable checkpoints, unknown domains.
     """
-    from eval.pipeline import evaluate_run
     from core.io import EventLog
+    from eval.pipeline import evaluate_run
 
     run_dir = Path(run_dir)
     rc = check_before_eval(cfg, run_dir)

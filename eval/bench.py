@@ -31,27 +31,32 @@ one-line errors, and the check that prompt + new tokens + a verify block fit bot
 """
 from __future__ import annotations
 
-from core.errors import BenchError
-
+import copy
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
+
 import torch
-from decode.common import output_vocab_size
-import copy
-import functools
-from typing import Callable
 from tqdm.auto import tqdm
+
 from core.cli import runtime_record, torch_threads
+from core.errors import BenchError
 from decode import AcceptanceStats, autoregressive_generate, expected_speedup, frozen_weights, speculative_generate
-from decode.fast_llama import (compile_enabled, compile_seconds, fast_path_supported, row_layout_record, set_compile,
-                               set_row_layout)
-from decode.stats import expected_speedup_mixture
+from decode.common import output_vocab_size
+from decode.fast_llama import (
+    compile_enabled,
+    compile_seconds,
+    fast_path_supported,
+    row_layout_record,
+    set_compile,
+    set_row_layout,
+)
 from decode.fast_settings import block_threads_setting, resolved_block_threads, set_block_threads
+from decode.stats import expected_speedup_mixture
 from decode.timing import head_share, memory_bound_s
-from eval.evaluate import phase_split
-from eval.evaluate import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio
+from eval.evaluate import LoadMeter, alternated_rounds, measure_cost_ratio, measure_verify_cost_ratio, phase_split
 
 __all__ = [
     'BUILTIN_PROMPTS', 'FAMILIES', 'BenchConfig', 'BenchError', 'check_context', 'family_models', 'load_models',
@@ -301,8 +306,8 @@ def check_context(cfg: BenchConfig, target, draft, prompts: list[torch.Tensor]) 
         BenchError: a prompt with no tokens, or the longest prompt + ``max_new_tokens`` + that block beyond a
             model's context (the message says how far to lower ``--max-new-tokens``).
     """
-    from models.checkpoints import check_context_fits
     from core.errors import CheckpointError
+    from models.checkpoints import check_context_fits
 
     if not prompts or min(p.shape[1] for p in prompts) < 1:
         raise BenchError("a prompt tokenizes to no tokens; give prompts with text")

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
 from data.config import DataConfig, PathsConfig, TargetConfig, validate_structured
 from decode.config import DecodeConfig
 
@@ -219,9 +220,9 @@ class EvalConfig:
 
     def torch_device(self):
         """``eval.device`` resolved on this machine (:func:`core.cli.resolve_device`; raises DeviceError)."""
-        from core.cli import resolve_device
-
         import os
+
+        from core.cli import resolve_device
 
         try:
             return resolve_device(self.device, "eval.device")

@@ -65,17 +65,15 @@ alone when no pair qualifies.
 """
 from __future__ import annotations
 
-from core.io import fmt
-
 import math
 import numbers
 import statistics
 from dataclasses import asdict, dataclass, field, replace
-from decode.stats import expected_speedup, expected_speedup_mixture
 from pathlib import Path
-from core.io import write_json_atomic
-from decode.config import DEFAULT_KEY, SCHEMA
 
+from core.io import fmt, write_json_atomic
+from decode.config import DEFAULT_KEY, SCHEMA
+from decode.stats import expected_speedup, expected_speedup_mixture
 
 TARGET_ONLY = "target_only"
 SPECULATE = "speculate"

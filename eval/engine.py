@@ -26,16 +26,16 @@ share of prompts it prints.
 """
 from __future__ import annotations
 
-from core.io import fmt
-
 import logging
 import math
 import os
 import time
 from pathlib import Path
-import numpy as np
-from eval.metrics import _cell_seed, _ratio, bootstrap_ratio_ci
 
+import numpy as np
+
+from core.io import fmt, fmt_interval
+from eval.metrics import _cell_seed, _ratio, bootstrap_ratio_ci
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,8 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ``{"engine", "target_gguf", "target_from", "drafts_gguf", "num_draft_tokens", "threads", "runs": {"target" | draft
     name: {domain: [per-prompt {"id", "tokens", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted"}]}},
     "alone_tokens_per_s": {name: tokens/s served alone}, "commands": {name: argv}}``."""
-    from decode.llamacpp import LlamaServer, find_engine
     from decode.fast_settings import free_cores
+    from decode.llamacpp import LlamaServer, find_engine
 
     ev = events or (lambda *a, **k: None)
     engine = find_engine()
@@ -218,7 +218,7 @@ def _overlap(a, b) -> bool | None:
 
 
 def _ci(ci, spec: str = ".2f") -> str:
-    return f" [{fmt(ci[0], spec, missing='-')}, {fmt(ci[1], spec, missing='-')}]" if ci else ""
+    return fmt_interval(ci, spec, missing="-")
 
 
 def engine_markdown(summary: dict, ours_lossless: bool | None = None) -> str:

@@ -42,24 +42,25 @@ measurement) is ``None``.
 """
 from __future__ import annotations
 
-from core.io import fmt
-
-import os
-import time
-from typing import Any, Callable, Hashable
-import torch
-from decode.common import sync
-from decode.timing import block_forward_times_s, cost_ratio
 import functools
 import logging
+import math
+import os
+import time
 import warnings
 from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+import torch
 from tqdm.auto import tqdm
+
+from core.io import fmt
 from data.text import encode_prompt  # noqa: F401  (re-exported: used below and by callers)
-from decode.tree import DraftTree
 from decode import autoregressive_generate, frozen_weights, speculative_generate
-import math
+from decode.common import sync
 from decode.stats import expected_speedup
+from decode.timing import block_forward_times_s, cost_ratio
+from decode.tree import DraftTree
 
 __all__ = [
     'OTHER_LOAD_LIMIT', 'LoadMeter', 'alternated_rounds', 'busy_cpu_seconds', 'cpu_cores', 'load_record',

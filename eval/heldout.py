@@ -29,14 +29,14 @@ bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
 
-from core.io import fmt
-
 import re
 from dataclasses import dataclass
+
 import numpy as np
 import torch
-from eval.metrics import _cell_seed, bootstrap_ratio_ci
 
+from core.io import fmt, fmt_interval
+from eval.metrics import _cell_seed, bootstrap_ratio_ci
 
 _WORD = re.compile(r"\w+")
 
@@ -188,7 +188,7 @@ def summarize_replays(replays: list[Replay], max_gamma: int, *, samples: int, co
 
 
 def _with_ci(x, ci) -> str:
-    return fmt(x, '.2f', missing='-') + (f" [{fmt(ci[0], '.2f', missing='-')}, {fmt(ci[1], '.2f', missing='-')}]" if ci else "")
+    return fmt(x, missing="-") + fmt_interval(ci, missing="-")
 
 
 class HeldoutSection:
@@ -242,8 +242,8 @@ def heldout_prompts(domain: str, splits, tokenizer, limit: int, index: NearDupli
     Raises:
         DataSourceError: the domain has no test prompts left.
     """
-    from data.text import renderer
     from core.errors import DataSourceError
+    from data.text import renderer
 
     render, out, removed = renderer(tokenizer), [], 0
     for row in splits["test"]:
@@ -302,12 +302,10 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
 
     A domain without a held-out prompt is left out and named in ``skipped_domains`` with the reason.
     """
-    from data.text import renderer
-    from data.text import encode_prompt
-    from decode.common import default_eos, output_vocab_size
-
     from core.errors import DataSourceError
     from data.loading import load_domain
+    from data.text import encode_prompt, renderer
+    from decode.common import default_eos, output_vocab_size
 
     loaded = {d: load_domain(d, opts) for d in dict.fromkeys(list(domains) + list(train_domains))}
     index = reference_index(loaded, cfg.near_duplicate_jaccard)

@@ -15,9 +15,10 @@ import hashlib
 import math
 from pathlib import Path
 from typing import Any, Iterable
-import numpy as np
-from decode.stats import expected_speedup, expected_speedup_from_costs, expected_speedup_mixture
 
+import numpy as np
+
+from decode.stats import expected_speedup, expected_speedup_from_costs, expected_speedup_mixture
 
 # per_prompt.csv columns, in order. List-valued columns are space-separated integers.
 PER_PROMPT_COLUMNS = (

@@ -23,24 +23,21 @@ in the run's files.
 """
 from __future__ import annotations
 
-from core.errors import PromptTooLongError
-
-from pathlib import Path
 import json
 import logging
 import math
 import shutil
-from typing import Any
 from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any
+
 from core.cli import torch_threads
+from core.errors import PromptTooLongError
 from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
-from eval.evaluate import Prompt, evaluate_drafts
-from eval.report import render_markdown, setting_label, write_report
 from eval.decision import routing_section, write_routing
-from eval.report import verdicts_section
-
-__all__ = ['routed_drafts', 'draft_paths', 'check_planned_drafts']
+from eval.evaluate import Prompt, evaluate_drafts
+from eval.report import render_markdown, setting_label, verdicts_section, write_report
 
 
 def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None) -> tuple[dict, dict]:
@@ -51,8 +48,8 @@ def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None)
         RoutingError (a ValueError): missing / invalid table, a domain without a route and no ``default``, or
             ``eval.drafts`` given as well (the table decides the drafts).
     """
-    from decode.config import load_routing
     from core.errors import RoutingError
+    from decode.config import load_routing
 
     if eval_drafts:
         raise RoutingError("decode.draft_routing and eval.drafts both name drafts; with a routing table the table "
@@ -309,8 +306,8 @@ def target_description(target, tokenizer) -> dict:
            "parameters": sum(int(p.numel()) for p in target.parameters()),
            "max_position_embeddings": getattr(c, "max_position_embeddings", None),
            "chat_template": chat_template_of(tokenizer) is not None}
-    from models.checkpoints import read_specdraft_meta
     from core.errors import CheckpointError
+    from models.checkpoints import read_specdraft_meta
 
     path = getattr(c, "_name_or_path", None)
     try:
@@ -518,10 +515,10 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     context the evaluation needs and the decoder's cache policy. Returns ``(target, tokenizer, drafts, meta)``, ``meta``
     name -> ``(specdraft.json as :class:`models.checkpoints.SpecdraftMeta`, decoder forward "lean" /
     "hugging_face")``."""
-    from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
     from decode import cache_policy
     from decode.fast_llama import fast_path_supported
     from decode.fast_settings import load_draft
+    from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
 
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -588,7 +585,6 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     """The report's extra sections (training, draft sources, prompt format, serving settings); the serving
     section is returned too (its document is written as ``serving.json``)."""
     from data.text import Renderer
-
     from eval.sections import ServingSection
 
     saved = {n: m for n, (m, _) in meta.items()}
@@ -615,7 +611,6 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
     draft on the same prompts, when ``eval.engine`` asks for it and the engine is installed (else one line saying
     why not). An engine failure is reported in the section, never loses the evaluation."""
     from data.text import encode_prompt
-
     from eval.engine import EngineSection, engine_wanted, run_engine_check
 
     ec = rc.eval.engine
@@ -669,7 +664,6 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
     if not rc.eval.deployment.enabled():
         return None
     from decode.timing import weights_read_per_token
-
     from eval.decision import deployment_cost_ratios
 
     count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import io
 import math
 from pathlib import Path
+
 import matplotlib
-from core.io import write_bytes_atomic
 import matplotlib.pyplot as plt  # noqa: E402
 
+from core.io import write_bytes_atomic
 
 matplotlib.use("Agg")
 

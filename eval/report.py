@@ -18,22 +18,33 @@ domain was timed (``eval.evaluate.load_record``).
 """
 from __future__ import annotations
 
-from core.io import fmt
-
-import logging
-import math
-from typing import Any
-from eval.decision import (COMPONENTS_FORMULA, FORMULA, IMPLAUSIBLE_OVER_TAU, MIN_MEAN_ACCEPTED_LENGTH, SPECULATE,
-                       TARGET_ONLY, Decision, candidates, decide_domain, interval, label, num, setting_entry,
-                       speedup_bound)
 import csv
 import io
+import logging
+import math
 from pathlib import Path
+from typing import Any
+
 from core.cli import describe_runtime
-from core.io import write_json_atomic, write_text_atomic
+from core.io import fmt, fmt_interval, write_json_atomic, write_text_atomic
+from eval.decision import (
+    COMPONENTS_FORMULA,
+    FORMULA,
+    IMPLAUSIBLE_OVER_TAU,
+    MIN_MEAN_ACCEPTED_LENGTH,
+    SPECULATE,
+    TARGET_ONLY,
+    Decision,
+    candidates,
+    decide_domain,
+    interval,
+    label,
+    num,
+    setting_entry,
+    speedup_bound,
+)
 from eval.evaluate import time_breakdown, time_breakdown_section
 from eval.metrics import PER_PROMPT_COLUMNS, aggregate, domains_of, json_clean, row_to_csv
-
 
 log = logging.getLogger(__name__)
 
@@ -334,10 +345,8 @@ METRIC_FIELDS = ("acceptance_rate", "mean_accepted_length", "target_tokens_per_s
 
 
 def _ci(v: Any, ci: list | None, digits: int = 2, suffix: str = "") -> str:
-    s = f"{fmt(v, f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}{suffix}"
-    if ci:
-        s += f" [{fmt(ci[0], f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}, {fmt(ci[1], f'.{digits}f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}]"
-    return s
+    options = dict(exact_ints=True, text=True, booleans=("yes", "**NO**"))
+    return fmt(v, f".{digits}f", suffix=suffix, **options) + fmt_interval(ci, f".{digits}f", **options)
 
 
 def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: int | None = None,

@@ -65,27 +65,23 @@ row per number (:func:`format_table`) and chain vs tree (:func:`format_compare`)
 """
 from __future__ import annotations
 
-from core.io import fmt
-from eval.decision import recommended_settings
-
-from pathlib import Path
-from models.checkpoints import SpecdraftMeta
-from eval.metrics import json_clean
 import argparse
 import json
-import sys
-from models.checkpoints import read_specdraft_meta
-from core.io import write_json_atomic, write_text_atomic
 import shlex
+import sys
+from pathlib import Path
 
-__all__ = ['draft_sources_section', 'draft_tokens_per_s', 'format_compare', 'format_table']
+from core.io import fmt, fmt_interval, write_json_atomic, write_text_atomic
+from eval.decision import recommended_settings
+from eval.metrics import json_clean
+from models.checkpoints import SpecdraftMeta, read_specdraft_meta
 
 
 ADAPTED_KINDS = ("lora", "finetune")
 
 
 def _ci(ci) -> str:
-    return f" [{fmt(ci[0], '.2f')}, {fmt(ci[1], '.2f')}]" if ci else ""
+    return fmt_interval(ci)
 
 
 def _how(m: SpecdraftMeta) -> str:
@@ -387,8 +383,7 @@ def compare(runs: list[dict], sweep_dir: str = "") -> dict:
 def _cell(v, ratio=None, ci=None) -> str:
     if v is None:
         return "-"
-    return (f"{v:.2f}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
-            + (f" ({ratio:.2f}x)" if ratio is not None else ""))
+    return fmt(v) + fmt_interval(ci) + (f" ({fmt(ratio)}x)" if ratio is not None else "")
 
 
 def render_markdown(doc: dict) -> str:

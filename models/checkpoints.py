@@ -45,8 +45,6 @@ Loading Hugging Face causal-LM checkpoints (target and drafts) with clear errors
 """
 from __future__ import annotations
 
-from core.errors import SpecdraftMetaError
-
 import json
 import os
 import types
@@ -54,11 +52,11 @@ import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
-from core.errors import CheckpointError
-from core.io import atomic_dir
+
 import torch
 
-__all__ = ['FILENAME', 'ONE_OFF_PASSES', 'SpecdraftMeta', 'SpecdraftMetaError', 'as_meta']
+from core.errors import CheckpointError, SpecdraftMetaError
+from core.io import atomic_dir
 
 
 FILENAME = "specdraft.json"

@@ -21,14 +21,11 @@ Every failure is one :class:`GGUFTargetError` line naming the install command.
 """
 from __future__ import annotations
 
-from core.errors import GGUFTargetError
-from core.io import sha256_file
-
+import base64
 import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import base64
 import logging
 import os
 import re
@@ -36,10 +33,8 @@ import shutil
 import time
 from pathlib import Path
 
-__all__ = [
-    'GGUFTargetError', 'prepare_target', 'resolve_target', 'locate_gguf', 'convert_gguf', 'cached_source',
-    'install_command',
-]
+from core.errors import GGUFTargetError
+from core.io import sha256_file
 
 
 log = logging.getLogger(__name__)
@@ -167,7 +162,7 @@ def convert_gguf(path: Path, out: Path, source: dict) -> Path:
     import torch
     from tqdm.auto import tqdm
 
-    from core.io import umask, atomic_dir
+    from core.io import atomic_dir, umask
     from models.checkpoints import as_meta
 
     if importlib.util.find_spec("gguf") is None:

@@ -41,16 +41,16 @@ tokenizers); merges are compared when both are fast tokenizers with a BPE model.
 """
 from __future__ import annotations
 
-from core.errors import TokenizerMismatchError
-
 import contextlib
-from typing import Iterable, Iterator
+import hashlib
+import json
+from typing import Any, Iterable, Iterator, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-import hashlib
-import json
-from typing import Any, Optional
+
+from core.errors import TokenizerMismatchError
 
 __all__ = [
     'TrimmedLMHead', 'install_trimmed_head', 'trimmed_head', 'trimmed_logits', 'draft_labels', 'kept_token_ids',

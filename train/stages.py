@@ -32,17 +32,17 @@ import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from core.io import write_json_atomic, write_text_atomic
 from typing import Any, Callable
-from distill.pipeline import baseline_stage, distill_small_stage, distill_stage
 
+from core.io import write_json_atomic, write_text_atomic
+from distill.pipeline import baseline_stage, distill_small_stage, distill_stage
 
 log = logging.getLogger("specdraft")
 
 
 @dataclass
 class AdaptConfig:
-    """The ``adapt`` config group (``conf/adapt/default.yaml``)."""
+    """The ``adapt`` config section (``conf/config.yaml``)."""
 
     draft: str = "drafts/distilled"  # draft evaluated and adapted: HF dir, or drafts/<name> of this run
     min_mean_accepted_length: float = 2.0  # adapt a domain whose tau (tokens per verify step) is below this
@@ -89,8 +89,8 @@ def adapt_domains(rc, opts, run_dir: Path, events=None) -> dict:
         ValueError: ``lora=none`` (no LoRA settings), a missing draft, and every error of the evaluation and of
             :func:`distill.lora.adapt_draft`.
     """
-    from distill.lora import resolve_base
     from core.errors import LoraError
+    from distill.lora import resolve_base
     from eval.decision import adapter_decision
 
     ev = events or (lambda *a, **k: None)
@@ -187,8 +187,7 @@ def adapted_routing(after: dict, rows: dict, base_name: str, drafts: dict) -> di
     kept (:func:`eval.decision.adapter_decision`): each domain's decision (:func:`eval.decision.decide`) is
     re-taken among the base draft and its own kept adapter, so a domain whose adapter was refused goes to the base
     draft, or to the target alone when the base is not faster than it (its interval below 1)."""
-    from eval.decision import routing_table
-    from eval.decision import candidates, decide
+    from eval.decision import candidates, decide, routing_table
     from eval.report import explain
 
     kept = {r["adapted_draft"] for r in rows.values() if r.get("adapter_kept")}
@@ -303,8 +302,8 @@ def domain_tau_stage(rc, opts, run_dir: Path, events=None) -> dict:
     """
     import json
 
-    from models.checkpoints import read_specdraft_meta
     from core.io import write_json_atomic
+    from models.checkpoints import read_specdraft_meta
 
     metrics = Path(run_dir) / "metrics.json"
     if not metrics.is_file():

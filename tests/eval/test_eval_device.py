@@ -137,7 +137,7 @@ def test_int8_draft_on_bfloat16_is_refused_before_loading(pair, tmp_path):
 
 
 def test_a_bad_device_from_the_environment_says_where_it_came_from(monkeypatch):
-    """conf/eval/default.yaml takes eval.device from $SPECDRAFT_EVAL_DEVICE: a bad value there names the variable,
+    """conf/config.yaml takes eval.device from $SPECDRAFT_EVAL_DEVICE: a bad value there names the variable,
     so the user does not look for an eval.device they never wrote; the same value given as eval.device does not."""
     from eval.config import EvalConfig
 

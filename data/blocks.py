@@ -5,10 +5,11 @@ weighted mixtures of domains (``data.mixture``). Chat records are rendered as th
 from __future__ import annotations
 
 import logging
+
 import torch
+
 from data.loading import COLUMNS, DataOptions, files_fingerprint, load_domain
 from data.text import cached_pack_blocks
-
 
 log = logging.getLogger(__name__)
 

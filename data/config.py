@@ -2,12 +2,13 @@
 """
 from __future__ import annotations
 
-from core.cli import closest_leaves, closest_keys
-
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional
+
 from omegaconf import DictConfig, OmegaConf
+
+from core.cli import closest_keys, closest_leaves
 
 
 @dataclass
@@ -117,6 +118,10 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
             msg += f"; {key} takes a list: {key}='[{example}]' (quoted for the shell)"
         elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
             msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
+        elif "is not a subclass of" in msg and "value:" in msg:  # `distill=forward_kl`: a section set to a word
+            section = key or msg.split(" is not a subclass of ")[1].split(".")[0].removesuffix("Config").lower()
+            msg += (f"; '{section}' is a section of conf/config.yaml, not a config group with options: set its keys "
+                    f"instead ({section}.<key>=<value>; the keys: docs/configuration.md)")
         raise ValueError(f"invalid config: {msg}") from None
 
 

@@ -11,7 +11,7 @@ Domains declared in configuration (no Python): ``conf/domain/<name>.yaml`` or in
 
 A declared domain is a list of files, each with a format and a record shape; its name then works wherever a
 built-in domain does (``data.domain``, ``data.mixture``, ``eval.domains``, ``lora.domain``, teacher and on-policy
-data), because :func:`data.registry.get_domain` falls back to it. ``eval.extra_domains`` entries are built here too
+data), because :func:`data.loading.get_domain` falls back to it. ``eval.extra_domains`` entries are built here too
 (:func:`extra_domain`), so one abstraction serves all three kinds. A declaration::
 
     description: our support chat logs            # optional
@@ -48,25 +48,31 @@ files are present, so adding a file (or records) never moves an existing record 
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import hashlib
 import json
 import logging
-from typing import Any
-from data.text import ROLES, plain_render
-from core.errors import DataFormatError, DataSourceError, UnknownDomainError
-from data.registry import Domain, HubSource, Source, check_report_name, usable_name
-from data.registry import DOMAINS  # noqa: F401  (re-exported: the name rule of domains)
-import hashlib
+import os
 from dataclasses import dataclass
-from typing import Iterable
-import datasets
-from data.registry import reader
-from data.registry import Example
+from pathlib import Path
+from typing import Any, Iterable
 
+import datasets
+
+from core.errors import DataFormatError, DataSourceError, UnknownDomainError
+from core.io import PROJECT_ROOT
+from data.registry import (
+    DOMAINS,  # noqa: F401  (re-exported: the name rule of domains)
+    Domain,
+    Example,
+    HubSource,
+    Source,
+    check_report_name,
+    reader,
+    usable_name,
+)
+from data.text import ROLES, plain_render
 
 ENV_DATA_ROOT = "SPECDRAFT_DATA_ROOT"
-from core.io import PROJECT_ROOT  # noqa: E402
 
 
 def default_data_root() -> Path | None:
@@ -405,7 +411,7 @@ COLUMNS = ("id", "source", "prompt", "completion", "messages")
 
 @dataclass(frozen=True)
 class DataOptions:
-    """How to find and split the data (mirrors the ``data`` config group)."""
+    """How to find and split the data (the ``data`` section of conf/config.yaml)."""
 
     root: str | None = None
     source: str = "root"  # root | hub | auto (root, then hub for files that are missing)

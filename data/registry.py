@@ -11,16 +11,15 @@ File readers with precise errors: every parse failure names the file and the lin
 """
 from __future__ import annotations
 
+import ast
 import csv
 import json
-from pathlib import Path
-from typing import Any, Iterator
-from core.errors import DataFormatError
-import ast
 import re
 from dataclasses import dataclass, field
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
+from core.errors import DataFormatError
 
 csv.field_size_limit(1 << 28)
 _SHORT_ROW = object()  # csv.DictReader's filler for the fields a short row does not have

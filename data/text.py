@@ -28,16 +28,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
-from typing import Any, Iterable, Sequence
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterable, Iterator, Sequence
+
 import datasets
 import torch
-
 
 log = logging.getLogger(__name__)
 

@@ -12,21 +12,22 @@ Public API::
     TokenTree(branching=(b1, b2, ...), max_nodes=None), DynamicTokenTree(depth, top_k, max_nodes), parse_draft_tree
         (token-tree drafting: speculative_generate(..., draft_tree=...))
 """
-from decode.common import CachePolicy, GenerationOutput, cache_policy
 from decode.autoregressive import autoregressive_generate
+from decode.common import CachePolicy, GenerationOutput, cache_policy
 from decode.fast_llama import frozen_weights
+from decode.sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
 from decode.speculative import (
     AdaptiveDraftLength,
     ConfidenceDraftLength,
     DraftLengthPolicy,
     FixedDraftLength,
     make_policy,
+    speculative_generate,
+    verify_block,
 )
-from decode.sampling import greedy_tokens, process_logits, sample_tokens, validate_sampling_args
-from decode.speculative import speculative_generate, verify_block
 from decode.stats import AcceptanceStats, expected_speedup
-from decode.tree import DynamicTokenTree, TokenTree, parse_draft_tree
 from decode.timing import block_forward_times_s, cost_ratio, forward_times_s
+from decode.tree import DynamicTokenTree, TokenTree, parse_draft_tree
 
 __all__ = [
     "speculative_generate",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+
 import torch
+
 from decode.common import (
     DecodeSetup,
     GenerationOutput,

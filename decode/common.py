@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
+
 import torch
 from transformers import DynamicCache
+
+from decode.fast_settings import BlockThreads
 from decode.fast_weights import CachePolicy, cache_policy, tree_visibility  # noqa: F401  (CachePolicy re-exported by decode)
 from decode.stats import AcceptanceStats
-from decode.fast_settings import BlockThreads
 
 
 @dataclass
@@ -325,8 +327,7 @@ def new_kv_state(model: torch.nn.Module, batch_size: int, device: torch.device, 
     cache slots (the lean state preallocates that many and grows when needed).
     """
     from decode.fast_llama import FastKVState
-    from decode.fast_weights import unsupported_reason
-    from decode.fast_weights import frozen_cached
+    from decode.fast_weights import frozen_cached, unsupported_reason
 
     if fast_path is False:
         return KVState(model, batch_size, device, capacity)

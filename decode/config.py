@@ -23,15 +23,13 @@ the loader only needs ``path`` (and ``draft``, the name shown in reports).
 """
 from __future__ import annotations
 
-from core.errors import RoutingError
-
-from dataclasses import dataclass
-from typing import Any
 import json
 import os
-from dataclasses import field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from core.errors import RoutingError
 
 DRAFT_LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
 

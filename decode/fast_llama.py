@@ -36,19 +36,36 @@ post-norm) -> residual -> RMSNorm -> gated MLP (-> Gemma post-norm) -> residual;
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
-from models.vocab import scatter_to_vocab
-from decode.fast_settings import rows_addmm, rows_times
 import functools
 import time
-from decode.fast_settings import SETTINGS, graph_count
+
+import torch
+import torch.nn.functional as F
+
 from decode.fast_settings import (  # noqa: F401  (re-exported: decode.compile and the row layout, as before the split)
-    COMPILE_MODES, ROW_LAYOUTS, compile_enabled, compile_seconds, row_layout_record, set_compile, set_row_layout)
-from decode.fast_weights import fast_path_supported, unsupported_reason  # noqa: F401  (unsupported_reason re-exported)
-from decode.fast_weights import frozen_cached, frozen_weights, read_model, use_packed
-from decode.fast_weights import tree_visibility
-from decode.fast_settings import BlockThreads
+    COMPILE_MODES,
+    ROW_LAYOUTS,
+    SETTINGS,
+    BlockThreads,
+    compile_enabled,
+    compile_seconds,
+    graph_count,
+    row_layout_record,
+    rows_addmm,
+    rows_times,
+    set_compile,
+    set_row_layout,
+)
+from decode.fast_weights import (  # noqa: F401  (unsupported_reason re-exported)
+    fast_path_supported,
+    frozen_cached,
+    frozen_weights,
+    read_model,
+    tree_visibility,
+    unsupported_reason,
+    use_packed,
+)
+from models.vocab import scatter_to_vocab
 
 __all__ = [
     'core', 'norm', 'head_norm', 'softcapped_attention', 'linear', 'fast_path_supported', 'FastKVState',

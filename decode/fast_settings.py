@@ -67,12 +67,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
+
 import torch
-import statistics
-import warnings
 
 __all__ = [
     'set_block_threads', 'block_thread_count', 'resolved_block_threads', 'parse_block_threads',
@@ -218,7 +219,7 @@ class FreeCoreThreads:
     threads): what other processes leave. It sets ``torch.set_num_threads`` to that many cores (rounded down unless
     within 0.3 of the next, at least 1, at most the affinity mask) and returns the count. Why: torch's OpenMP
     threads wait for each other at every parallel region; one thread on a core another process holds stalls the
-    rest. Measured on the 2-core development machine (docs/results.md, "Throughput on a shared machine"): a
+    rest. Measured on the 2-core development machine (docs/decisions.md, "Threads on a shared machine"): a
     distillation step at 2 threads with another process on one core ran many times slower than at 1 thread.
 
     The first count comes from a ``window_s`` sample at construction. Checks are at most every ``every_s`` seconds

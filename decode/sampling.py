@@ -8,6 +8,7 @@ temperature -> top-k -> top-p (``TemperatureLogitsWarper``, ``TopKLogitsWarper``
 from __future__ import annotations
 
 import math
+
 import torch
 
 __all__ = ['validate_sampling_args', 'process_logits', 'greedy_tokens', 'sample_tokens', 'uniform']

@@ -27,11 +27,13 @@ independent runs are wanted.
 """
 from __future__ import annotations
 
-from collections import deque
-from typing import Sequence
-import torch
 import time
+from collections import deque
 from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
 from decode.common import (
     DecodeSetup,
     GenerationOutput,

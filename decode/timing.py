@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import statistics
+
 import torch
+
 from decode.common import Timer, new_kv_state
 
 __all__ = [

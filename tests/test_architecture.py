@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "data", "models", "decode", "distill", "eval", "train")
-# package -> the packages it may import (docs/architecture.md, "Packages and the direction of imports")
+# package -> the packages it may import (docs/architecture.md, "The flow, and where each part lives")
 ALLOWED = {"core": set(), "data": {"core"}, "models": {"core", "data"}, "decode": {"core", "data", "models"},
            "distill": {"core", "data", "models", "decode"}, "eval": {"core", "data", "models", "decode"},
            "train": {"core", "data", "models", "decode", "distill", "eval"}}
@@ -123,7 +123,7 @@ def _function_lengths(path: Path):
 
 def test_modules_and_functions_fit_one_screen_per_job():
     """At most 60 product modules (eval/ at most 12), none over 800 lines, no function over 100 lines (docstrings
-    included), the benchmark script under 300 (docs/architecture.md, "Modules"). ``__init__.py`` files that only
+    included), the benchmark script under 300 (docs/architecture.md, "The flow, and where each part lives"). ``__init__.py`` files that only
     re-export count too when they hold code."""
     modules = _modules()
     counted = {m: p for m, p in modules.items() if p.name != "__init__.py" or p.read_text().strip()}

@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.loading import PROJECT_ROOT
+from core.io import PROJECT_ROOT
 
 CONF = PROJECT_ROOT / "conf"
 DOCS = PROJECT_ROOT / "docs"

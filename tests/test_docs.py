@@ -14,8 +14,10 @@ from tinymodels import compose_config
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
-# keys the docs show on purpose as mistakes, to show the error a user gets (docs/faults.md)
+# keys docs/faults.md shows on purpose as mistakes, to show the error a user gets
 SHOWN_AS_MISTAKES = {"trainer.max_step", "eval.domain", "eval.draft"}
+GROUPS = {g.name: sorted(o.stem for o in g.glob("*.yaml")) for g in (ROOT / "conf").iterdir()
+          if g.is_dir() and g.name not in {"experiment", "domain", "accelerate"}}
 
 
 def _code_spans(text: str) -> list[str]:
@@ -35,7 +37,7 @@ def _keys_of(node, prefix: str, out: dict[str, bool]) -> None:
     for k in node.keys():
         full = f"{prefix}{k}"
         child = node._get_node(k)
-        out[full] = out.get(full, False) or full in OPEN_MAPPINGS or child._is_none()
+        out[full] = full in OPEN_MAPPINGS
         if isinstance(child, DictConfig) and not child._is_none():
             _keys_of(child, full + ".", out)
 
@@ -67,7 +69,8 @@ def test_every_config_key_named_in_the_docs_exists(known_keys):
                 continue
             for m in key_re.finditer(span):
                 key = m.group(1).removesuffix(".*")
-                if key.rsplit(".", 1)[-1] in {"py", "md", "yaml", "json"} or key in SHOWN_AS_MISTAKES:
+                if key.rsplit(".", 1)[-1] in {"py", "md", "yaml", "json"} or (
+                        key in SHOWN_AS_MISTAKES and p.name == "faults.md"):
                     continue
                 checked += 1
                 parts = key.split(".")
@@ -88,3 +91,35 @@ def test_docs_describe_the_product_as_it_is_without_history():
     assert not found, "history in the docs (move it to CHANGELOG.md):\n" + "\n".join(found)
     assert (ROOT / "CHANGELOG.md").is_file()
     assert len((ROOT / "docs" / "results.md").read_text().splitlines()) <= 250
+
+
+def _known(key: str, known_keys: dict[str, bool]) -> bool:
+    parts = key.split(".")
+    return key in known_keys or any(known_keys.get(".".join(parts[:i])) for i in range(1, len(parts)))
+
+
+def test_every_override_in_a_docs_command_exists(known_keys):
+    """Each ``key=value`` of a ``python -m train`` / ``python -m eval`` command in the docs: a group takes one of its
+    options, ``experiment`` names experiment files (a comma list too), any other key exists (Hydra's own
+    ``hydra.*`` keys aside)."""
+    bad, checked = [], 0
+    for p in DOCS:
+        for span in _code_spans(p.read_text()):
+            for cmd in re.findall(r"python -m (?:train|eval)\b([^`|;&]*)", span):
+                for tok in cmd.split():
+                    tok = tok.strip("'\"")
+                    m = re.fullmatch(r"[+~]{0,2}([A-Za-z_][\w.]*)=(.*)", tok)
+                    if not m or m.group(1).startswith("hydra."):
+                        continue
+                    key, value = m.groups()
+                    checked += 1
+                    if key == "experiment":
+                        bad += [f"{p.relative_to(ROOT)}: experiment={e}" for e in value.split(",")
+                                if e not in EXPERIMENTS and not e.startswith("<")]
+                    elif key in GROUPS:
+                        bad += [f"{p.relative_to(ROOT)}: {key}={o}" for o in value.split(",")
+                                if o not in GROUPS[key] and not o.startswith("<")]
+                    elif not _known(key, known_keys) and not (key in SHOWN_AS_MISTAKES and p.name == "faults.md"):
+                        bad.append(f"{p.relative_to(ROOT)}: {key}")
+    assert checked >= 30, f"only {checked} overrides found: the pattern no longer reads the docs"
+    assert not bad, "docs commands with options, experiments or keys that do not exist:\n" + "\n".join(sorted(set(bad)))

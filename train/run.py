@@ -10,30 +10,26 @@ errors.
 """
 from __future__ import annotations
 
-from core.errors import RunDirInUseError
-
-import logging
-from pathlib import Path
-from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
-from dataclasses import dataclass, field
-from typing import Any
-from data.config import validate_structured
-from distill.config import DistillConfig, DraftConfig
-from distill.lora import LoraSectionConfig
-from distill.draft_init import ReferenceConfig
-from distill.config import TrainerConfig
-from eval.config import EvalRootConfig
-from train.stages import AdaptConfig
-from train.stages import KNOWN_STAGES
 import json
+import logging
 import os
 import time
-from dataclasses import asdict
-from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
-from core.io import EventLog, write_json_atomic
-from train.stages import STAGES, lora_draft_name
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
+from core.errors import RunDirInUseError
+from core.io import EventLog, write_json_atomic
+from data.config import validate_structured
+from distill.config import DistillConfig, DraftConfig, TrainerConfig
+from distill.draft_init import ReferenceConfig
+from distill.lora import LoraSectionConfig
+from eval.config import EvalRootConfig
+from train.stages import KNOWN_STAGES, STAGES, AdaptConfig, lora_draft_name
 
 log = logging.getLogger("specdraft")
 
@@ -274,9 +270,9 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     Raises:
         ValueError: the first problem found, with a message naming it and the fix.
     """
+    from distill.pipeline import check_draft_config
     from models.checkpoints import check_checkpoint_dir
     from models.target import resolve_target
-    from distill.pipeline import check_draft_config
 
     rc = validate(cfg)
     run_dir = Path(run_dir)

@@ -15,7 +15,8 @@ import pytest
 import data.loading
 from core.errors import DataFormatError, DataSourceError, UnknownDomainError
 from data.loading import DataOptions, eval_prompts, files_fingerprint, iter_examples, load_domain, user_domain
-from data.loading import ENV_DATA_ROOT, PROJECT_ROOT, default_data_root, resolve_data_root
+from data.loading import ENV_DATA_ROOT, default_data_root, resolve_data_root
+from core.io import PROJECT_ROOT
 from data.loading import get_domain
 from data.registry import DOMAINS, Domain
 from data.loading import assign_split, hash_unit

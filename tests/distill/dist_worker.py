@@ -18,7 +18,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from core.io import write_json_atomic  # noqa: E402
-from models.checkpoints import save_hf_atomic
+from models.checkpoints import save_hf_atomic  # noqa: E402
 from distill.losses import forward_kl  # noqa: E402
 from distill.trainer import MicroBatch, TrainerConfig, distributed_state, make_distill_step, train  # noqa: E402
 from tinymodels import tiny_llama  # noqa: E402

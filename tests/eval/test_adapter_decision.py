@@ -1,5 +1,5 @@
-"""Keeping or refusing a domain's adapter (issue 20): kept exactly when the adapted draft's tau interval lies wholly
-above the base draft's (eval.report.adapter_decision), and the adapt stage's routing table then sends a domain
+"""Keeping or refusing a domain's adapter: kept exactly when the adapted draft's tau interval lies wholly
+above the base draft's (eval.decision.adapter_decision), and the adapt stage's routing table then sends a domain
 to its adapter only when it was kept, else to the base draft or, when the base is not faster, the target alone."""
 from __future__ import annotations
 

@@ -352,7 +352,7 @@ def test_a_suggested_key_gets_the_value_in_the_shape_it_takes(key, value, sugges
     """"did you mean" names a key that may take a list or a mapping where the typo had a scalar: the suggestion is
     written so that pasting it works (the typed schema decides, also for keys whose default is null)."""
     from core.cli import unknown_key_message
-    from data.loading import PROJECT_ROOT
+    from core.io import PROJECT_ROOT
     from train.run import RootConfig
 
     msg = unknown_key_message(key, [f"{key}={value}"], PROJECT_ROOT / "conf", RootConfig)

@@ -15,7 +15,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.loading import PROJECT_ROOT
+from core.io import PROJECT_ROOT
 from train.run import KNOWN_STAGES, RootConfig, validate
 
 CONF = PROJECT_ROOT / "conf"
@@ -167,6 +167,7 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("decode.top_p=1.5", "decode.top_p"),
         ("decode.top_k=-1", "decode.top_k"),
         ("distill.loss=bogus", "distill.loss"),
+        ("distill=forward_kl", "'distill' is a section of conf/config.yaml, not a config group"),  # a folded group
         ("distill.temperature=0", "distill.temperature"),
         ("distill.train_on_prompts=false", "distill.train_on_prompts"),  # the default data_source is dataset
         ("eval.domains=[nope]", "eval.domains"),

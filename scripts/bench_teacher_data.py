@@ -44,7 +44,7 @@ def load_smollm2(num_prompts: int) -> tuple:
 
     from data.blocks import training_prompts
     from models.checkpoints import load_causal_lm
-    from data.config import TargetConfig
+    from models.target import TargetConfig
     from models.target import prepare_target
     from data.loading import DataOptions
     from data.text import encode_prompt

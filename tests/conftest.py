@@ -45,7 +45,7 @@ def smollm2_dir() -> str:
     reused when already there."""
     from omegaconf import OmegaConf
 
-    from data.config import TargetConfig
+    from models.target import TargetConfig
     from models.target import prepare_target
 
     cfg = OmegaConf.load(os.path.join(os.path.dirname(__file__), "..", "conf", "target", "smollm2.yaml"))

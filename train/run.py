@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
 from core.errors import RunDirInUseError
 from core.io import EventLog, write_json_atomic
-from data.config import validate_structured
+from core.cli import validate_structured
 from distill.config import DistillConfig, DraftConfig, TrainerConfig
 from distill.draft_init import ReferenceConfig
 from distill.lora import LoraSectionConfig

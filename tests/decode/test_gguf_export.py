@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from data.config import TargetConfig
+from models.target import TargetConfig
 from models.target import prepare_target
 from decode.llamacpp import _permute, export_gguf, export_once, gguf_tokenizer_matches, source_gguf, target_gguf, vocab_compatibility, vocab_summary
 from core.errors import GGUFExportError

@@ -139,7 +139,7 @@ def test_section_records_a_skip():
 def tiny_ggufs(tmp_path, monkeypatch):
     """A converted tiny GGUF target and a 1-layer self-draft of it, both exported to f32 GGUF."""
     from models.checkpoints import load_causal_lm
-    from data.config import TargetConfig
+    from models.target import TargetConfig
     from models.target import prepare_target
     from models.checkpoints import save_hf_atomic
     from decode.llamacpp import export_gguf

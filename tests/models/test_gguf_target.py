@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.config import TargetConfig
+from models.target import TargetConfig
 from models.target import prepare_target
 from core.errors import GGUFTargetError
 from ggufwriter import write_tiny_llama_gguf

@@ -38,6 +38,9 @@ the kept rows and zero rows elsewhere, :mod:`models.vocab`; llama.cpp then sees 
 (``common_speculative_are_compatible`` in ``common/speculative.cpp``): the same vocabulary type, the same
 ``add_bos`` / ``add_eos`` flags and ids where set, sizes within 128 of each other, and identical token text for every
 id from 5 up. :func:`gguf_tokenizer_matches` checks that a file's tokenizer equals a reference file's key for key.
+
+:func:`self_check` starts a server on one model, checks ``/health`` and one greedy completion: the install script's
+proof that a build runs on this CPU (:func:`write_tiny_llama_gguf` writes a few-kB quantized Llama for it and the tests).
 """
 from __future__ import annotations
 
@@ -630,3 +633,104 @@ def target_export_name(target_path: str | os.PathLike, fmt: str) -> str:
     parts = [str(folder)] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
                              for p in sorted(folder.glob("*.safetensors"))]
     return f"target-{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:12]}-{fmt}.gguf"
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def write_tiny_llama_gguf(path: str | os.PathLike, vocab_size: int = 64, hidden: int = 32, layers: int = 2,
+                          heads: int = 4, kv_heads: int = 2, ffn: int = 64, seed: int = 0,
+                          qtype: str = "Q8_0") -> Path:
+    """A random tiny Llama as GGUF at ``path``, with what transformers' GGUF reader needs: Llama hyper-parameters, a
+    byte-level BPE tokenizer (``gpt2`` model, a few letters, one merge, ChatML control tokens), a chat template, and
+    the weights in ggml type ``qtype`` (``Q8_0``, ``Q4_0``, ``Q4_1``, ... as ``gguf.quants`` writes them; blocks of 32,
+    so ``hidden`` and ``ffn`` are multiples of 32 for the 4-bit types), the norms float32 as llama.cpp writes them.
+
+    Raises:
+        ValueError: ``qtype`` is not a ``gguf.GGMLQuantizationType`` name.
+    """
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    if qtype not in GGMLQuantizationType.__members__:
+        raise ValueError(f"qtype={qtype!r} is not a ggml type: use one of Q8_0, Q4_0, Q4_1, F32")
+    qt = GGMLQuantizationType[qtype]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    b2u = bytes_to_unicode()
+    letters = [b2u[c] for c in b"abcdefghijklmnopqrstuvwxyz .,?\n"]
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + letters + ["ab"]
+    tokens += [f"t{i}" for i in range(vocab_size - len(tokens))]
+    w = GGUFWriter(str(path), "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab_size - 3))
+    w.add_token_merges([f"{b2u[ord('a')]} {b2u[ord('b')]}"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHATML)
+
+    def tensor(name, shape, quantized=True):
+        a = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        if not quantized:
+            w.add_tensor(name, 1.0 + 0.1 * a)
+        elif qt == GGMLQuantizationType.F32:
+            w.add_tensor(name, a)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qt), raw_dtype=qt)
+
+    kv = kv_heads * hidden // heads
+    tensor("token_embd.weight", (vocab_size, hidden))
+    tensor("output_norm.weight", (hidden,), quantized=False)
+    tensor("output.weight", (vocab_size, hidden))
+    for i in range(layers):
+        tensor(f"blk.{i}.attn_norm.weight", (hidden,), quantized=False)
+        tensor(f"blk.{i}.ffn_norm.weight", (hidden,), quantized=False)
+        for name, shape in (("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)), ("attn_v", (kv, hidden)),
+                            ("attn_output", (hidden, hidden)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))):
+            tensor(f"blk.{i}.{name}.weight", shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def self_check(server: str | os.PathLike, model_gguf: str | os.PathLike, *, threads: int = 2,
+               max_new_tokens: int = 8, startup_timeout_s: float = 120.0) -> dict:
+    """Does this ``llama-server`` binary run here? Starts it on ``model_gguf`` (the target's GGUF, or a tiny one from
+    :func:`write_tiny_llama_gguf`) with ``threads`` threads, waits for ``/health``, asks one greedy completion of
+    ``max_new_tokens`` tokens from a 3-token prompt, and stops it.
+
+    Returns:
+        ``{"ok": True, "model": ..., "threads": ..., "tokens": n, "tokens_per_s": ..., "seconds": ...}``, or
+        ``{"ok": False, ..., "error": "<one line: the exit code or the failed request, and the log's tail>"}``
+        (a server killed by a signal shows its negative exit code, e.g. -11 for SIGSEGV, -4 for SIGILL). Never raises
+        for a server that fails: the caller decides (rebuild, or report).
+    """
+    t0 = time.monotonic()
+    doc = {"model": str(model_gguf), "threads": int(threads)}
+    engine = Engine(Path(server), "self-check")
+    try:
+        with LlamaServer(engine, model_gguf, threads=threads, ctx_size=256, startup_timeout_s=startup_timeout_s) as s:
+            r = s.complete([1, 5, 6], max_new_tokens)
+        if not r.tokens:
+            raise EngineError("the completion returned no tokens")
+        doc.update(ok=True, tokens=len(r.tokens), tokens_per_s=round(r.tokens_per_s, 1))
+    except (EngineError, OSError) as e:
+        doc.update(ok=False, error=" ".join(str(e).split())[:600])
+    doc["seconds"] = round(time.monotonic() - t0, 2)
+    return doc

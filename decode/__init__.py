@@ -22,9 +22,9 @@ from decode.speculative import (
     DraftLengthPolicy,
     FixedDraftLength,
     make_policy,
-    speculative_generate,
     verify_block,
 )
+from decode.eagle3 import speculative_generate  # token drafts and EAGLE-3 heads (decode/eagle3.py)
 from decode.stats import AcceptanceStats, expected_speedup
 from decode.timing import block_forward_times_s, cost_ratio, forward_times_s
 from decode.tree import DynamicTokenTree, TokenTree, parse_draft_tree

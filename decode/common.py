@@ -198,6 +198,12 @@ class KVState:
             self.cache = DynamicCache(config=model.config)
         self.mask = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # (B, L)
         self.num_valid = torch.zeros(batch_size, dtype=torch.long, device=device)  # (B,) = next position id
+        self.capture, self.features = None, None  # see set_capture
+
+    def set_capture(self, layers) -> None:
+        """After every forward, keep ``features (B, T, len(layers) * E)``: Hugging Face's ``hidden_states[i]`` for
+        ``i`` in ``layers`` (the input of decoder layer ``i``) concatenated, for an EAGLE-3 draft."""
+        self.capture = tuple(int(i) for i in layers)
 
     @property
     def length(self) -> int:
@@ -237,7 +243,10 @@ class KVState:
             attention_mask = self._window_masks(position_ids)
         with BlockThreads(tokens.device, tokens.numel()):  # decode.block_threads (decode/fast_settings.py)
             out = self.model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep)
+                             cache=self.cache, use_cache=True, logits_to_keep=logits_to_keep,
+                             output_hidden_states=self.capture is not None)
+        if self.capture is not None:
+            self.features = torch.cat([out.hidden_states[i] for i in self.capture], -1)
         self.num_valid = self.num_valid + tm.sum(1)
         return out.logits
 

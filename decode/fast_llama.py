@@ -96,7 +96,10 @@ def core(st, tokens: torch.Tensor, rope: list, masks: dict, start: int, end: int
     x = F.embedding(tokens, st.embed_w)  # (B, T, E)
     if st.embed_scale is not None:
         x = x * st.embed_scale
+    capture, feats = st.capture, []
     for i, (ln1, eps1, w_qkv, w_o, ln2, eps2, w_gu, w_d) in enumerate(st.layers):
+        if capture is not None and i in capture:  # the input of layer i: Hugging Face's hidden_states[i]
+            feats.append(x)
         w_rows = None if rows is None else rows[i]  # (W_qkv, W_o, W_gu, W_down), (out, in)
         post = st.extras[i][2]
         # --- attention block
@@ -106,6 +109,8 @@ def core(st, tokens: torch.Tensor, rope: list, masks: dict, start: int, end: int
         x = _attention_residual(st, x, o, w_o, w_rows, post)
         # --- MLP block (gated: SiLU, Gemma GELU-tanh)
         x = _mlp_residual(st, x, norm(st, x, ln2, eps2), w_gu, w_d, w_rows, post)
+    if capture is not None:
+        st.features = torch.cat(feats, -1)  # (B, T, len(capture) * E)
     return _logits(st, x, logits_to_keep)
 
 
@@ -305,8 +310,17 @@ class FastKVState:
             self.rows_one = (self.rows_all if SETTINGS.one_row_layout_for(self.layers, self.rows_all, self.lm_w,
                                                                           device) == "weight_left" else None)
         self.compiled = SETTINGS.compile_enabled(device) if compile is None else bool(compile)
+        self.capture, self.features = None, None  # see set_capture
         self._core = (self._core_impl if not self.compiled else
                       functools.partial(SETTINGS.compiled_core(device, FastKVState._core_impl), self))
+
+    def set_capture(self, layers) -> None:
+        """After every forward, keep ``features (B, T, len(layers) * E)``: the inputs of decoder layers ``layers``
+        (Hugging Face's ``hidden_states[i]``) concatenated, for an EAGLE-3 draft (:mod:`decode.eagle3`). The
+        capturing forward runs uncompiled."""
+        self.capture = tuple(int(i) for i in layers)
+        if self.compiled:
+            self.compiled, self._core = False, self._core_impl
 
     # ------------------------------------------------------------------ buffers
     def _grow(self, need: int) -> None:

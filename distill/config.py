@@ -11,7 +11,28 @@ from dataclasses import dataclass, field
 
 from distill.drafts import LayerChoice, LlamaArch
 
-DRAFT_INITS = ("config", "layer_pruned", "pretrained")
+DRAFT_INITS = ("config", "layer_pruned", "pretrained", "eagle3")
+
+
+@dataclass
+class Eagle3Options:
+    """``draft.eagle3``: an EAGLE-3 head (draft.init=eagle3; models/eagle3.py, distill/eagle3.py)."""
+
+    target_layers: list[int] | None = None  # three hidden_states indices (layer inputs); null: (2, N // 2, N - 3)
+    ttt_steps: int = 3  # training-time test: draft steps unrolled per position (EAGLE-3 Sec. 3.1)
+    step_weight: float = 0.8  # loss weight of step j: step_weight ** j
+    init: str = "target"  # target (the layer, norm and head rows from the target's) | random
+
+    def __post_init__(self):
+        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
+            raise ValueError(f"draft.eagle3.ttt_steps must be an int >= 1, got {self.ttt_steps!r}")
+        if not 0 < float(self.step_weight) <= 1:
+            raise ValueError(f"draft.eagle3.step_weight must be in (0, 1], got {self.step_weight!r}")
+        if self.init not in ("target", "random"):
+            raise ValueError(f"draft.eagle3.init must be target or random, got {self.init!r}")
+        if self.target_layers is not None and (len(self.target_layers) != 3 or len(set(self.target_layers)) != 3):
+            raise ValueError(f"draft.eagle3.target_layers must name three different layers or be null, got "
+                             f"{self.target_layers!r}")
 
 
 @dataclass
@@ -22,6 +43,7 @@ class DraftConfig:
     arch: LlamaArch = field(default_factory=LlamaArch)
     layers: LayerChoice = field(default_factory=LayerChoice)  # layer_pruned only
     name_or_path: str | None = None  # pretrained only: HF directory or hub id (tokenizer must match the target's)
+    eagle3: Eagle3Options = field(default_factory=Eagle3Options)  # eagle3 only
     quantize: str = "none"  # none | int8: also save <draft>_int8, quantized at load time (decode/fast_settings.py)
     # train the input embeddings (and the output head tied to them) too; false keeps the target's: at a real
     # vocabulary (49,152 x 576 for SmolLM2) they are most of a self-draft's weights, and freezing them halves the

@@ -145,8 +145,12 @@ def load_pair(rc, opts: DataOptions, run_dir: Path, recipe: "Recipe", events=Non
 
 
 def _check_decodable(rc, model, role: str) -> None:
-    """``model`` holds a ``data.block_size`` context and speculative decoding can roll its cache back."""
+    """``model`` holds a ``data.block_size`` context and speculative decoding can roll its cache back (an EAGLE-3
+    head keeps its own cache: decode/eagle3.py)."""
     from decode import cache_policy
+
+    if getattr(model, "is_eagle3", False):
+        return
 
     check_context_fits(model, rc.data.block_size, role, f"data.block_size ({rc.data.block_size})")
     cache_policy(model, role=role)
@@ -314,9 +318,11 @@ def selection_eval(rc, opts: DataOptions, pair: Pair, teacher, section=None) -> 
                                      move_target=teacher is not pair.target)  # an online teacher stays in place
 
 
-def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict) -> dict:
+def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, stats: dict, tcfg, budget: dict,
+               draft_val_loss: float | None = None) -> dict:
     """``specdraft.json`` of a trained draft: how it was made (source, loss, data, budget), the selected step and
-    its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision)."""
+    its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision;
+    ``draft_val_loss``: the draft's own validation loss, measured by the caller, e.g. an EAGLE-3 head's)."""
     from core.cli import run_precision
     from data.text import Renderer
     from distill.generation import selection_meta
@@ -326,7 +332,7 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
         val_blocks = training_blocks(pair.weights, "validation", pair.tokenizer, rc.data.block_size, opts, 64,
                                      rc.seed)[:64]
     with run_precision(precision, next(pair.draft.parameters()).device):  # like with like: each on its device
-        val_loss = evaluate_loss(pair.draft, val_blocks)
+        val_loss = evaluate_loss(pair.draft, val_blocks) if draft_val_loss is None else draft_val_loss
     with run_precision(precision, next(pair.target.parameters()).device):
         target_val_loss = evaluate_loss(pair.target, val_blocks)
     meta = {

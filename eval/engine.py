@@ -60,15 +60,17 @@ def engine_wanted(ec) -> tuple[bool, str]:
 def prepare_ggufs(ec, target_path: str | os.PathLike, draft_paths: dict[str, Path], out_dir: Path) -> dict:
     """The target's and each draft's GGUF file under ``out_dir`` (exported once; an existing file newer than its
     checkpoint is reused). Returns ``{"target": path, "target_from": str, "drafts": {name: path}}``."""
-    from decode.llamacpp import export_once, source_gguf, target_gguf, vocab_compatibility
+    from decode.llamacpp import export_eagle3_gguf, export_once, source_gguf, target_gguf, vocab_compatibility
+    from models.eagle3 import is_eagle3_dir
 
     target_file, target_from = target_gguf(target_path, ec.target_format, out_dir)
     source = source_gguf(target_path)
     drafts = {}
     for name, path in draft_paths.items():
         # named after the checkpoint's folder, as serving.json names it (eval/sections.py)
-        drafts[name] = export_once(Path(path), out_dir / f"{Path(path).name}-{ec.draft_format}.gguf",
-                                   ec.draft_format, source)
+        out = out_dir / f"{Path(path).name}-{ec.draft_format}.gguf"
+        drafts[name] = (export_eagle3_gguf(Path(path), out, target_path, outtype=ec.draft_format)
+                        if is_eagle3_dir(path) else export_once(Path(path), out, ec.draft_format, source))
         bad = vocab_compatibility(target_file, drafts[name])
         if bad:
             raise ValueError(f"draft {name!r} exported to {drafts[name]} fails llama.cpp's vocabulary check against "
@@ -94,10 +96,14 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ctx = 1 << max(8, math.ceil(math.log2(need)))
     runs, alone_tps, commands = {}, {}, {}
 
-    def serve(name: str, target_gguf, draft_gguf=None, domains=None, n_probs: int = 0) -> dict:
+    from models.eagle3 import is_eagle3_dir
+
+    heads = {n for n, p in draft_paths.items() if is_eagle3_dir(p)}  # EAGLE-3: --spec-type draft-eagle3
+
+    def serve(name: str, target_gguf, draft_gguf=None, domains=None, n_probs: int = 0, spec="draft-simple") -> dict:
         t0 = time.perf_counter()
         with LlamaServer(engine, target_gguf, draft_gguf, num_draft_tokens=num_draft_tokens, threads=threads,
-                         ctx_size=ctx) as s:
+                         ctx_size=ctx, spec_type=spec) as s:
             commands[name] = [c if c != str(s.port) else "PORT" for c in s.command]
             s.complete(next(iter(prompt_ids.values()))[0][1], 4)  # warm-up: the first request pays page faults
             out = {}
@@ -118,6 +124,10 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     runs["target"] = serve("target", files["target"], n_probs=2)  # top-2 gaps: where a near-tie could flip
     first = dict([next(iter(prompt_ids.items()))])  # c: each draft served alone on the first domain's prompts
     for name, g in files["drafts"].items():
+        if name in heads:  # a head runs only on the target's features: no c from serving it alone
+            alone_tps[name] = math.nan
+            runs[name] = serve(name, files["target"], g, spec="draft-eagle3")
+            continue
         alone = serve(f"{name} alone", g, domains=first)
         alone_tps[name] = _tps([r for rs in alone.values() for r in rs])
         runs[name] = serve(name, files["target"], g)

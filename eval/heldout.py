@@ -23,8 +23,11 @@ replayed exactly from ``m``: a block starting at ``t`` drafts ``min(gamma, L - t
   pooled over the blocks of the replay at ``gamma = max_gamma``;
 - ``tau(gamma)`` (mean accepted length, tokens per target forward) = answer tokens / blocks at that ``gamma``.
 
-This holds for drafts whose next proposal depends only on the tokens (every draft kind decoded by
-:func:`decode.speculative_generate`); it is engine-independent and needs no timing. Intervals: percentile
+This holds for drafts whose next proposal depends only on the tokens (every token draft decoded by
+:func:`decode.speculative_generate`); it is engine-independent and needs no timing. An EAGLE-3 head's proposal also
+depends on where its block starts (the target's features reach it up to the block's start); its replay takes, per
+start, the chain the head drafts from there (:func:`eagle3_runs`, one training-time-test unroll), and its first
+block drafts nothing, as its decoder (:mod:`decode.eagle3`). Intervals: percentile
 bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
@@ -106,25 +109,35 @@ class Replay:
     accepted: list[int]
 
 
-def replay(matches: list[bool], max_gamma: int) -> Replay:
+def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None = None) -> Replay:
     """Replay greedy speculative decoding of one answer from its match vector (module docstring).
 
     Args:
-        matches: ``m_j`` for each answer token ``j`` (length ``L >= 0``).
+        matches: ``m_j`` for each answer token ``j`` (length ``L >= 0``): a token draft.
         max_gamma: the largest number of draft tokens per block (>= 1); blocks are counted for 1..max_gamma.
+        runs: instead of ``matches``, ``run[t]`` for each answer position (an EAGLE-3 head, whose proposals depend on
+            where the block starts: :func:`eagle3_runs`): the drafts a block starting at ``t`` would have accepted
+            (up to ``max_gamma``); ``run[0] = None``: the first block drafts nothing (the target's first token).
     """
     if max_gamma < 1:
         raise ValueError(f"eval.heldout.max_gamma must be >= 1, got {max_gamma}")
-    n = len(matches)
-    run = [0] * (n + 1)  # run[j]: consecutive matches starting at j
-    for j in range(n - 1, -1, -1):
-        run[j] = run[j + 1] + 1 if matches[j] else 0
+    if runs is None:
+        n = len(matches)
+        run = [0] * (n + 1)  # run[j]: consecutive matches starting at j
+        for j in range(n - 1, -1, -1):
+            run[j] = run[j + 1] + 1 if matches[j] else 0
+        first_drafts = True
+    else:
+        n, first_drafts = len(runs), not (runs and runs[0] is None)
+        run = [0 if r is None else r for r in runs] + [0]
     blocks = {}
     proposed, accepted = [0] * max_gamma, [0] * max_gamma
     for g in range(1, max_gamma + 1):
         t = steps = 0
         while t < n:
             cap = min(g, n - t - 1)  # the decoder drafts at most the tokens left but one (the target emits the last)
+            if t == 0 and not first_drafts:
+                cap = 0
             a = min(run[t], cap)
             if g == max_gamma:
                 for k in range(cap):
@@ -162,6 +175,46 @@ def draft_matches(draft: torch.nn.Module, prompts: list[list[int]], answers: lis
         for b, (p, a) in enumerate(zip(prompts[i:i + batch_size], answers[i:i + batch_size])):
             guess = pred[b, len(p) - 1 : len(p) - 1 + len(a)]  # position P-1+j predicts answer token j
             out.append((guess == torch.tensor(a, dtype=torch.long)).tolist() if a else [])
+    return out
+
+
+@torch.no_grad()
+def eagle3_runs(target, head, prompts: list[list[int]], answers: list[list[int]], max_gamma: int,
+                batch_size: int = 8) -> list[list[int | None]]:
+    """``run[t]`` per answer for :func:`replay`: one target forward over ``prompt + answer`` gives the features,
+    the head's training-time-test unroll (:meth:`models.eagle3.Eagle3Draft.unroll`, ``max_gamma`` steps) gives at
+    every position the chain it drafts from there, teacher-forced on the answer (an accepted draft is the answer's
+    token); ``run[t]`` counts the leading matches of the chain drafting answer tokens ``t, t+1, ...`` (state at
+    sequence position ``P + t - 2``, the pair ending with answer token ``t - 1``). ``run[0] = None``: the decoder's
+    first step drafts nothing."""
+    out: list[list[int | None]] = []
+    layers = head.cfg.target_layers
+    dev = next(head.parameters()).device
+    to_target = head.draft_to_target.to(dev)
+    for i in range(0, len(prompts), batch_size):
+        ps, ans = prompts[i:i + batch_size], answers[i:i + batch_size]
+        seqs = [p + a for p, a in zip(ps, ans)]
+        width = max(len(x) for x in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, x in enumerate(seqs):
+            ids[b, :len(x)], mask[b, :len(x)] = torch.tensor(x), 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        hs = target(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[j] for j in layers], -1)
+        if width < 2:
+            out.extend([[None] if a else [] for a in ans])
+            continue
+        outs = head.unroll(ids[:, 1:], head.fuse(feats[:, :-1]), max_gamma, valid=mask[:, :-1].bool())
+        preds = torch.stack([to_target[head.logits(o).argmax(-1)] for o in outs], -1).cpu()  # (B, W-1, G)
+        for b, (p, a) in enumerate(zip(ps, ans)):
+            runs: list[int | None] = [None] if a else []
+            for t in range(1, len(a)):
+                r = 0
+                while r < max_gamma and t + r < len(a) and int(preds[b, len(p) + t - 2, r]) == a[t + r]:
+                    r += 1
+                runs.append(r)
+            out.append(runs)
     return out
 
 
@@ -330,9 +383,13 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
         answers = greedy_answers(target, prompts, cfg.max_new_tokens, eos, pad, cfg.batch_size)
         record["prompts"][d] = len(prompts)
         for name, draft in drafts.items():
-            vocab = min(output_vocab_size(target), output_vocab_size(draft))
-            matches = draft_matches(draft, prompts, answers, vocab, cfg.batch_size)
-            record["drafts"][name][d] = summarize_replays(
-                [replay(m, cfg.max_gamma) for m in matches], cfg.max_gamma, samples=samples, confidence=confidence,
-                seed=seed, key=(name, d))
+            if getattr(draft, "is_eagle3", False):
+                replays = [replay(None, cfg.max_gamma, runs=r) for r in
+                           eagle3_runs(target, draft, prompts, answers, cfg.max_gamma, cfg.batch_size)]
+            else:
+                vocab = min(output_vocab_size(target), output_vocab_size(draft))
+                replays = [replay(m, cfg.max_gamma) for m in
+                           draft_matches(draft, prompts, answers, vocab, cfg.batch_size)]
+            record["drafts"][name][d] = summarize_replays(replays, cfg.max_gamma, samples=samples,
+                                                          confidence=confidence, seed=seed, key=(name, d))
     return record

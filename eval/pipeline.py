@@ -519,6 +519,7 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     from decode.fast_llama import fast_path_supported
     from decode.fast_settings import load_draft
     from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
+    from models.eagle3 import check_eagle3_fits
 
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -530,10 +531,14 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     drafts, meta = {}, {}
     for n in paths:
         model, _, saved = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
+        drafts[n] = model
+        if getattr(model, "is_eagle3", False):  # an EAGLE-3 head: the target's vocabulary and layers (decode/eagle3.py)
+            check_eagle3_fits(model, target, f"draft {n!r}")
+            meta[n] = (saved, "eagle3")
+            continue
         check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
         check_context_fits(model, need, f"draft {n!r}", what)
         cache_policy(model, 1, slots, role=f"draft {n!r}")
-        drafts[n] = model
         meta[n] = (saved, "lean" if fast_path_supported(model) else "hugging_face")
     return target, tokenizer, drafts, meta
 

@@ -19,8 +19,8 @@ The head, per position ``t`` of a sequence ``x``:
 - **Shared.** ``embed_tokens`` is the target's embedding, frozen.
 
 On disk an EAGLE-3 head is the folder vLLM's ``eagle3`` method and llama.cpp's converter read: ``config.json``
-(``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, ``target_hidden_size``,
-``eagle_config.eagle_aux_hidden_state_layer_ids``) and ``model.safetensors`` with the names of :class:`Eagle3Draft`'s
+(``architectures: [LlamaForCausalLMEagle3]``, ``draft_vocab_size``, ``target_hidden_size``, and at the top level
+``eagle_aux_hidden_state_layer_ids``: the layer inputs, as vLLM and llama.cpp read them) and ``model.safetensors`` with the names of :class:`Eagle3Draft`'s
 parameters (``fc.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d``, ``embed_tokens.weight``),
 plus the tokenizer and ``specdraft.json``.
 """
@@ -121,14 +121,17 @@ class Eagle3Config:
                 "hidden_act": self.hidden_act, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
                 "max_position_embeddings": self.max_position_embeddings, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False, "torch_dtype": "float32",
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in self.target_layers],
-                                 "use_aux_hidden_state": True},
+                # layer inputs (Hugging Face hidden_states indices), read as they are by vLLM and llama.cpp; not
+                # under eagle_config, where SGLang adds 1
+                "eagle_aux_hidden_state_layer_ids": list(self.target_layers),
+                "attention_bias": False, "mlp_bias": False,
                 "specdraft_eagle3": {"target_layers": list(self.target_layers), **self.extra}}
 
     @classmethod
     def from_hf_config(cls, doc: dict) -> "Eagle3Config":
         own = doc.get("specdraft_eagle3", {})
-        layers = own.get("target_layers") or [i + 1 for i in doc["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+        layers = (own.get("target_layers") or doc.get("eagle_aux_hidden_state_layer_ids")
+                  or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))  # vLLM's reading
         return cls(vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"],
                    hidden_size=doc["hidden_size"], target_hidden_size=doc.get("target_hidden_size", doc["hidden_size"]),
                    num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
@@ -231,6 +234,19 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    @property
+    def config(self):
+        """What the pipeline's checks read of a draft's config (the target's vocabulary, the context)."""
+        from types import SimpleNamespace
+
+        return SimpleNamespace(vocab_size=self.cfg.vocab_size, max_position_embeddings=self.cfg.max_position_embeddings)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
 
     # ------------------------------------------------------------------ vocabulary
     def set_draft_vocab(self, kept_ids: torch.Tensor) -> None:
@@ -360,6 +376,22 @@ class Eagle3Draft(nn.Module):
         self.fc.weight.zero_()
         th = self.cfg.target_hidden_size
         self.fc.weight[:, 2 * th:].copy_(torch.eye(h, th))
+
+
+def check_eagle3_fits(head: Eagle3Draft, target, role: str = "draft") -> None:
+    """The head was trained for this target: its vocabulary, width and feature layers.
+
+    Raises:
+        CheckpointError: a different vocabulary size or hidden size, or a feature layer past the target's depth.
+    """
+    c, t = head.cfg, target.config
+    if c.vocab_size != int(t.vocab_size) or c.target_hidden_size != int(t.hidden_size):
+        raise CheckpointError(f"{role} is an EAGLE-3 head for a target of vocabulary {c.vocab_size} and width "
+                              f"{c.target_hidden_size}, but this target has {t.vocab_size} and {t.hidden_size}: train "
+                              f"a head for this target (draft=eagle3)")
+    if max(c.target_layers) >= int(t.num_hidden_layers):
+        raise CheckpointError(f"{role} reads target layers {list(c.target_layers)}, past this target's "
+                              f"{t.num_hidden_layers} layers: train a head for this target (draft=eagle3)")
 
 
 def is_eagle3(model) -> bool:

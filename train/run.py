@@ -75,9 +75,10 @@ class RootConfig(EvalRootConfig):
         from data.loading import get_domain
 
         get_domain(self.data.domain)
-        if "draft_init" in self.stages and self.draft.init == "config":
-            raise ValueError("stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
-                             "draft=pretrained), or remove draft_init from stages")
+        if "draft_init" in self.stages and self.draft.init in ("config", "eagle3"):
+            raise ValueError(f"stage draft_init needs draft.init=layer_pruned or pretrained (set draft=layer_pruned or "
+                             f"draft=pretrained), or remove draft_init from stages (draft.init={self.draft.init} "
+                             f"starts in the distill stage)")
         uses_lora = [s for s in self.stages if s in ("lora", "finetune", "adapt")]
         if uses_lora and not self.lora.enabled:
             raise ValueError(f"stages {uses_lora} LoRA-adapt drafts but lora=none: add `lora=default` to the command "

@@ -343,11 +343,29 @@ def finetune_draft_name(rc) -> str:
     return f"finetune_{rc.lora.domain or rc.data.domain}"
 
 
+def _distill(rc, opts, run_dir: Path, events) -> dict:
+    """Stage ``distill``: a token draft (distill/pipeline.py) or, with ``draft=eagle3``, an EAGLE-3 head."""
+    if rc.draft.init == "eagle3":
+        from distill.eagle3 import eagle3_stage
+
+        return eagle3_stage(rc, opts, run_dir, events, distilled=True)
+    return distill_stage(rc, opts, run_dir, events)
+
+
+def _baseline(rc, opts, run_dir: Path, events) -> dict:
+    """Stage ``baseline``: the same draft kind with cross-entropy (an EAGLE-3 head's on hard labels)."""
+    if rc.draft.init == "eagle3":
+        from distill.eagle3 import eagle3_stage
+
+        return eagle3_stage(rc, opts, run_dir, events, distilled=False)
+    return baseline_stage(rc, opts, run_dir, events)
+
+
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("reference_target", _reference_target),
     Stage("draft_init", _draft_init, draft=lambda rc: rc.draft.init),  # drafts/layer_pruned or drafts/pretrained
-    Stage("distill", distill_stage, draft=lambda rc: "distilled"),
-    Stage("baseline", baseline_stage, draft=lambda rc: "baseline"),
+    Stage("distill", _distill, draft=lambda rc: "distilled"),
+    Stage("baseline", _baseline, draft=lambda rc: "baseline"),
     Stage("distill_small", distill_small_stage, draft=lambda rc: "small_distilled"),
     Stage("lora", _lora, draft=lora_draft_name),
     # the lora stage's data, teacher, steps and batch with every weight training (the full fine-tuning comparison)

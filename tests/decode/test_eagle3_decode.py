@@ -169,7 +169,7 @@ def test_save_load_round_trip_is_the_vllm_layout(tmp_path):
     save_eagle3(head, None, tmp_path / "h", meta={"draft_kind": "eagle3"})
     doc = json.loads((tmp_path / "h" / "config.json").read_text())
     assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["draft_vocab_size"] == 16
-    assert doc["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # layer outputs: inputs (1, 3, 5)
+    assert doc["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5] and "eagle_config" not in doc  # layer inputs
     with safe_open(str(tmp_path / "h" / "model.safetensors"), "pt") as f:
         names = set(f.keys())
         assert tuple(f.get_tensor("fc.weight").shape) == (32, 96)

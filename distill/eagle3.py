@@ -105,8 +105,9 @@ def draft_logp_from_topk(head: Eagle3Draft, values: torch.Tensor, indices: torch
     lv = values.float().masked_fill(d < 0, float("-inf"))
     logp_k = lv.log_softmax(-1)  # (B, T, K)
     n = head.cfg.draft_vocab_size
-    logp = torch.full((*values.shape[:2], n), float("-inf"), device=values.device)
-    logp.scatter_(-1, d.clamp(min=0), torch.where(d >= 0, logp_k, torch.full_like(logp_k, float("-inf"))))
+    logp = torch.full((*values.shape[:2], n + 1), float("-inf"), device=values.device)
+    logp.scatter_(-1, torch.where(d >= 0, d, n), logp_k)  # ids outside the draft vocabulary land in column n
+    logp = logp[..., :n]
     inside = d[..., 0] >= 0  # the top-1 id (values are sorted) is a draft id
     inside = inside & torch.isfinite(logp_k).any(-1)
     t = values.shape[1] - 1

@@ -486,10 +486,15 @@ def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str |
     tfmt = "q8_0" if target_format == "source" else target_format
     target_gguf = str(src) if src is not None and target_format == "source" else str(
         gdir / (target_export_name(target, tfmt) if Path(target).is_dir() else f"target-{tfmt}.gguf"))
+    from models.eagle3 import is_eagle3_dir
+
     draft_gguf = str(gdir / f"{Path(draft_path).name}-{draft_format}.gguf")
-    args = ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-simple", "--spec-draft-n-max", str(gamma),
-            "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
-    export = ["python", "scripts/export_gguf.py", draft_path, draft_gguf, "--outtype", draft_format, "--target", target]
+    head = is_eagle3_dir(draft_path)  # an EAGLE-3 head: llama.cpp's converter writes it, draft-eagle3 serves it
+    args = ["-m", target_gguf, "-md", draft_gguf, "--spec-type", "draft-eagle3" if head else "draft-simple",
+            "--spec-draft-n-max", str(gamma), "--spec-draft-n-min", "0", "--spec-draft-p-min", "0"]
+    export = (["python", "<engine dir>/converter/convert_hf_to_gguf.py", draft_path, "--target-model-dir", target,
+               "--outtype", draft_format, "--outfile", draft_gguf] if head else
+              ["python", "scripts/export_gguf.py", draft_path, draft_gguf, "--outtype", draft_format, "--target", target])
     return {"target_gguf": target_gguf, "draft_gguf": draft_gguf, "args": args,
             "command": "llama-server " + " ".join(map(shlex.quote, args)),
             "export": " ".join(map(shlex.quote, export))}
@@ -497,9 +502,13 @@ def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str |
 
 def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None = None,
                     formats: dict | None = None) -> dict:
-    """The vLLM / SGLang / llama.cpp / transformers settings for one (draft, gamma)."""
-    spec = {"method": "draft_model", "model": draft_path, "num_speculative_tokens": gamma}
-    sglang = ["--model-path", target, "--speculative-algorithm", "STANDALONE",
+    """The vLLM / SGLang / llama.cpp / transformers settings for one (draft, gamma); an EAGLE-3 head is served as
+    vLLM's ``eagle3`` method and SGLang's ``EAGLE3`` algorithm (transformers has no EAGLE-3 decoding: no snippet)."""
+    from models.eagle3 import is_eagle3_dir
+
+    head = is_eagle3_dir(draft_path)
+    spec = {"method": "eagle3" if head else "draft_model", "model": draft_path, "num_speculative_tokens": gamma}
+    sglang = ["--model-path", target, "--speculative-algorithm", "EAGLE3" if head else "STANDALONE",
               "--speculative-draft-model-path", draft_path, "--speculative-num-steps", str(gamma),
               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(gamma + 1)]
     hf = "\n".join([
@@ -518,7 +527,7 @@ def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Pa
                  "command": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(spec))}"},
         "sglang": {"args": sglang, "command": "python -m sglang.launch_server " + " ".join(map(shlex.quote, sglang))},
         "llama_cpp": llama_cpp_settings(target, draft_path, gamma, gguf_dir, **(formats or {})),
-        "transformers": {"num_assistant_tokens": gamma, "snippet": hf},
+        "transformers": None if head else {"num_assistant_tokens": gamma, "snippet": hf},
     }
 
 
@@ -559,7 +568,7 @@ def serving_markdown(serving: dict) -> str:
         flags = " ".join(s["sglang"]["args"][2:])
         lines.append(f"| {d} | `{s['draft']}` | {s['num_draft_tokens']} | "
                      f"`{json.dumps(s['vllm']['speculative_config'])}` | `{flags}` | {s['note'] or '-'} |")
-    speculating = [s for s in serving["domains"].values() if s["draft"] is not None]
+    speculating = [s for s in serving["domains"].values() if s["draft"] is not None and s.get("transformers")]
     if speculating:
         first = speculating[0]
         lines += ["", f"transformers, for `{first['draft']}` (gamma {first['num_draft_tokens']}):", "", "```python",

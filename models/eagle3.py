@@ -349,7 +349,8 @@ class Eagle3Draft(nn.Module):
         inner = getattr(target, "model", None)
         if inner is None or not hasattr(inner, "layers") or target.config.hidden_size != self.cfg.target_hidden_size:
             raise ValueError("an EAGLE-3 head initialises from a Llama-family *ForCausalLM target of its width")
-        self.embed_tokens.weight = inner.embed_tokens.weight  # shared, frozen (the target is frozen)
+        self.embed_tokens.weight = inner.embed_tokens.weight  # shared with the target, frozen (for both)
+        self.embed_tokens.weight.requires_grad_(False)
         self.set_draft_vocab(kept_ids)
         if how == "random":
             gen = torch.Generator().manual_seed(seed)

@@ -213,3 +213,36 @@ def test_vllm_check_reads_vllms_recorded_spec_decode_counters():
     c = mod._counters((FIXTURES / "vllm_metrics.txt").read_text())
     assert c == {"num_drafts": 31.0, "num_draft_tokens": 93.0, "num_accepted_tokens": 0.0}
     assert all(math.isnan(v) for v in mod._counters("no metrics").values())
+
+
+@needs_engine
+def test_an_eagle3_head_exports_and_serves_losslessly_in_llama_cpp(smollm2, smollm2_dir, tmp_path):
+    """A head of SmolLM2's shape (started from the target, untrained), written as vLLM's eagle3 folder, goes through
+    llama.cpp's own converter and is served with --spec-type draft-eagle3: the engine drafts with it and its greedy
+    output equals the target alone's."""
+    import gguf
+    import torch
+
+    from decode.llamacpp import export_eagle3_gguf, source_gguf
+    from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3
+
+    target, tok = smollm2
+    head = Eagle3Draft(Eagle3Config.from_target(target.config, 1024))
+    head.init_from_target(target, torch.arange(1024), how="target")
+    save_eagle3(head, tok, tmp_path / "head")
+    out = export_eagle3_gguf(tmp_path / "head", tmp_path / "head.gguf", smollm2_dir, outtype="f16")
+    r = gguf.GGUFReader(str(out))
+    assert bytes(r.fields["general.architecture"].parts[-1]).decode() == "eagle3"
+    assert [int(x) for x in r.fields["eagle3.target_layers"].contents()] == [2, 15, 27]
+    assert {"fc.weight", "d2t", "blk.0.attn_norm_2.weight"} <= {t.name for t in r.tensors}
+    assert export_eagle3_gguf(tmp_path / "head", out, smollm2_dir) == out  # newer than the head: reused
+    engine = find_engine()
+    text = tok.apply_chat_template([{"role": "user", "content": "What is a fever?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    with LlamaServer(engine, source_gguf(smollm2_dir), threads=2, ctx_size=512) as s:
+        alone = s.complete(prompt, 24)
+    with LlamaServer(engine, source_gguf(smollm2_dir), out, num_draft_tokens=3, threads=2, ctx_size=512,
+                     spec_type="draft-eagle3") as s:
+        spec = s.complete(prompt, 24)
+    assert spec.tokens == alone.tokens and spec.draft_n > 0

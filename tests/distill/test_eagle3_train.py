@@ -113,19 +113,30 @@ def test_heldout_replay_of_a_head_equals_its_decoder(seed):
                 assert sum(rep.accepted) == out.stats.accepted_tokens
 
 
+@pytest.mark.slow  # a python -m train subprocess
 def test_smoke_with_an_eagle3_head_end_to_end(tmp_path):
+    """The distill stage (cached features) and the evaluation with the head, as a user runs them (the baseline
+    stage's cross-entropy loss: test_the_ttt_loss_learns_the_targets_continuations[ce])."""
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", "draft=eagle3",
+    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", "draft=eagle3", "stages=[distill,eval]",
+                           "distill.teacher_signal=cached", "eval.drafts={distilled: drafts/distilled}",
                            "draft.draft_vocab_size=512", "eval.engine.enabled=false", f"hydra.run.dir={run}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for name in ("distilled", "baseline"):
-        doc = json.loads((run / "drafts" / name / "config.json").read_text())
-        assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["draft_vocab_size"] == 512
-        meta = json.loads((run / "drafts" / name / "specdraft.json").read_text())
-        assert meta["init"] == "eagle3" and meta["distilled"] is (name == "distilled")
-        assert meta["eagle3"]["ttt_steps"] == 3 and meta["eagle3"]["target_layers"] == [1, 3, 5]
+    doc = json.loads((run / "drafts" / "distilled" / "config.json").read_text())
+    assert doc["architectures"] == ["LlamaForCausalLMEagle3"] and doc["draft_vocab_size"] == 512
+    meta = json.loads((run / "drafts" / "distilled" / "specdraft.json").read_text())
+    assert meta["init"] == "eagle3" and meta["distilled"] is True and meta["teacher_signal"] == "cached"
+    assert meta["eagle3"]["ttt_steps"] == 3 and meta["eagle3"]["target_layers"] == [1, 3, 5]
+    assert meta["teacher_cache"]["computed_shards"] >= 1
     m = json.loads((run / "metrics.json").read_text())
-    assert m["lossless_all"] is True and set(m["drafts"]) == {"distilled", "baseline"}
-    assert set(m["heldout"]["drafts"]) == {"distilled", "baseline"}
+    assert m["lossless_all"] is True and set(m["drafts"]) == {"distilled"}
+    assert set(m["heldout"]["drafts"]) == {"distilled"}
+    from eval.sections import engine_settings
+
+    e = engine_settings(str(run / "target"), str(run / "drafts" / "distilled"), 3)  # serving.json's entry for it
+    assert e["vllm"]["speculative_config"]["method"] == "eagle3" and "EAGLE3" in e["sglang"]["args"]
+    llama = e["llama_cpp"]["args"]
+    assert llama[llama.index("--spec-type") + 1] == "draft-eagle3" and "convert_hf_to_gguf.py" in e["llama_cpp"]["export"]
+    assert e["transformers"] is None
     assert "Held-out acceptance" in (run / "report.md").read_text()

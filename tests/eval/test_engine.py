@@ -215,6 +215,7 @@ def test_vllm_check_reads_vllms_recorded_spec_decode_counters():
     assert all(math.isnan(v) for v in mod._counters("no metrics").values())
 
 
+@pytest.mark.slow  # the real target and two servers
 @needs_engine
 def test_an_eagle3_head_exports_and_serves_losslessly_in_llama_cpp(smollm2, smollm2_dir, tmp_path):
     """A head of SmolLM2's shape (started from the target, untrained), written as vLLM's eagle3 folder, goes through

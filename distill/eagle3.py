@@ -224,11 +224,12 @@ def make_eagle3_step(distilled: bool, steps: int, weight: float):
 
 def _build_head(rc, opts, run_dir, target, tokenizer, events):
     """An untrained head of the target's shape (the draft vocabulary and the weights come with the signal)."""
-    if not rc.draft.draft_vocab_size:
-        raise ValueError("draft=eagle3 needs draft.draft_vocab_size (EAGLE-3's reduced vocabulary, e.g. 8192)")
-    e = rc.draft.eagle3
-    cfg = Eagle3Config.from_target(target.config, min(rc.draft.draft_vocab_size, target.config.vocab_size),
-                                   e.target_layers or None)
+    e, vocab = rc.draft.eagle3, int(target.config.vocab_size)
+    size = rc.draft.draft_vocab_size or vocab  # null: the full vocabulary
+    if size > vocab:
+        raise ValueError(f"draft.draft_vocab_size={size} is larger than the target's vocabulary ({vocab}): set at most "
+                         f"{vocab}, or null for the full vocabulary")
+    cfg = Eagle3Config.from_target(target.config, size, e.target_layers or None)
     head = Eagle3Draft(cfg)
     return head, {"init": "eagle3", "init_settings": {"eagle3": asdict(e), "target_layers": list(cfg.target_layers)}}
 

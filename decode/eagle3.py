@@ -23,15 +23,12 @@ the target's distribution. Draft-length policies (fixed, adaptive, confidence) a
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
-from decode.common import (GenerationOutput, Timer, finalize, model_device, new_kv_state, prefill, setup_decoding,
-                           sync)
+from decode.common import GenerationOutput, finalize, new_kv_state, prefill, setup_decoding
 from decode.sampling import greedy_tokens, process_logits, sample_tokens
-from decode.speculative import DraftLengthPolicy, _Block, _emit, _Rows, _validated_policy, _verify
+from decode.speculative import DraftLengthPolicy, LoopClock, _Block, _emit, _Rows, _validated_policy, _verify
 from decode.speculative import speculative_generate as chain_generate
 from decode.stats import AcceptanceStats
 
@@ -198,12 +195,11 @@ def eagle3_generate(target, head, input_ids: torch.Tensor, attention_mask: torch
                          f"[0, {io.vocab}): it was trained for another vocabulary")
     device, buf, vocab = io.device, io.buf, io.vocab
     bsz, prompt_len = io.input_ids.shape
-    stats, width_out = AcceptanceStats(), prompt_len + max_new_tokens
     if max_new_tokens == 0:
-        return GenerationOutput(finalize(buf, prompt_len), io.num_new, stats)
-    max_gamma = int(policy.max_draft_tokens)
-    wall_t0 = time.perf_counter()
-    draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
+        return GenerationOutput(finalize(buf, prompt_len), io.num_new, AcceptanceStats())
+    clock = LoopClock(io, max_new_tokens, policy)
+    stats, width_out, max_gamma = clock.stats, clock.width_out, clock.max_gamma
+    draft_timer, verify_timer, prefill_timer = clock.draft, clock.verify, clock.prefill
     tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
     tstate.set_capture(layers)
     hstate = Eagle3State(head, bsz, device, width_out + max_gamma + 2)
@@ -253,8 +249,4 @@ def eagle3_generate(target, head, input_ids: torch.Tensor, attention_mask: torch
                 pending = tuple(None if x is None else x[sel] for x in pending)
             else:
                 rows.ids = []
-    stats.draft_time_s, stats.verify_time_s = draft_timer.seconds, verify_timer.seconds
-    stats.prefill_time_s = prefill_timer.seconds
-    sync(device)
-    stats.wall_time_s = time.perf_counter() - wall_t0
-    return GenerationOutput(finalize(buf, width_out), io.num_new, stats)
+    return clock.finish(io)

@@ -512,6 +512,25 @@ def _validated_policy(target, draft, num_draft_tokens, draft_length_policy, do_s
     return policy
 
 
+class LoopClock:
+    """What a speculative decoding loop counts and times (the chain's and :mod:`decode.eagle3`'s): the pooled
+    :class:`~decode.stats.AcceptanceStats`, the output width, the largest gamma, the draft / verify / prefill timers
+    and the wall clock from construction; :meth:`finish` writes the times into the stats and returns the output."""
+
+    def __init__(self, io: DecodeSetup, max_new_tokens: int, policy: DraftLengthPolicy):
+        self.stats, self.width_out = AcceptanceStats(), io.input_ids.shape[1] + max_new_tokens
+        self.max_gamma = int(policy.max_draft_tokens)
+        self.wall_t0 = time.perf_counter()
+        self.draft, self.verify, self.prefill = Timer(io.device), Timer(io.device), Timer(io.device)
+
+    def finish(self, io: DecodeSetup) -> GenerationOutput:
+        s = self.stats
+        s.draft_time_s, s.verify_time_s, s.prefill_time_s = self.draft.seconds, self.verify.seconds, self.prefill.seconds
+        sync(io.device)
+        s.wall_time_s = time.perf_counter() - self.wall_t0
+        return GenerationOutput(finalize(io.buf, self.width_out), io.num_new, s)
+
+
 def _chain_generate(target, draft, io: DecodeSetup, policy: DraftLengthPolicy, max_new_tokens: int,
                     do_sample: bool, sampling: dict, generator, fast_path) -> GenerationOutput:
     """Chain speculative decoding of the validated inputs ``io`` (:func:`decode.common.setup_decoding`, ``buf``
@@ -520,12 +539,11 @@ def _chain_generate(target, draft, io: DecodeSetup, policy: DraftLengthPolicy, m
     (:func:`_roll_back`) and finished rows retire (:func:`_retire`). Returns ``sequences (B, P + max_new_tokens)``."""
     device, input_ids, buf, vocab = io.device, io.input_ids, io.buf, io.vocab
     bsz, prompt_len = input_ids.shape
-    stats, width_out = AcceptanceStats(), prompt_len + max_new_tokens
     if max_new_tokens == 0:
-        return GenerationOutput(finalize(buf, prompt_len), io.num_new, stats)
-    max_gamma = int(policy.max_draft_tokens)
-    wall_t0 = time.perf_counter()
-    draft_timer, verify_timer, prefill_timer = Timer(device), Timer(device), Timer(device)
+        return GenerationOutput(finalize(buf, prompt_len), io.num_new, AcceptanceStats())
+    clock = LoopClock(io, max_new_tokens, policy)
+    stats, width_out, max_gamma = clock.stats, clock.width_out, clock.max_gamma
+    draft_timer, verify_timer, prefill_timer = clock.draft, clock.verify, clock.prefill
     tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
     dstate = new_kv_state(draft, bsz, device, width_out + max_gamma + 2, fast_path)
     with prefill_timer:
@@ -551,11 +569,7 @@ def _chain_generate(target, draft, io: DecodeSetup, policy: DraftLengthPolicy, m
         if any(verdict.done):
             _retire(tstate, dstate, rows, verdict.done, io.num_new)
 
-    stats.draft_time_s, stats.verify_time_s = draft_timer.seconds, verify_timer.seconds
-    stats.prefill_time_s = prefill_timer.seconds
-    sync(device)
-    stats.wall_time_s = time.perf_counter() - wall_t0
-    return GenerationOutput(finalize(buf, width_out), io.num_new, stats)
+    return clock.finish(io)
 
 
 def _tree_generate(target, draft, io, draft_tree, max_new_tokens: int, do_sample: bool, sampling: dict, generator,

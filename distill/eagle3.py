@@ -26,7 +26,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from distill.pipeline import Recipe, Signal, draft_meta, teacher_signal_data
 from distill.trainer import MicroBatch
@@ -129,7 +128,6 @@ class FeatureCache:
         import hashlib
 
         from core.io import write_json_atomic
-        from models.checkpoints import read_specdraft_meta
 
         self.layers, self.k, self.shard_blocks = tuple(layers), int(k), int(shard_blocks)
         h = hashlib.sha256()
@@ -149,7 +147,6 @@ class FeatureCache:
         write_json_atomic(self.dir / "cache.json", {"layers": list(self.layers), "top_k": self.k,
                                                     "blocks": int(blocks.shape[0]), "shard_blocks": shard_blocks})
         self._loaded: dict[int, dict] = {}
-        del read_specdraft_meta
 
     def _path(self, i: int) -> Path:
         return self.dir / f"shard-{i:05d}.safetensors"

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from decode.common import GenerationOutput, finalize, new_kv_state, prefill, setup_decoding
+from decode.common import GenerationOutput, finalize, prefill, setup_decoding
 from decode.sampling import greedy_tokens, process_logits, sample_tokens
 from decode.speculative import DraftLengthPolicy, LoopClock, _Block, _emit, _Rows, _validated_policy, _verify
 from decode.speculative import speculative_generate as chain_generate
@@ -198,11 +198,10 @@ def eagle3_generate(target, head, input_ids: torch.Tensor, attention_mask: torch
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), io.num_new, AcceptanceStats())
     clock = LoopClock(io, max_new_tokens, policy)
-    stats, width_out, max_gamma = clock.stats, clock.width_out, clock.max_gamma
-    draft_timer, verify_timer, prefill_timer = clock.draft, clock.verify, clock.prefill
-    tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
+    stats, max_gamma, draft_timer, verify_timer = clock.stats, clock.max_gamma, clock.draft, clock.verify
+    tstate, prefill_timer = clock.kv_state(target, fast_path), clock.prefill
     tstate.set_capture(layers)
-    hstate = Eagle3State(head, bsz, device, width_out + max_gamma + 2)
+    hstate = Eagle3State(head, bsz, device, clock.capacity)
     with prefill_timer:
         prefill((tstate,), io.input_ids, io.attention_mask)
         if prompt_len > 1:  # the prompt's pairs (feature t, token t + 1); a pad slot's pair is a hole

@@ -522,6 +522,11 @@ class LoopClock:
         self.max_gamma = int(policy.max_draft_tokens)
         self.wall_t0 = time.perf_counter()
         self.draft, self.verify, self.prefill = Timer(io.device), Timer(io.device), Timer(io.device)
+        self.capacity, self.batch, self.device = self.width_out + self.max_gamma + 2, io.input_ids.shape[0], io.device
+
+    def kv_state(self, model, fast_path):
+        """A KV state for ``model`` with room for the whole output and a block's overhang."""
+        return new_kv_state(model, self.batch, self.device, self.capacity, fast_path)
 
     def finish(self, io: DecodeSetup) -> GenerationOutput:
         s = self.stats
@@ -542,10 +547,8 @@ def _chain_generate(target, draft, io: DecodeSetup, policy: DraftLengthPolicy, m
     if max_new_tokens == 0:
         return GenerationOutput(finalize(buf, prompt_len), io.num_new, AcceptanceStats())
     clock = LoopClock(io, max_new_tokens, policy)
-    stats, width_out, max_gamma = clock.stats, clock.width_out, clock.max_gamma
-    draft_timer, verify_timer, prefill_timer = clock.draft, clock.verify, clock.prefill
-    tstate = new_kv_state(target, bsz, device, width_out + max_gamma + 2, fast_path)
-    dstate = new_kv_state(draft, bsz, device, width_out + max_gamma + 2, fast_path)
+    stats, max_gamma, draft_timer, verify_timer = clock.stats, clock.max_gamma, clock.draft, clock.verify
+    tstate, dstate, prefill_timer = clock.kv_state(target, fast_path), clock.kv_state(draft, fast_path), clock.prefill
     with prefill_timer:
         prefill((tstate, dstate), input_ids, io.attention_mask)
     last = input_ids[:, -1]  # (B,)

@@ -38,7 +38,7 @@ def test_default_layers_and_config_checks():
         Eagle3Config.from_target(t.config, 65)
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(3))
 def test_greedy_equals_the_target_for_random_pairs(seed):
     g = torch.Generator().manual_seed(seed)
     layers = 4 + seed % 3
@@ -137,8 +137,7 @@ def _joint_23(model, prompt, cfg) -> torch.Tensor:
     return (p1[:, None, None] * p2[:, :, None] * p3).sum(0).double()
 
 
-@pytest.mark.parametrize("cfg", [dict(num_draft_tokens=2), dict(num_draft_tokens=3, temperature=0.7, top_k=6)],
-                         ids=["g2", "g3-t0.7-k6"])
+@pytest.mark.parametrize("cfg", [dict(num_draft_tokens=3, temperature=0.7, top_k=6)], ids=["g3-t0.7-k6"])
 def test_sampling_keeps_the_target_distribution(cfg):
     scipy_stats = pytest.importorskip("scipy.stats")
     target = tiny_llama(vocab_size=V, hidden_size=16, num_layers=4, seed=1)

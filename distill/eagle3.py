@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,11 +64,10 @@ def ttt_loss(head: Eagle3Draft, batch: MicroBatch, features: torch.Tensor, teach
     outs = head.unroll(ids[:, 1:], head.fuse(features[:, :-1]), steps, valid=batch.attention_mask[:, :-1].bool())
     total = features.new_zeros(())
     pos = torch.arange(t, device=ids.device)
+    real = batch.attention_mask.bool()
     for j, hidden in enumerate(outs):
-        inside = (pos + j + 1 < t + 1 - 1 + 1) & (pos + j + 2 <= t)  # x_{t+j+2} exists in the block
-        keep = counted & inside[None, :]
-        if j > 0:  # every fed-back token x_{t+1..t+j+1} must be real
-            keep = keep & batch.attention_mask[:, 1:].bool().roll(-j, 1) & inside[None, :]
+        # the label x_{t+j+2} lies in the block and is real (right padding: then every token before it is too)
+        keep = counted & (pos + j + 2 <= t)[None, :] & real[:, (pos + j + 2).clamp(max=t)]
         logq = head.logits(hidden).float().log_softmax(-1)  # (B, T-1, N_d)
         if distilled:
             logp, defined = teacher_logp_at(j)
@@ -154,8 +154,6 @@ class FeatureCache:
     def _shard(self, target, i: int) -> None:
         from safetensors.torch import save_file
 
-        from core.io import write_bytes_atomic
-
         path = self._path(i)
         if path.is_file():
             self.reused += 1
@@ -171,8 +169,7 @@ class FeatureCache:
             idx.append(ix.int())
         tmp = path.with_suffix(".tmp")
         save_file({"features": torch.cat(feats), "values": torch.cat(vals), "indices": torch.cat(idx)}, str(tmp))
-        write_bytes_atomic(path, tmp.read_bytes())
-        tmp.unlink()
+        os.replace(tmp, path)  # a finished shard appears whole
         self.computed += 1
 
     def get(self, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from distill.pipeline import Recipe, Signal, draft_meta, teacher_signal_data
 from distill.trainer import MicroBatch
@@ -122,9 +123,15 @@ class FeatureCache:
     """The cached teacher of an EAGLE-3 head: per training block, the target's float16 features ``(T, 3 H_t)`` and
     its top-``k`` logits (``values`` float16, ``indices`` int32, sorted), in shards of ``shard_blocks`` blocks
     (``<root>/eagle3-<key>/shard-<i>.safetensors``, each written atomically; a finished shard is never recomputed,
-    so an interrupted pass resumes). ``key`` hashes the target, layers, k and the blocks' tokens."""
+    so an interrupted pass resumes). ``key`` hashes the target, layers, k and all of ``blocks``' tokens; with ``use``
+    only the shards covering the first ``use`` blocks are scored, so runs that read prefixes of one block order (the
+    learning curve's sizes) share one store, as :func:`distill.teacher.build_teacher_cache`.
 
-    def __init__(self, target, blocks: torch.Tensor, root: Path, layers, k: int, shard_blocks: int, batch: int = 8):
+    Raises:
+        ValueError: ``use`` outside ``[1, N]``."""
+
+    def __init__(self, target, blocks: torch.Tensor, root: Path, layers, k: int, shard_blocks: int, batch: int = 8,
+                 use: int | None = None):
         import hashlib
 
         from core.io import write_json_atomic
@@ -140,8 +147,18 @@ class FeatureCache:
         self.computed = self.reused = 0
         import time
 
+        use = blocks.shape[0] if use is None else int(use)
+        if not 1 <= use <= blocks.shape[0]:
+            raise ValueError(f"use must be in [1, {blocks.shape[0]}] (the blocks given), got {use}")
+        self.use = use
+        needed = -(-use // shard_blocks)
+        rows = min(needed * shard_blocks, blocks.shape[0])
+        per_block = blocks.shape[1] * (3 * int(target.config.hidden_size) * 2 + self.k * (2 + 4))
+        log.info("EAGLE-3 feature cache %s: %d shards of %d blocks, %.2f GB on disk when complete (float16 features "
+                 "of layers %s, top-%d logits)", self.dir, needed, shard_blocks, rows * per_block / 1e9,
+                 list(self.layers), self.k)
         t0 = time.perf_counter()
-        for i in range((blocks.shape[0] + shard_blocks - 1) // shard_blocks):
+        for i in tqdm(range(needed), desc="EAGLE-3 feature cache", unit="shard", dynamic_ncols=True):
             self._shard(target, i)
         self.time_s = time.perf_counter() - t0
         write_json_atomic(self.dir / "cache.json", {"layers": list(self.layers), "top_k": self.k,
@@ -191,6 +208,7 @@ class FeatureCache:
 
     def record(self) -> dict:
         return {"path": str(self.dir), "computed_shards": self.computed, "reused_shards": self.reused,
+                "scored_tokens": self.use * int(self.blocks.shape[1]),
                 "time_s": round(self.time_s, 2), "top_k": self.k, "layers": list(self.layers)}
 
 
@@ -257,9 +275,17 @@ class Eagle3Recipe(Recipe):
         pair.draft_parameters = sum(p.numel() for p in head.parameters() if p.requires_grad)
         teacher = pair.target
         if self.distilled and dc.teacher_signal == "cached":
+            from distill.trainer import batch_indices, rows_this_run_uses
+
             root = Path(dc.cache_dir).expanduser() if dc.cache_dir else run_dir / "teacher_cache"
-            teacher = FeatureCache(pair.target, blocks, root, head.cfg.target_layers, dc.cache_top_k,
-                                   dc.cache_shard_blocks)
+            rows = rows_this_run_uses(blocks.size(0), rc.trainer, rc.seed, pair.dist.num_processes)
+            # a run reading part of the blocks scores a prefix of their epoch-0 order: shorter runs share its shards
+            order = None if rows is None else batch_indices(blocks.size(0), 0, blocks.size(0), rc.seed)
+            teacher = FeatureCache(pair.target, blocks if order is None else blocks[order], root,
+                                   head.cfg.target_layers, dc.cache_top_k, dc.cache_shard_blocks,
+                                   use=None if rows is None else rows.numel())
+            if rows is not None:  # rows == order[:len(rows)]: the trainer's block i is cached row i
+                blocks = blocks[rows]
             passes["teacher_cache"] = teacher.record()
         e = rc.draft.eagle3
         meta = {"loss": "forward_kl" if self.distilled else "cross_entropy", "temperature": 1.0 if self.distilled

@@ -80,6 +80,13 @@ def test_cached_features_give_the_online_loss_and_resume(tmp_path):
     assert (again.computed, again.reused) == (0, 2) and again.dir == cache.dir
     other = FeatureCache(target, blocks[:3], tmp_path, head.cfg.target_layers, k=48, shard_blocks=4)
     assert other.dir != cache.dir  # keyed by the blocks' content
+    # a run reading a prefix of the same block order scores only its shards, and a longer one reuses them
+    part = FeatureCache(target, blocks, tmp_path / "prefix", head.cfg.target_layers, k=48, shard_blocks=4, use=3)
+    assert (part.computed, part.reused) == (1, 0) and part.record()["scored_tokens"] == 3 * blocks.shape[1]
+    whole = FeatureCache(target, blocks, tmp_path / "prefix", head.cfg.target_layers, k=48, shard_blocks=4)
+    assert (whole.computed, whole.reused) == (1, 1) and whole.dir == part.dir
+    with pytest.raises(ValueError, match="use must be"):
+        FeatureCache(target, blocks, tmp_path, head.cfg.target_layers, k=48, shard_blocks=4, use=7)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

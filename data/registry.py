@@ -295,6 +295,24 @@ def _mtsdialog(r, get):
     )
 
 
+# MTS-Dialog's section headers, as a clinician names the note's sections
+_MTS_SECTIONS = {
+    "FAM/SOCHX": "family and social history", "GENHX": "history of present illness",
+    "PASTMEDICALHX": "past medical history", "CC": "chief complaint", "PASTSURGICAL": "past surgical history",
+    "ALLERGY": "allergies", "ROS": "review of systems", "MEDICATIONS": "medications", "ASSESSMENT": "assessment",
+    "EXAM": "physical examination", "DIAGNOSIS": "diagnosis", "DISPOSITION": "disposition", "PLAN": "plan",
+    "EDCOURSE": "emergency department course", "IMMUNIZATIONS": "immunizations", "IMAGING": "imaging",
+    "GYNHX": "gynecologic history", "PROCEDURES": "procedures", "OTHER_HISTORY": "other history", "LABS": "labs",
+}
+
+
+def _clinical_note(r, get):
+    header = _clean(get("section_header"))
+    section = _MTS_SECTIONS.get(header.upper(), header.lower())
+    return chat(f"Here is a conversation between a doctor and a patient.\n\n{_clean(get('dialogue'))}\n\n"
+                f"Write the {section} section of the clinical note for this visit.", _clean(get("section_text")))
+
+
 def _medmcqa(r, get):
     options = get("options")
     if isinstance(options, str):
@@ -374,6 +392,18 @@ MEDICAL = Domain(
                record_id="ID", split_policy="test", license="CC-BY-4.0"),
         Source("medmcqa", "medical/medmcqa_dev_singleanswer.jsonl", "jsonl", _medmcqa, record_id="realidx",
                license="MIT"),
+    ),
+)
+
+CLINICAL_NOTES = Domain(
+    "clinical_notes",
+    "MTS-Dialog: a doctor-patient conversation -> one section of its clinical note (chat; the note restates the "
+    "conversation, so drafts that copy from the prompt are accepted often)",
+    (
+        Source("mtsdialog_train", "medical/mtsdialog_MTS-Dialog-TrainingSet.csv", "csv", _clinical_note,
+               record_id="ID", split_policy="train", license="CC-BY-4.0"),
+        Source("mtsdialog_validation", "medical/mtsdialog_MTS-Dialog-ValidationSet.csv", "csv", _clinical_note,
+               record_id="ID", split_policy="test", license="CC-BY-4.0"),
     ),
 )
 
@@ -557,7 +587,7 @@ SPECBENCH = tuple(
 )
 
 DOMAINS: dict[str, Domain] = {
-    d.name: d for d in (MEDICAL, CODE, CHAT, MATH, CORPUS, SUMMARIZATION, TRANSLATION, *SPECBENCH)
+    d.name: d for d in (MEDICAL, CLINICAL_NOTES, CODE, CHAT, MATH, CORPUS, SUMMARIZATION, TRANSLATION, *SPECBENCH)
 }
 
 

@@ -35,6 +35,28 @@ DRAFT_LENGTH_POLICIES = ("fixed", "adaptive", "confidence")
 
 
 @dataclass
+class LookupConfig:
+    """The lookup drafts' settings (``decode.lookup``; decode/ngram.py)."""
+
+    min_ngram: int = 2  # the shortest n-gram matched (longest first, down to this)
+    max_ngram: int = 4  # the longest n-gram matched
+    min_share: float = 0.5  # suffix: propose a token only while it follows at least this share of the matches
+    max_store_tokens: int = 65536  # suffix: earlier answers' tokens kept per domain (oldest dropped first)
+    max_occurrences: int = 64  # suffix: most recent matching occurrences counted per lookup
+
+    def make(self, kind: str):
+        """A :class:`decode.ngram.NgramDraft` of ``kind`` with these settings.
+
+        Raises:
+            ValueError: an unknown kind or a setting out of range (the message names the ``decode.lookup`` key).
+        """
+        from decode.ngram import NgramDraft
+
+        return NgramDraft(kind, min_ngram=self.min_ngram, max_ngram=self.max_ngram, min_share=self.min_share,
+                          max_store_tokens=self.max_store_tokens, max_occurrences=self.max_occurrences)
+
+
+@dataclass
 class DecodeConfig:
     num_draft_tokens: int = 4  # gamma: tokens the draft proposes per verify step (adaptive: the starting length)
     do_sample: bool = False  # greedy when false
@@ -60,6 +82,7 @@ class DecodeConfig:
     # core the process may use), off (the caller's torch setting), or a number. One-token forwards keep the caller's
     # eval.num_threads / trainer.num_threads (decode/fast_settings.py). Lossless either way.
     block_threads: Any = "auto"
+    lookup: LookupConfig = field(default_factory=LookupConfig)  # the lookup drafts (eval.lookup_drafts)
 
     def __post_init__(self):
         if self.num_draft_tokens < 1:
@@ -90,6 +113,9 @@ class DecodeConfig:
         from decode.fast_settings import parse_block_threads
 
         self.block_threads = parse_block_threads(self.block_threads)
+        if isinstance(self.lookup, dict):
+            self.lookup = LookupConfig(**self.lookup)
+        self.lookup.make("prompt_lookup")  # ValueError naming the decode.lookup key
 
     def check_policy(self, name: str) -> None:
         """Raise ValueError (naming the keys to fix) unless policy ``name`` can be built from this section."""
@@ -196,8 +222,14 @@ def _route(entry, where: str, base: Path) -> Route:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
         raise RoutingError(f"{where} must be an object with a non-empty string 'path' (the draft directory), "
                            f"got {entry!r}")
+    from decode.ngram import parse_lookup_spec
+
+    try:
+        lookup = parse_lookup_spec(entry["path"]) is not None  # ngram:<kind>: a lookup draft, no directory
+    except ValueError as e:
+        raise RoutingError(f"{where}.path: {e}") from None
     p = Path(entry["path"]).expanduser()
-    if not p.is_absolute():
+    if not p.is_absolute() and not lookup:
         p = base / p
     gamma = entry.get("num_draft_tokens")
     if gamma is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
@@ -205,7 +237,7 @@ def _route(entry, where: str, base: Path) -> Route:
     name = entry.get("draft") or p.name
     if not isinstance(name, str):
         raise RoutingError(f"{where}.draft must be a string, got {name!r}")
-    return Route(draft=name, path=str(p), num_draft_tokens=gamma)
+    return Route(draft=name, path=entry["path"] if lookup else str(p), num_draft_tokens=gamma)
 
 
 def load_routing(path: str | os.PathLike, check_paths: bool = True) -> RoutingTable:
@@ -247,7 +279,7 @@ def load_routing(path: str | os.PathLike, check_paths: bool = True) -> RoutingTa
     if check_paths:
         routed = list(table.routes.items()) + ([(DEFAULT_KEY, table.default)] if table.default else [])
         for d, r in routed:
-            if not r.target_only and not (Path(r.path) / "config.json").is_file():
+            if not r.target_only and not r.path.startswith("ngram:") and not (Path(r.path) / "config.json").is_file():
                 raise RoutingError(f"routing table {p}: the draft for {d!r} ({r.draft}) is not a model directory: "
                                    f"{r.path} has no config.json. Re-run the evaluation, or fix the path.")
     return table

@@ -36,12 +36,18 @@ __all__ = ["Eagle3State", "eagle3_generate", "speculative_generate"]
 
 
 def speculative_generate(target, draft, input_ids, attention_mask=None, **kwargs):
-    """``decode.speculative_generate``: an EAGLE-3 head (``draft.is_eagle3``) goes to :func:`eagle3_generate`, any
-    other draft to :func:`decode.speculative.speculative_generate` (its docstring: the arguments).
+    """``decode.speculative_generate``: an EAGLE-3 head (``draft.is_eagle3``) goes to :func:`eagle3_generate`, a
+    lookup draft (``draft.is_ngram``) to :func:`decode.ngram.ngram_generate`, any other draft to :func:`decode.speculative.speculative_generate` (its docstring: the arguments).
 
     Raises:
-        ValueError: what those raise; ``draft_tree`` with an EAGLE-3 head (the chain only).
+        ValueError: what those raise; ``draft_tree`` with an EAGLE-3 head or a lookup draft (the chain only).
     """
+    if getattr(draft, "is_ngram", False):  # a lookup draft (decode/ngram.py)
+        from decode.ngram import ngram_generate
+
+        if kwargs.pop("draft_tree", None) is not None:
+            raise ValueError("draft_tree is not supported with a lookup draft: use the chain (draft_tree=None).")
+        return ngram_generate(target, draft, input_ids, attention_mask, **kwargs)
     if not getattr(draft, "is_eagle3", False):
         return chain_generate(target, draft, input_ids, attention_mask, **kwargs)
     if kwargs.pop("draft_tree", None) is not None:

@@ -417,7 +417,8 @@ def _retire(tstate, dstate, rows: _Rows, done: list[bool], num_new_all: torch.Te
     rows.index, rows.last, rows.pending = rows.index[sel], rows.last[sel], rows.pending[sel]
     rows.pending_mask = rows.pending_mask[sel] if rows.pending_mask is not None else None
     tstate.select_rows(sel)
-    dstate.select_rows(sel)
+    if dstate is not None:  # None: a draft without a cache (decode/ngram.py)
+        dstate.select_rows(sel)
 
 
 @torch.inference_mode()

@@ -32,12 +32,35 @@ class _HeadTiming:
         return self.head.logits(hidden[:, -1:])
 
 
+class _LookupTiming:
+    """One lookup of an n-gram draft (decode/ngram.py) as the decoder runs it: the text so far, then a proposal of
+    up to ``max_tokens`` per call; the text grows by one token per call, as decoding does."""
+
+    def __init__(self, draft, max_tokens: int = 4):
+        self.draft, self.hist, self.max_tokens = draft, None, max_tokens
+
+    def forward(self, tokens: torch.Tensor) -> None:
+        if self.hist is None:
+            self.hist = self.draft.history(tokens[0].tolist())
+            return
+        toks, _ = self.draft.propose(self.hist, self.max_tokens)
+        self.hist.extend(toks[:1] or tokens[0].tolist())
+
+
+def _timing_state(m, prompt: torch.Tensor, steps: int, fast_path):
+    if getattr(m, "is_eagle3", False):
+        return _HeadTiming(m, prompt, steps)
+    if getattr(m, "is_ngram", False):
+        return _LookupTiming(m)
+    return new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path)
+
+
 @torch.inference_mode()
 def forward_times_s(models, prompt: torch.Tensor, steps: int, fast_path: bool | None = None) -> list[float]:
     """Median seconds of one cached single-token forward of each model after prefilling ``prompt`` (the forward
-    ours uses). The models alternate step by step, so a load change on a shared machine hits them alike."""
-    states = [_HeadTiming(m, prompt, steps) if getattr(m, "is_eagle3", False) else
-              new_kv_state(m, 1, prompt.device, prompt.shape[1] + steps + 2, fast_path) for m in models]
+    ours uses; an n-gram draft: one lookup over the prompt's text, its cost per verify step). The models alternate
+    step by step, so a load change on a shared machine hits them alike."""
+    states = [_timing_state(m, prompt, steps, fast_path) for m in models]
     for state in states:
         state.forward(prompt)
     tok = prompt[:, -1:]

@@ -558,6 +558,11 @@ def _finite(x) -> float:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else -math.inf
 
 
+def route_path(path: str | Path) -> str:
+    """A draft's path as routing.json and serving.json write it: absolute, or a lookup draft's ``ngram:<kind>``."""
+    return str(path) if str(path).startswith("ngram:") else str(Path(path).resolve())
+
+
 def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
     """The routing document for a ``metrics.json`` document ``doc`` and the drafts' directories.
 
@@ -581,7 +586,7 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
                               "measured_speedup_ci": rec.get("measured_speedup_ci"),
                               "reason": rec.get("reason"), "candidates": cands}
             continue
-        routes[domain] = {"draft": name, "path": str(Path(draft_paths[name]).resolve()),
+        routes[domain] = {"draft": name, "path": route_path(draft_paths[name]),
                           **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
                           "candidates": cands}
     default = default_route(doc, routes, draft_paths)
@@ -610,7 +615,7 @@ def default_route(doc: dict, routes: dict, draft_paths: dict[str, str | Path]) -
     if best is None:
         return {"draft": None, "path": None, "target_only": True, "geometric_mean_measured_speedup": None,
                 "over_domains": domains}
-    return {"draft": best[0], "path": str(Path(draft_paths[best[0]]).resolve()),
+    return {"draft": best[0], "path": route_path(draft_paths[best[0]]),
             "geometric_mean_measured_speedup": math.exp(best_log), "num_draft_tokens": int(best[1]),
             "over_domains": domains}
 
@@ -657,11 +662,18 @@ def routing_section(table: dict, path: str) -> str:
 def recommended_settings(doc: dict) -> dict[str, dict]:
     """domain -> ``{"draft", "num_draft_tokens", "measured_speedup", "note"}``: the draft and fixed gamma to serve
     each domain with, read from a ``metrics.json`` document's recommendation (the one place to re-point when the
-    verdict logic moves)."""
+    verdict logic moves). A domain served by the target alone has ``draft`` None, ``measured_speedup`` None (the
+    target alone is the baseline) and ``fastest_refused_draft``: the fastest measured setting it turned down (its
+    draft, policy, gamma and measured speedup with interval), or None."""
     out = {}
     for domain, r in (doc.get("recommendation") or {}).items():
         if r.get("action", "speculate") != "speculate" or r.get("draft") is None:  # the verdict: no draft pays
-            out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": r.get("measured_speedup"),
+            # the target alone is the baseline (speedup 1 by definition): the refused draft's number is kept apart
+            best = r.get("best_measured") or {}
+            refused = {k: best.get(k) for k in ("draft", "draft_length_policy", "num_draft_tokens",
+                                                "measured_speedup", "measured_speedup_ci")} if best else None
+            out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": None,
+                           "fastest_refused_draft": refused,
                            "note": "serve with the target alone: " + (r.get("reason") or "no draft measured faster")}
             continue
         gamma, note, s = r["num_draft_tokens"], "", r.get("measured_speedup")
@@ -669,7 +681,12 @@ def recommended_settings(doc: dict) -> dict[str, dict]:
         if policy != "fixed":
             fixed = paying_fixed(doc, r["draft"], domain)
             if not fixed:  # no fixed gamma of this draft paid for itself here: an engine would be slower
-                out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": s, "note": (
+                out[domain] = {"draft": None, "num_draft_tokens": 0, "measured_speedup": None,
+                               "fastest_refused_draft": {"draft": r["draft"], "draft_length_policy": policy,
+                                                         "num_draft_tokens": r.get("num_draft_tokens"),
+                                                         "measured_speedup": s,
+                                                         "measured_speedup_ci": r.get("measured_speedup_ci")},
+                               "note": (
                     f"the recommendation is draft_length_policy={policy}, which engines with a fixed draft length "
                     f"cannot run, and no fixed gamma of `{r['draft']}` paid for itself here: serve with the target "
                     f"alone (or an engine with adaptive draft lengths)")}

@@ -80,8 +80,10 @@ def prepare_ggufs(ec, target_path: str | os.PathLike, draft_paths: dict[str, Pat
 
 def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_ids: dict[str, list[tuple[str, list[int]]]],
                      max_new_tokens: int, num_draft_tokens: int, threads: int | None, out_dir: Path,
-                     events=None) -> dict:
-    """Serve the target alone, each draft alone (for c) and the target with each draft; returns the raw record
+                     events=None, lookup_settings: dict | None = None) -> dict:
+    """Serve the target alone, each draft alone (for c) and the target with each draft (a lookup draft,
+    ``ngram:<kind>`` with ``lookup_settings[name]``: llama.cpp's own n-gram speculation,
+    :func:`decode.llamacpp.lookup_server_args`, no c); returns the raw record
     ``{"engine", "target_gguf", "target_from", "drafts_gguf", "num_draft_tokens", "threads", "runs": {"target" | draft
     name: {domain: [per-prompt {"id", "tokens", "predicted_n", "predicted_ms", "draft_n", "draft_n_accepted"}]}},
     "alone_tokens_per_s": {name: tokens/s served alone}, "commands": {name: argv}}``."""
@@ -91,7 +93,11 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
     ev = events or (lambda *a, **k: None)
     engine = find_engine()
     threads = int(threads or free_cores())  # the cores free now: llama.cpp's threads spin on a busy core
-    files = prepare_ggufs(ec, target_path, draft_paths, out_dir)
+    from decode.llamacpp import lookup_server_args
+    from decode.ngram import parse_lookup_spec
+
+    lookups = {n: parse_lookup_spec(p) for n, p in draft_paths.items() if parse_lookup_spec(p)}
+    files = prepare_ggufs(ec, target_path, {n: p for n, p in draft_paths.items() if n not in lookups}, out_dir)
     need = max(len(ids) for ps in prompt_ids.values() for _, ids in ps) + max_new_tokens + num_draft_tokens + 8
     ctx = 1 << max(8, math.ceil(math.log2(need)))
     runs, alone_tps, commands = {}, {}, {}
@@ -100,10 +106,11 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
 
     heads = {n for n, p in draft_paths.items() if is_eagle3_dir(p)}  # EAGLE-3: --spec-type draft-eagle3
 
-    def serve(name: str, target_gguf, draft_gguf=None, domains=None, n_probs: int = 0, spec="draft-simple") -> dict:
+    def serve(name: str, target_gguf, draft_gguf=None, domains=None, n_probs: int = 0, spec="draft-simple",
+              extra=()) -> dict:
         t0 = time.perf_counter()
         with LlamaServer(engine, target_gguf, draft_gguf, num_draft_tokens=num_draft_tokens, threads=threads,
-                         ctx_size=ctx, spec_type=spec) as s:
+                         ctx_size=ctx, spec_type=spec, extra_args=tuple(extra)) as s:
             commands[name] = [c if c != str(s.port) else "PORT" for c in s.command]
             s.complete(next(iter(prompt_ids.values()))[0][1], 4)  # warm-up: the first request pays page faults
             out = {}
@@ -131,6 +138,12 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
         alone = serve(f"{name} alone", g, domains=first)
         alone_tps[name] = _tps([r for rs in alone.values() for r in rs])
         runs[name] = serve(name, files["target"], g)
+    for name, kind in lookups.items():  # llama.cpp's own n-gram speculation: no draft model, no c
+        cache = Path(out_dir) / f"ngram-cache-{name}.bin"
+        cache.unlink(missing_ok=True)  # the suffix store starts empty, as ours
+        alone_tps[name] = math.nan
+        runs[name] = serve(name, files["target"], extra=lookup_server_args(
+            kind, (lookup_settings or {}).get(name) or {"min_ngram": 2}, num_draft_tokens, cache))
     alone_tps["target"] = _tps([r for r in runs["target"][next(iter(first))]])
     return {"schema": SCHEMA, "engine": engine.describe(), "target_gguf": str(files["target"]),
             "target_from": files["target_from"], "drafts_gguf": {n: str(p) for n, p in files["drafts"].items()},

@@ -366,12 +366,18 @@ class _Evaluation:
         truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
         runs = len(prompts) * (1 + len(self.settings) * len(self.drafts)) * self.trials
         bar = tqdm(total=runs, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
+        lookups = [d for d in self.drafts.values() if getattr(d, "is_ngram", False)]
+        for d in lookups:  # a suffix draft's store: this domain's earlier answers only, from an empty one
+            d.clear_store(domain)
+            d.use_domain(domain)
         for i, p in enumerate(prompts):
             ids, truncated = encode_prompt(self.tokenizer, p.text, self.max_prompt_tokens)
             truncated_total += truncated
             ref, t_ref, first, t_spec = self.paired_trials(ids, seed + i, bar)
             tgt_tokens, tgt_time = tgt_tokens + int(ref.num_new_tokens[0]), tgt_time + sum(t_ref) / len(t_ref)
             outputs[p.id] = ref.sequences[0, ids.size(1): ids.size(1) + int(ref.num_new_tokens[0])].tolist()
+            for d in lookups:  # after every setting decoded it: no decode sees its own prompt's answer
+                d.observe(outputs[p.id])
             for k, (policy_name, gamma, _) in enumerate(self.settings):
                 for name in self.drafts:
                     out, policy = first[(k, name)]
@@ -409,7 +415,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
 
     Args:
         target: HF causal LM (eval mode). tokenizer: the target's tokenizer (drafts must share it).
-        drafts: name -> HF causal LM.
+        drafts: name -> HF causal LM, EAGLE-3 head or lookup draft (:class:`decode.ngram.NgramDraft`; a suffix
+            draft's store holds the domain's earlier prompts' target answers, added after each prompt's decodes).
         prompts_by_domain: domain -> prompts.
         num_draft_tokens: gamma, or a list of gammas to sweep (the fixed policy).
         draft_length_policies: policy name -> factory of a fresh :class:`decode.speculative.DraftLengthPolicy`

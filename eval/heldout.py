@@ -27,7 +27,8 @@ This holds for drafts whose next proposal depends only on the tokens (every toke
 :func:`decode.speculative_generate`); it is engine-independent and needs no timing. An EAGLE-3 head's proposal also
 depends on where its block starts (the target's features reach it up to the block's start); its replay takes, per
 start, the chain the head drafts from there (:func:`eagle3_runs`, one training-time-test unroll), and its first
-block drafts nothing, as its decoder (:mod:`decode.eagle3`). Intervals: percentile
+block drafts nothing, as its decoder (:mod:`decode.eagle3`). A lookup draft's proposal depends on the text so far
+and may be shorter than gamma (:func:`ngram_runs`). Intervals: percentile
 bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
@@ -109,7 +110,8 @@ class Replay:
     accepted: list[int]
 
 
-def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None = None) -> Replay:
+def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None = None,
+           lengths: list[int] | None = None) -> Replay:
     """Replay greedy speculative decoding of one answer from its match vector (module docstring).
 
     Args:
@@ -118,6 +120,8 @@ def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None
         runs: instead of ``matches``, ``run[t]`` for each answer position (an EAGLE-3 head, whose proposals depend on
             where the block starts: :func:`eagle3_runs`): the drafts a block starting at ``t`` would have accepted
             (up to ``max_gamma``); ``run[0] = None``: the first block drafts nothing (the target's first token).
+        lengths: with ``runs``, the tokens a block starting at ``t`` proposes at most (a lookup draft, which may
+            propose fewer than gamma, or none: :func:`ngram_runs`); None: as many as the block may draft.
     """
     if max_gamma < 1:
         raise ValueError(f"eval.heldout.max_gamma must be >= 1, got {max_gamma}")
@@ -138,6 +142,8 @@ def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None
             cap = min(g, n - t - 1)  # the decoder drafts at most the tokens left but one (the target emits the last)
             if t == 0 and not first_drafts:
                 cap = 0
+            if lengths is not None:
+                cap = min(cap, lengths[t])
             a = min(run[t], cap)
             if g == max_gamma:
                 for k in range(cap):
@@ -215,6 +221,29 @@ def eagle3_runs(target, head, prompts: list[list[int]], answers: list[list[int]]
                     r += 1
                 runs.append(r)
             out.append(runs)
+    return out
+
+
+def ngram_runs(draft, prompts: list[list[int]], answers: list[list[int]], max_gamma: int
+               ) -> list[tuple[list[int], list[int]]]:
+    """``(run, lengths)`` per answer for :func:`replay` of a lookup draft (:class:`decode.ngram.NgramDraft`): at
+    every answer position ``t`` the proposal after ``prompt + answer[:t]`` (what the decoder looks up there),
+    ``lengths[t]`` its length (0: no match) and ``run[t]`` its leading matches with ``answer[t:]``. A suffix draft's
+    store gets each answer after its own replay (the prompts in order), as the evaluation adds them."""
+    out = []
+    for p, a in zip(prompts, answers):
+        hist = draft.history(p)
+        run, lengths = [], []
+        for t in range(len(a)):
+            toks, _ = draft.propose(hist, max_gamma)
+            r = 0
+            while r < len(toks) and t + r < len(a) and toks[r] == a[t + r]:
+                r += 1
+            run.append(r)
+            lengths.append(len(toks))
+            hist.extend(a[t:t + 1])
+        draft.observe(a)
+        out.append((run, lengths))
     return out
 
 
@@ -383,7 +412,12 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
         answers = greedy_answers(target, prompts, cfg.max_new_tokens, eos, pad, cfg.batch_size)
         record["prompts"][d] = len(prompts)
         for name, draft in drafts.items():
-            if getattr(draft, "is_eagle3", False):
+            if getattr(draft, "is_ngram", False):  # a lookup draft: its proposals, this domain's store
+                draft.clear_store(d)
+                draft.use_domain(d)
+                replays = [replay(None, cfg.max_gamma, runs=r, lengths=n) for r, n in
+                           ngram_runs(draft, prompts, answers, cfg.max_gamma)]
+            elif getattr(draft, "is_eagle3", False):
                 replays = [replay(None, cfg.max_gamma, runs=r) for r in
                            eagle3_runs(target, draft, prompts, answers, cfg.max_gamma, cfg.batch_size)]
             else:

@@ -94,10 +94,33 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     else:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
             if drafts_dir.is_dir() else {}
-    if not paths and not rc.decode.draft_routing:  # a table may route every domain to the target alone
+    paths = {n: q for n, q in paths.items() if not str(q).startswith("ngram:")}  # lookup drafts: lookup_specs
+    if not paths and not rc.decode.draft_routing and not lookup_specs(rc):  # a table may route to the target alone
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
+
+
+def lookup_specs(rc) -> dict[str, str]:
+    """name -> ``ngram:<kind>`` of the lookup drafts (decode/ngram.py) the evaluation decodes: with
+    ``decode.draft_routing`` the table's, else ``eval.lookup_drafts`` (named by kind) and the ``eval.drafts`` entries
+    that name one.
+
+    Raises:
+        ValueError: an ``ngram:<kind>`` with an unknown kind (names the kinds)."""
+    from decode.ngram import lookup_spec, parse_lookup_spec
+
+    if rc.decode.draft_routing:
+        from decode.config import load_routing
+
+        table = load_routing(rc.decode.draft_routing, check_paths=False)
+        routes = [table.draft_for(d) for d in rc.eval.all_domains()]
+        return {r.draft: r.path for r in routes if not r.target_only and parse_lookup_spec(r.path)}
+    out = {k: lookup_spec(k) for k in rc.eval.lookup_drafts}
+    for n, q in (rc.eval.drafts or {}).items():
+        if parse_lookup_spec(q):
+            out[n] = str(q)
+    return out
 
 
 def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
@@ -463,6 +486,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     set_block_threads(rc.decode.block_threads)  # decode.block_threads: forwards over more than one token
     compile_s0 = compile_seconds()
     target, tokenizer, drafts, meta = _load_models(rc, paths, device, dtype)
+    paths = {**paths, **_add_lookups(rc, drafts, meta, device)}
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
@@ -543,6 +567,19 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     return target, tokenizer, drafts, meta
 
 
+def _add_lookups(rc, drafts: dict, meta: dict, device) -> dict[str, str]:
+    """Add the lookup drafts (:func:`lookup_specs`, settings ``decode.lookup``) to ``drafts`` / ``meta``; returns
+    their name -> ``ngram:<kind>``."""
+    from decode.ngram import parse_lookup_spec
+    from models.checkpoints import SpecdraftMeta
+
+    specs = lookup_specs(rc)
+    for n, spec in specs.items():
+        drafts[n] = rc.decode.lookup.make(parse_lookup_spec(spec)).to(device)
+        meta[n] = (SpecdraftMeta(kind="lookup", init_settings=drafts[n].settings()), "lookup")
+    return specs
+
+
 def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | None, device, dtype, ev) -> tuple:
     """Decode every prompt target-only and with every draft at every gamma, draft-length policy and token tree
     (with routing: each domain with its routed draft only, or the target alone). Returns ``(results, runtime)``."""
@@ -606,7 +643,8 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     context["prompt_format"] = prompt_format
     sections.append(prompt_format_section(context.get("prompt_formats") or {}))
     formats = {"target_format": rc.eval.engine.target_format, "draft_format": rc.eval.engine.draft_format}
-    serving = ServingSection(draft_paths, str(rc.target.name_or_path), run_dir / "gguf", formats)
+    lookups = {n: m.init_settings for n, (m, how) in meta.items() if how == "lookup"}
+    serving = ServingSection(draft_paths, str(rc.target.name_or_path), run_dir / "gguf", formats, lookups)
     sections.append(serving)
     return sections, serving
 
@@ -616,6 +654,7 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
     draft on the same prompts, when ``eval.engine`` asks for it and the engine is installed (else one line saying
     why not). An engine failure is reported in the section, never loses the evaluation."""
     from data.text import encode_prompt
+    from decode.ngram import parse_lookup_spec
     from eval.engine import EngineSection, engine_wanted, run_engine_check
 
     ec = rc.eval.engine
@@ -632,7 +671,9 @@ def _engine_check(rc, draft_paths: dict, prompts: dict, tokenizer, results: dict
         raw = run_engine_check(ec, target_path=rc.target.name_or_path, draft_paths=draft_paths, prompt_ids=ids,
                                max_new_tokens=rc.eval.max_new_tokens,
                                num_draft_tokens=ec.num_draft_tokens or _primary_gamma(rc),
-                               threads=ec.threads or rc.eval.num_threads, out_dir=run_dir / "gguf", events=ev)
+                               threads=ec.threads or rc.eval.num_threads, out_dir=run_dir / "gguf", events=ev,
+                               lookup_settings={n: rc.decode.lookup.make(parse_lookup_spec(p)).settings()
+                                                for n, p in draft_paths.items() if parse_lookup_spec(p)})
     except Exception as e:  # noqa: BLE001 - the engine is an add-on: its failure must not lose the evaluation
         (log.error if ec.enabled == "true" else log.warning)("engine check failed: %s", e)
         return EngineSection(None, f"the engine check failed: {e}", None, **kw)
@@ -672,8 +713,8 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
     from eval.decision import deployment_cost_ratios
 
     count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)
-    return deployment_cost_ratios(asdict(rc.eval.deployment), {n: count(m) for n, m in drafts.items()},
-                                  count(target))
+    return deployment_cost_ratios(asdict(rc.eval.deployment), {n: 0 if getattr(m, "is_ngram", False) else count(m)
+                                                               for n, m in drafts.items()}, count(target))
 
 
 def _write_report_set(rc, run_dir: Path, results: dict, context: dict, sections: list, serving, domains,

@@ -72,7 +72,7 @@ import sys
 from pathlib import Path
 
 from core.io import fmt, fmt_interval, write_json_atomic, write_text_atomic
-from eval.decision import recommended_settings
+from eval.decision import recommended_settings, route_path
 from eval.metrics import json_clean
 from models.checkpoints import SpecdraftMeta, read_specdraft_meta
 
@@ -500,6 +500,51 @@ def llama_cpp_settings(target: str, draft_path: str, gamma: int, gguf_dir: str |
             "export": " ".join(map(shlex.quote, export))}
 
 
+def lookup_engine_settings(target: str, spec: str, settings: dict, gamma: int, gguf_dir: str | Path | None = None,
+                           formats: dict | None = None) -> dict:
+    """The engine settings of a lookup draft (``ngram:<kind>``, decode/ngram.py; ``settings``: its
+    :meth:`~decode.ngram.NgramDraft.settings`): vLLM's ``ngram`` method (``prompt_lookup_min`` / ``_max``) or
+    ``suffix`` method (``suffix_decoding_min_token_prob`` = our ``min_share``), llama.cpp's ``ngram-simple`` /
+    ``ngram-cache`` (:func:`decode.llamacpp.lookup_server_args`), transformers' ``prompt_lookup_num_tokens``
+    (prompt lookup only); SGLang has no lookup method (None)."""
+    from decode.llamacpp import lookup_server_args, source_gguf, target_export_name
+    from decode.ngram import parse_lookup_spec
+
+    kind = parse_lookup_spec(spec)
+    if kind == "prompt_lookup":
+        vllm = {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": settings["min_ngram"],
+                "prompt_lookup_max": settings["max_ngram"]}
+    else:
+        vllm = {"method": "suffix", "num_speculative_tokens": gamma,
+                "suffix_decoding_min_token_prob": settings["min_share"]}
+    src = source_gguf(target)
+    fmt_ = (formats or {}).get("target_format", "source")
+    gdir = Path(gguf_dir) if gguf_dir is not None else Path("gguf")
+    tfmt = "q8_0" if fmt_ == "source" else fmt_
+    target_gguf = str(src) if src is not None and fmt_ == "source" else str(
+        gdir / (target_export_name(target, tfmt) if Path(target).is_dir() else f"target-{tfmt}.gguf"))
+    args = ["-m", target_gguf, *lookup_server_args(kind, settings, gamma, gdir / "ngram-cache.bin")]
+    hf = None
+    if kind == "prompt_lookup":
+        hf = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": settings["max_ngram"], "snippet": "\n".join([
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f"tok = AutoTokenizer.from_pretrained({target!r})",
+            f"model = AutoModelForCausalLM.from_pretrained({target!r})",
+            "inputs = tok.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello\"}], add_generation_prompt=True,"
+            " return_tensors=\"pt\", return_dict=True)",
+            f"out = model.generate(**inputs, prompt_lookup_num_tokens={gamma}, max_matching_ngram_size="
+            f"{settings['max_ngram']}, max_new_tokens=128, do_sample=False)"])}
+    return {
+        "lookup": settings,
+        "vllm": {"speculative_config": vllm,
+                 "command": f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(json.dumps(vllm))}"},
+        "sglang": None,
+        "llama_cpp": {"target_gguf": target_gguf, "draft_gguf": None, "args": args,
+                      "command": "llama-server " + " ".join(map(shlex.quote, args)), "export": None},
+        "transformers": hf,
+    }
+
+
 def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Path | None = None,
                     formats: dict | None = None) -> dict:
     """The vLLM / SGLang / llama.cpp / transformers settings for one (draft, gamma); an EAGLE-3 head is served as
@@ -532,10 +577,12 @@ def engine_settings(target: str, draft_path: str, gamma: int, gguf_dir: str | Pa
 
 
 def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
-                     gguf_dir: str | Path | None = None, formats: dict | None = None) -> dict:
+                     gguf_dir: str | Path | None = None, formats: dict | None = None,
+                     lookup_settings: dict | None = None) -> dict:
     """``serving.json``: ``{"schema", "target", "domains": {domain: {"draft", "draft_path", "num_draft_tokens",
     "measured_speedup", "note", "vllm", "sglang", "llama_cpp", "transformers"}}}`` (``gguf_dir``: where the
-    drafts' GGUF exports are, ``<run dir>/gguf``).
+    drafts' GGUF exports are, ``<run dir>/gguf``; ``lookup_settings``: name -> the settings of each lookup draft,
+    whose path is ``ngram:<kind>``: :func:`lookup_engine_settings`).
 
     Raises:
         ValueError: a recommended draft has no path in ``draft_paths``.
@@ -548,8 +595,13 @@ def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
             continue
         if r["draft"] not in draft_paths:
             raise ValueError(f"serving settings: no checkpoint path for recommended draft {r['draft']!r}")
-        path = str(Path(draft_paths[r["draft"]]).resolve())
+        path = route_path(draft_paths[r["draft"]])
         gguf = {"gguf_dir": gguf_dir, "formats": formats}
+        if path.startswith("ngram:"):  # a lookup draft: no checkpoint, the engines' own n-gram methods
+            settings = (lookup_settings or {}).get(r["draft"]) or {}
+            domains[domain] = {**r, "draft_path": path, **lookup_engine_settings(
+                target_path, path, settings, r["num_draft_tokens"], **gguf)}
+            continue
         domains[domain] = {**r, "draft_path": path, **engine_settings(target_path, path, r["num_draft_tokens"], **gguf)}
     return {"schema": SCHEMA, "target": target_path, "domains": domains}
 
@@ -565,7 +617,7 @@ def serving_markdown(serving: dict) -> str:
         if s["draft"] is None:
             lines.append(f"| {d} | none (the target alone) | - | - | - | {s['note']} |")
             continue
-        flags = " ".join(s["sglang"]["args"][2:])
+        flags = " ".join(s["sglang"]["args"][2:]) if s.get("sglang") else "none (no lookup method)"
         lines.append(f"| {d} | `{s['draft']}` | {s['num_draft_tokens']} | "
                      f"`{json.dumps(s['vllm']['speculative_config'])}` | `{flags}` | {s['note'] or '-'} |")
     speculating = [s for s in serving["domains"].values() if s["draft"] is not None and s.get("transformers")]
@@ -581,12 +633,14 @@ class ServingSection:
     (the caller writes it to ``serving.json``)."""
 
     def __init__(self, draft_paths: dict[str, str | Path], target: str, gguf_dir: str | Path | None = None,
-                 formats: dict | None = None):
+                 formats: dict | None = None, lookup_settings: dict | None = None):
         self.draft_paths, self.target, self.gguf_dir, self.formats = draft_paths, target, gguf_dir, formats
+        self.lookup_settings = lookup_settings
         self.document = None
 
     def __call__(self, doc: dict) -> str:
-        self.document = serving_document(doc, self.draft_paths, self.target, self.gguf_dir, self.formats)
+        self.document = serving_document(doc, self.draft_paths, self.target, self.gguf_dir, self.formats,
+                                         self.lookup_settings)
         return serving_markdown(self.document)
 
 

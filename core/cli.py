@@ -330,6 +330,9 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
 
     value = next((a.split("=", 1)[1] for a in argv if _override_key(a) == key and "=" in a), "...")
     group = Path(config_dir) / key
+    misuse = group_misuse(argv, config_dir)  # a folder of conf/ that is no config group (accelerate, domain)
+    if misuse is not None:
+        return misuse
     if group.is_dir():  # a config group the defaults do not select: Hydra needs the '+' to add it
         options = sorted(p.stem for p in group.glob("*.yaml"))
         return (f"invalid config: '{key}' is a config group the default config does not select: add it with "
@@ -344,6 +347,103 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
         "; see docs/configuration.md for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
             f"add the key, and the typed config would then reject it)")
+
+
+def _selected_groups(config_dir: str | os.PathLike) -> dict[str, str]:
+    """``group -> option`` of the root config's defaults list (conf/config.yaml: target, draft, trainer, ...)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load((Path(config_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    return {str(k): str(v) for d in doc.get("defaults") or [] if isinstance(d, dict) for k, v in d.items()}
+
+
+def _global_group(folder: Path) -> bool:
+    """Whether the options of config group ``folder`` are ``# @package _global_`` files (the experiments: added with
+    ``+experiment=NAME``, they set keys anywhere in the config)."""
+    first = next(iter(sorted(folder.glob("*.yaml"))), None)
+    return first is not None and "@package _global_" in "".join(first.read_text().splitlines(True)[:3])
+
+
+def _program() -> str:
+    """The entry point this process runs (``train`` / ``eval`` for ``python -m train`` / ``python -m eval``)."""
+    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return script.parent.name if script.name == "__main__.py" and script.parent.name else "train"
+
+
+def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
+    """The one-line error for an override that names a folder of ``conf/`` the way Hydra cannot take it, or None.
+
+    ``+draft=small`` (a group the defaults already select: Hydra's "appears more than once"; ``draft=small`` replaces
+    the option), ``++experiment=NAME`` (Hydra cannot force-add a group; ``+experiment=NAME`` adds it), and any
+    override of ``accelerate`` or ``domain``: ``--help`` lists them as groups, but their files are read by name
+    elsewhere (``conf/accelerate/NAME.yaml`` by ``accelerate launch --config_file``, ``conf/domain/NAME.yaml`` when
+    ``data.domain`` or ``eval.domains`` names the domain), so the typed config rejects them as root keys. Each
+    message names the command that works: the user's other arguments with the override as it must be written."""
+    import re
+
+    config_dir = Path(config_dir)
+    for i, arg in enumerate(typed):
+        m = re.fullmatch(r"(\+{0,2})([A-Za-z_]\w*)=(.*)", arg, re.S)
+        if m and (config_dir / m.group(2)).is_dir():
+            msg = _misused_group(*m.groups(), typed[:i] + typed[i + 1:], config_dir)
+            if msg is not None:
+                return f"invalid config: {msg}"
+    return None
+
+
+def _misused_group(plus: str, group: str, option: str, rest: list[str], config_dir: Path) -> str | None:
+    """:func:`group_misuse` for one override ``{plus}{group}={option}``; ``rest``: the other arguments."""
+    import shlex
+
+    folder, prog = config_dir / group, _program()
+    options = sorted(p.stem for p in folder.glob("*.yaml"))
+    selected = _selected_groups(config_dir)
+
+    def command(*extra: str, prefix: tuple[str, ...] = ("python", "-m", prog), args=rest) -> str:
+        return shlex.join([*prefix, *args, *extra])
+
+    known = option in options or "," in option  # a multirun sweep lists several
+    if group in selected:
+        if not plus:
+            return None  # group=option: Hydra's own message names the options of a wrong one
+        fix = f"{group}={option}" if known else f"{group}=NAME with NAME one of {', '.join(options)}"
+        return (f"use {fix} (no '{plus}'): the default config already selects a {group} option "
+                f"({group}={selected[group]}), and {group}=NAME replaces it" +
+                (f": {command(fix)}" if known else ""))
+    if _global_group(folder):
+        if plus != "++":
+            return None  # +experiment=NAME is right; experiment=NAME gets unknown_key_message's hint
+        return (f"use +{group}={option} (one '+'): Hydra cannot force-add a config group ('++'), and '+' adds the "
+                f"{group}: {command(f'+{group}={option}')}")
+    if group == "accelerate":
+        path = f"conf/accelerate/{option}.yaml"
+        what = f"{path} is a launch config of accelerate, not an option of the run's config ({plus}{group}= cannot " \
+               f"select it)"
+        if not known:
+            return (f"conf/accelerate/ holds the launch configs of accelerate ({', '.join(options)}), not options of "
+                    f"the run's config, and has no {option}.yaml: launch with accelerate launch --config_file "
+                    f"conf/accelerate/NAME.yaml -m train ... trainer=NAME")
+        if prog != "train":
+            return f"{what}: drop it; python -m {prog} runs in one process: {command()}"
+        if option == "single":
+            return f"{what}: drop it; one process is what plain python -m train runs: {command()}"
+        others = [a for a in rest if _override_key(a) != "trainer"]  # trainer= must match the launch config
+        launch = ("accelerate", "launch", "--config_file", path, "-m", prog)
+        return (f"{what}: launch the run with it and the trainer of the same name: "
+                f"{command(f'trainer={option}', prefix=launch, args=others)}")
+    if group == "domain":
+        if prog == "train":
+            return (f"'domain' is not a config group: a domain (conf/domain/NAME.yaml or a built-in one) is named by "
+                    f"data.domain (the draft's training domain) or eval.domains (the evaluated ones): "
+                    f"{command(f'data.domain={option}')}")
+        return (f"'domain' is not a config group: a domain (conf/domain/NAME.yaml or a built-in one) is named by "
+                f"eval.domains: {command(f'eval.domains=[{option}]')}")
+    groups = sorted(selected) + [d.name for d in sorted(config_dir.iterdir()) if d.is_dir() and _global_group(d)]
+    return (f"conf/{group}/ is not a config group of the run's config ({plus}{group}={option} cannot select "
+            f"{group}/{option}.yaml); the groups: {', '.join(groups)} (docs/configuration.md)")
 
 
 def _key_kind(cfg, schema, key: str) -> str | None:
@@ -381,13 +481,17 @@ def _shaped(cfg, schema, key: str, value: str) -> str:
 def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None],
               schema=None, typed: list[str] | None = None) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
-    exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked.
+    exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked, except for the
+    misused config groups of :func:`group_misuse`.
 
     An unknown key names the closest valid key(s); a list or dict value the shell split into pieces gets the
     quoting fix. ``schema``: the entry point's typed root config (a dataclass), for the shape of suggested values.
     ``typed``: the command line as the user typed it, when ``argv`` is its rewrite
     (:func:`replace_mapping_overrides`): messages quote what was typed."""
     typed = list(argv) if typed is None else list(typed)
+    misuse = None if any(a in ("-h", "--help", "--hydra-help") for a in typed) else group_misuse(typed, config_dir)
+    if misuse is not None:  # also with Hydra flags (--multirun, --cfg): Hydra's own error does not name the fix
+        fail(EXIT_BAD_INPUT, misuse)
     try:
         composed = compose(argv, config_dir)
         if composed is None:
@@ -594,8 +698,8 @@ def closest_leaves(leaf: str, keys: list[str], n: int) -> list[str]:
 class PathsConfig:
     project_root: str = "."
     output_root: str = "outputs"
-    reference_target: str = "tests/fixtures/reference_target"
-    general_draft: str = "tests/fixtures/general_draft"  # the committed general draft lora_med / adapt_domains adapt
+    reference_target: str = "models/assets/reference_target"
+    general_draft: str = "models/assets/general_draft"  # the committed general draft lora_med / adapt_domains adapt
 
 
 def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: Iterable[str] | None = None):

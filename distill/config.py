@@ -278,7 +278,9 @@ class TrainerConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     max_time_s: float = 0.0  # wall-clock budget of the training loop in seconds (0: off)
     schedule_over: str = "steps"  # steps: cosine spans max_steps | time: spans the max_time_s budget (or max_steps)
-    num_threads: int = 0  # torch CPU threads while training; 0: the cores other processes leave free, re-measured
+    num_threads: int = 0  # torch CPU threads while training; 0: torch's count when the run starts (not the load)
+    follow_free_cores: bool = False  # true: threads follow the free cores (faster on a shared machine; the
+    # weights then depend on the load: the thread count changes the summation order)
     # Scale-out. strategy must match how the run was launched (conf/accelerate/<strategy>.yaml).
     strategy: str = "single"  # single | ddp | deepspeed_zero2 | deepspeed_zero3
     global_batch_size: int = 0  # sequences per optimizer step over all processes (0: micro x accum x processes)
@@ -296,8 +298,12 @@ class TrainerConfig:
         if self.warmup_steps < 0 or self.save_every < 0 or self.log_every < 1:
             raise ValueError("trainer.warmup_steps and trainer.save_every must be >= 0, trainer.log_every >= 1")
         if self.num_threads < 0:
-            raise ValueError(f"trainer.num_threads must be >= 0 (0: the cores other processes leave free), got "
+            raise ValueError(f"trainer.num_threads must be >= 0 (0: torch's thread count when the run starts), got "
                              f"{self.num_threads}")
+        if self.follow_free_cores and self.num_threads:
+            raise ValueError(f"trainer.follow_free_cores=true takes the thread count from the free cores, but "
+                             f"trainer.num_threads={self.num_threads} fixes it: set trainer.num_threads=0 to follow "
+                             f"the free cores, or trainer.follow_free_cores=false to keep {self.num_threads} threads")
         if not self.max_time_s >= 0:
             raise ValueError(f"trainer.max_time_s must be >= 0 seconds (0 disables the budget), got {self.max_time_s}")
         if self.schedule_over not in ("steps", "time"):

@@ -20,6 +20,7 @@ All generation goes through :func:`decode.autoregressive_generate` (KV cache, sh
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -106,6 +107,7 @@ def generate_teacher_sequences(
     target: torch.nn.Module, prompts: list[list[int]], gen: GenerationConfig, root: str | os.PathLike, *,
     seed: int, eos_token_id: int | None, pad_token_id: int | None, vocab_size: int | None = None,
     target_fingerprint: str | None = None, precision: str = "no", target_path: str | os.PathLike | None = None,
+    follow_free_cores: bool = False,
 ) -> tuple[list[list[int]], dict]:
     """The target's continuations of ``prompts`` (token id lists), generated once and stored under
     ``root/sequences-<key>/`` (reused on rerun; a killed pass resumes at the first unfinished shard).
@@ -114,7 +116,8 @@ def generate_teacher_sequences(
     generation stopped at ``max_new_tokens``). Prompts are processed sorted by length (less left padding), and the
     result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft. ``precision``:
     the run's ``trainer.mixed_precision``; the target generates in it (:func:`core.cli.run_precision`; part of
-    the cache key unless ``no``).
+    the cache key unless ``no``). ``follow_free_cores`` (``trainer.follow_free_cores``): the torch threads follow the
+    free cores between shards; False keeps the caller's count (the answers then do not depend on the machine's load).
 
     With ``gen.engine == "llama_cpp"`` the answers come from llama.cpp instead
     (:func:`generate_teacher_sequences_engine`, serving the target saved at ``target_path``).
@@ -146,7 +149,7 @@ def generate_teacher_sequences(
     pad = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None else 0)
 
     def compute(i: int) -> dict[str, torch.Tensor]:
-        update_threads()  # the cores other processes leave free
+        update_threads()  # follow_free_cores: the cores other processes leave free
         part = order[i * bs : (i + 1) * bs]
         ids, mask = left_pad(part, pad)  # (b, P) each
         g = torch.Generator(device=device).manual_seed(derived_seed(seed, "teacher_sequences", i))
@@ -166,7 +169,7 @@ def generate_teacher_sequences(
         return {"tokens": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                 "lengths": torch.tensor([len(s) for s in seqs], dtype=torch.int64)}
 
-    with following_free_cores() as update_threads:
+    with following_free_cores() if follow_free_cores else contextlib.nullcontext(int) as update_threads:
         counts = store.ensure(compute, desc="teacher sequences")
     seqs: list[list[int]] = []
     for i in range(store.num_shards):

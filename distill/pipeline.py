@@ -223,7 +223,7 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         seqs, passes["teacher_data"] = generate_teacher_sequences(  # distill.generation.engine: ours or llama.cpp
             target, prompts, gen, cache_root, seed=rc.seed, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, vocab_size=shared, precision=precision,
-            target_path=rc.target.name_or_path)
+            target_path=rc.target.name_or_path, follow_free_cores=rc.trainer.follow_free_cores)
         blocks = pack_sequences(seqs, rc.data.block_size)[: rc.data.max_train_blocks]  # (N, block_size)
         # the sequences come back in the order they were generated: the prompts sorted by length (stable)
         answer_mask = answer_loss_mask(seqs, [len(p) for p in sorted(prompts, key=len)],
@@ -236,7 +236,8 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
         order = None if rows is None else batch_indices(blocks.size(0), 0, blocks.size(0), rc.seed)
         teacher, passes["teacher_cache"] = build_teacher_cache(
             target, blocks if order is None else blocks[order], cache_root, k=dc.cache_top_k, vocab_size=shared,
-            shard_blocks=dc.cache_shard_blocks, precision=precision, use=None if rows is None else rows.numel())
+            shard_blocks=dc.cache_shard_blocks, precision=precision, use=None if rows is None else rows.numel(),
+            follow_free_cores=rc.trainer.follow_free_cores)
         if rows is not None:  # rows == order[:len(rows)]
             blocks, answer_mask = blocks[rows], (answer_mask[rows] if answer_mask is not None else None)
         step = make_cached_distill_step(dc.loss, dc.temperature, target.eval().requires_grad_(False) if hybrid else None,
@@ -451,7 +452,8 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, reci
     """The recipe every draft-training stage shares: load the pair, get the learning signal and the budget, train
     with checkpoint selection, describe and save ``<run_dir>/drafts/<name>`` through ``recipe`` (its hooks say how
     the stages differ). A finished draft is reused with ``trainer.resume=true``. Runs with
-    ``trainer.num_threads`` torch threads (the one-off teacher passes too).
+    ``trainer.num_threads`` torch threads (0: the count torch has when it starts), the one-off teacher passes too;
+    with ``trainer.follow_free_cores`` the count follows the free cores instead.
 
     Returns the draft's metadata plus ``path`` and the save hook's fields (``written``; an adaptation's
     ``adapter_path``).

@@ -44,6 +44,7 @@ trained a trimmed head over the ids it learns from most (``draft.draft_vocab_siz
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -212,8 +213,8 @@ def cache_key(teacher: torch.nn.Module, blocks: torch.Tensor, k: int, vocab_size
 
 def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: str | os.PathLike, *, k: int,
                         shard_blocks: int = 256, vocab_size: int | None = None, batch_size: int = 16,
-                        device: torch.device | str | None = None,
-                        precision: str = "no", use: int | None = None) -> tuple[TeacherCache, dict]:
+                        device: torch.device | str | None = None, precision: str = "no", use: int | None = None,
+                        follow_free_cores: bool = False) -> tuple[TeacherCache, dict]:
     """Compute (or reuse) the teacher's top-k logits for ``blocks`` (N, T) under ``root/<key>/``.
 
     The key covers all of ``blocks``; with ``use`` only the first ``use`` blocks are scored and returned (the
@@ -229,6 +230,8 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         precision: the run's ``trainer.mixed_precision`` (``no``, ``bf16``, ``fp16``): the teacher forward runs in
             it (:func:`core.cli.run_precision`; part of the cache key unless ``no``); values are stored fp32.
         use: blocks needed (the first ``use``; None: all).
+        follow_free_cores: the torch threads follow the free cores between batches (``trainer.follow_free_cores``);
+            False keeps the caller's count (the stored logits then do not depend on the machine's load).
 
     Returns:
         (cache, info) where info has ``path``, ``reused``/``computed``/``corrupt`` shard counts and ``time_s``.
@@ -262,7 +265,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         part = blocks[i * shard_blocks : (i + 1) * shard_blocks]  # (n, T)
         vals, idx = [], []
         for j in range(0, part.size(0), batch_size):
-            update_threads()  # the cores other processes leave free
+            update_threads()  # follow_free_cores: the cores other processes leave free
             x = part[j : j + batch_size].to(device)  # (b, T)
             with BlockThreads(device, x.numel()), run_precision(precision, device):  # decode.block_threads
                 logits = teacher(input_ids=x, attention_mask=torch.ones_like(x)).logits[..., :vocab]  # (b, T, V)
@@ -272,7 +275,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         return {"values": torch.cat(vals), "indices": torch.cat(idx)}  # (n, T, k) each
 
     needed = -(-use // shard_blocks)
-    with following_free_cores() as update_threads:
+    with following_free_cores() if follow_free_cores else contextlib.nullcontext(int) as update_threads:
         counts = store.ensure(compute, desc=f"teacher top-{k} cache", only=needed)
     teacher.train(was_training)
     shards = [store.load(i) for i in range(needed)]

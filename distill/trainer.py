@@ -487,17 +487,21 @@ def exposure(blocks: torch.Tensor, out: dict) -> dict:
 
 
 def _with_cfg_threads(fn):
-    """Run a ``(student, blocks, out_dir, cfg, ...)`` function with ``cfg.num_threads`` torch threads; ``0``: the
-    cores other processes leave free, re-measured during the run (:class:`decode.fast_settings.FreeCoreThreads`, passed
-    as ``_threads_update``; the result's ``threads`` lists ``[seconds, count]`` at each change), and add the
-    run's :func:`exposure`."""
+    """Run a ``(student, blocks, out_dir, cfg, ...)`` function with a thread count fixed for the whole run:
+    ``cfg.num_threads`` torch threads, ``0``: torch's count when it starts (``OMP_NUM_THREADS``, which a multi-process
+    ``accelerate launch`` sets per process, else torch's default), never the machine's load, so that the weights do not
+    depend on how busy the machine is (the thread count changes the summation order of the CPU kernels). With
+    ``cfg.follow_free_cores`` the count follows the cores other processes leave free, re-measured during the run
+    (:class:`decode.fast_settings.FreeCoreThreads`, passed as ``_threads_update``). The result's ``threads`` lists
+    ``[seconds, count]`` at each change; the run's :func:`exposure` is added."""
 
     @functools.wraps(fn)
     def wrapper(student, blocks, out_dir, cfg, *args, **kwargs):
-        if cfg.num_threads:
-            with torch_threads(cfg.num_threads):
+        if not cfg.follow_free_cores:
+            n = cfg.num_threads or torch.get_num_threads()
+            with torch_threads(n):
                 out = fn(student, blocks, out_dir, cfg, *args, **kwargs)
-            return {**out, **exposure(blocks, out), "threads": [[0.0, cfg.num_threads]]}
+            return {**out, **exposure(blocks, out), "threads": [[0.0, n]]}
         from decode.fast_settings import FreeCoreThreads
 
         follow = FreeCoreThreads()
@@ -573,7 +577,7 @@ def train(student: torch.nn.Module, blocks: torch.Tensor, out_dir: str | os.Path
         step = state.step = step + 1
         state.elapsed_s = clock.elapsed()
         bar.update(1)
-        _threads_update()  # trainer.num_threads=0: follow the cores other processes leave free
+        _threads_update()  # trainer.follow_free_cores: follow the cores other processes leave free
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             state.final_loss = window.take()
             _log_step(run, state, step, on_step, bar, write_log)

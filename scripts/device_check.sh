@@ -70,7 +70,7 @@ PY
 rc[env]=${PIPESTATUS[0]}
 
 step "3/6 a small draft/target pair (smoke distillation)"
-target=tests/fixtures/reference_target
+target=models/assets/reference_target
 pair="$out/pair"; rm -rf "$pair"
 timeout $(t 110) python -m train +experiment=smoke 'stages=[distill]' "hydra.run.dir=$pair" > "$out/distill.txt" 2>&1
 rc[distill]=$?

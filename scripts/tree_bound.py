@@ -22,7 +22,7 @@ only where some budget reaches both, i.e. where the measured ``v(n + 1)`` lies b
 
 Example (distill_med's draft, medical)::
 
-    python scripts/tree_bound.py --target tests/fixtures/reference_target --draft RUN/drafts/distilled --domain medical
+    python scripts/tree_bound.py --target models/assets/reference_target --draft RUN/drafts/distilled --domain medical
 """
 from __future__ import annotations
 

@@ -69,3 +69,30 @@ def test_setup_installs_from_the_constraints_file_and_it_agrees_with_pyproject()
         name = req.name.lower().replace("_", "-")
         assert name in pins, f"constraints.txt does not pin {name}"
         assert req.specifier.contains(pins[name], prereleases=True), f"{name}=={pins[name]} is outside {req}"
+
+
+def test_an_install_ships_the_models_and_the_config_the_default_experiment_reads():
+    """A non-editable ``pip install .`` runs the default experiment: the committed models the config names
+    (``paths.reference_target``, ``paths.general_draft``, the default target) lie in a folder pyproject ships, not
+    under tests/, and pyproject's package data covers every file of models/assets/ and conf/ (the wheel holds them)."""
+    import tomllib
+
+    from omegaconf import OmegaConf
+
+    from tinymodels import compose_config
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    shipped = set(tool["packages"]["find"]["include"])
+    cfg = compose_config([])
+    for key in ("paths.reference_target", "paths.general_draft", "target.name_or_path"):
+        path = Path(str(OmegaConf.select(cfg, key))).resolve()
+        rel = path.relative_to(ROOT)
+        assert rel.parts[0] != "tests" and any(s.rstrip("*") == rel.parts[0] for s in shipped), \
+            f"{key}={rel} is not in a shipped folder"
+        assert (path / "config.json").is_file() and list(path.glob("*.safetensors")), path
+    for package, folder in (("models", "models/assets"), ("conf", "conf")):
+        assert any(package == s or package + "*" == s for s in shipped), f"pyproject does not ship {package}/"
+        files = {p for p in (ROOT / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+        covered = {p for pattern in tool["package-data"][package] for p in (ROOT / package).glob(pattern)
+                   if p.is_file()}
+        assert files and files <= covered, f"pyproject's package data leaves out {sorted(files - covered)}"

@@ -103,11 +103,12 @@ def validate(cfg: Any) -> RootConfig:
     return validate_structured(RootConfig, cfg)
 
 
-# Keys that may change between an interrupted run and its resumption (they don't change the trained weights).
-# trainer.strategy may change (e.g. ddp -> single); the trainer refuses DeepSpeed checkpoints on another setup.
+# Keys that may change between an interrupted run and its resumption (they don't change the trained weights beyond
+# the summation order: the thread count, the strategy). trainer.strategy may change (e.g. ddp -> single); the
+# trainer refuses DeepSpeed checkpoints on another setup.
 RESUME_FREE_KEYS = {"trainer.resume", "overwrite", "trainer.max_time_s", "trainer.log_every", "trainer.num_threads",
-                    "trainer.strategy", "trainer.save_every", "stages", "experiment_name", "paths", "logger", "eval",
-                    "decode"}
+                    "trainer.follow_free_cores", "trainer.strategy", "trainer.save_every", "stages", "experiment_name",
+                    "paths", "logger", "eval", "decode"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -120,7 +120,7 @@ def test_user_split_files_and_hashed_split_side_by_side(tmp_path):
 def ref_tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(ROOT / "tests" / "fixtures" / "reference_target"))
+    return AutoTokenizer.from_pretrained(str(ROOT / "models" / "assets" / "reference_target"))
 
 
 def test_messages_render_exactly_as_apply_chat_template_multi_turn(ref_tokenizer):
@@ -197,7 +197,7 @@ def test_reference_template_renders_the_plain_format(first, rest):
     from transformers import AutoTokenizer
 
     tok = _REF_TOK.get("t") or _REF_TOK.setdefault(
-        "t", AutoTokenizer.from_pretrained(str(ROOT / "tests" / "fixtures" / "reference_target")))
+        "t", AutoTokenizer.from_pretrained(str(ROOT / "models" / "assets" / "reference_target")))
     assert tok.chat_template == REFERENCE_CHAT_TEMPLATE
     assert Renderer(tok)("", "", conv) == plain_render(conv)
 

@@ -161,7 +161,7 @@ def test_domain_prompts_and_argument_errors(capsys):
     if root is None or not P(root).is_dir():  # the data root of README's setup
         pytest.skip("no data root (set SPECDRAFT_DATA_ROOT or provide ../shared/data beside the repo)")
     bench = _load_script()
-    ref = str(Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "reference_target")
+    ref = str(Path(__file__).resolve().parents[2] / "models" / "assets" / "reference_target")
     args = bench.parse_args(["--target", ref, "--draft", ref, "--domain", "medical", "--max-prompts", "3"])
     tok = AutoTokenizer.from_pretrained(ref)
     got = bench.load_prompts(args, tok, 4096)
@@ -181,7 +181,7 @@ def test_bad_prompt_files_and_numbers_are_one_line_usage_errors(tmp_path, capsys
     --family-layers below 1, an impossible --family-hidden and a --row-layout-peer equal to --row-layout (or without
     the lean forward) stop before anything loads, with exit 2 and no traceback."""
     bench = _load_script()
-    ref = str(Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "reference_target")
+    ref = str(Path(__file__).resolve().parents[2] / "models" / "assets" / "reference_target")
     files = {"blank.jsonl": "\n \n", "bad.jsonl": '{"text": "a"}\n{oops\n', "nofield.jsonl": '{"prompt": "a"}\n',
              "number.jsonl": '{"text": 5}\n', "empty.jsonl": '{"text": "  "}\n'}
     for name, text in files.items():

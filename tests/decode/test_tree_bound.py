@@ -86,7 +86,7 @@ def test_rank_distribution_on_real_tiny_models(tb):
     (["--domain", "nope"], "--domain: unknown domain 'nope'"),
 ])
 def test_bad_arguments_are_one_line_usage_errors(tb, capsys, argv, needle):
-    ref = str(SCRIPT.parents[1] / "tests" / "fixtures" / "reference_target")
+    ref = str(SCRIPT.parents[1] / "models" / "assets" / "reference_target")
     with pytest.raises(SystemExit) as e:
         tb.parse_args(["--target", ref, "--draft", ref, *argv])
     err = capsys.readouterr().err

@@ -184,7 +184,7 @@ def test_gpt2_draft_adapts_through_the_lora_stage(tmp_path):
     from models.checkpoints import save_hf_atomic
     from train.run import validate
 
-    _, tok = load_causal_lm("tests/fixtures/reference_target", role="target")
+    _, tok = load_causal_lm("models/assets/reference_target", role="target")
     draft = tiny_family_lm("gpt2", vocab_size=tok.vocab_size if len(tok) <= tok.vocab_size else len(tok), seed=2,
                         n_positions=256)
     save_hf_atomic(draft, tok, tmp_path / "drafts" / "distilled")
@@ -218,7 +218,7 @@ def test_adapt_domains_stage_adapts_low_domains_writes_routing_and_resumes(tmp_p
     from train.stages import adapt_domains
     from train.run import validate
 
-    _, tok = load_causal_lm("tests/fixtures/reference_target", role="target")
+    _, tok = load_causal_lm("models/assets/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
     save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / "drafts" / "distilled")
     cfg = {"stages": ["adapt"], "data": {"block_size": 64, "max_train_blocks": 16}, "trainer": {"num_threads": 1},
@@ -277,7 +277,7 @@ def test_adaptation_artifacts_and_interrupted_resume_to_the_same_weights(tmp_pat
     from distill.drafts import LlamaArch, build_llama
     from train.run import validate
 
-    _, tok = load_causal_lm("tests/fixtures/reference_target", role="target")
+    _, tok = load_causal_lm("models/assets/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
     for run in ("full", "killed"):
         save_hf_atomic(build_llama(arch, tok, seed=0), tok, tmp_path / run / "drafts" / "distilled")
@@ -431,7 +431,7 @@ def test_a_trimmed_base_draft_adapts_over_its_kept_ids(tmp_path, signal):
     from decode import speculative_generate
     from train.run import validate
 
-    target, tok = load_causal_lm("tests/fixtures/reference_target", role="target")
+    target, tok = load_causal_lm("models/assets/reference_target", role="target")
     draft = tiny_family_lm("llama", vocab_size=target.config.vocab_size, seed=3, max_position_embeddings=256)
     head = install_trimmed_head(draft, torch.arange(0, target.config.vocab_size, 3))
     save_hf_atomic(draft, tok, tmp_path / "drafts" / "distilled",

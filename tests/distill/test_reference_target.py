@@ -13,14 +13,14 @@ from models.checkpoints import SpecdraftMeta
 pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
 
 ROOT = Path(__file__).resolve().parents[2]
-REF = ROOT / "tests" / "fixtures" / "reference_target"
+REF = ROOT / "models" / "assets" / "reference_target"
 
 
 def test_committed_reference_target_is_complete_and_small():
     from models.checkpoints import load_causal_lm
 
     weights = list(REF.glob("*.safetensors"))
-    assert weights, "tests/fixtures/reference_target has no safetensors"
+    assert weights, "models/assets/reference_target has no safetensors"
     assert sum(w.stat().st_size for w in weights) <= 25 * 2**20
     meta = json.loads((REF / "specdraft.json").read_text())
     assert SpecdraftMeta.read(REF).extra == {}  # every field the committed target's file holds is in the schema

@@ -96,6 +96,36 @@ def test_teacher_sequences_are_generated_once_and_reused(tmp_path):
     assert info4["path"] != info["path"]
 
 
+def test_teacher_passes_keep_the_callers_threads_unless_told_to_follow_the_free_cores(tmp_path, monkeypatch):
+    """The one-off teacher passes (answers, top-k cache) run at the caller's thread count (the run's fixed one), not
+    at the free cores' count, so what they store does not depend on the machine's load; follow_free_cores=True
+    (trainer.follow_free_cores) takes the count from the free cores. The caller's count is restored after."""
+    import decode
+    from decode import fast_settings
+    from distill.teacher import build_teacher_cache
+
+    if fast_settings.available_cores() < 2:
+        pytest.skip("needs 2 cores: the caller's 2 threads would be capped")
+    monkeypatch.setattr(fast_settings, "free_cores", lambda window_s=0.5: 1)
+    target = tiny_llama(vocab_size=V, hidden_size=32, seed=1, eos_token_id=EOS)
+    seen: list[int] = []
+    target.register_forward_pre_hook(lambda m, a: seen.append(torch.get_num_threads()))  # the cache's forwards
+    generate = decode.autoregressive_generate  # the answers (its lean forward does not call the module)
+    monkeypatch.setattr(decode, "autoregressive_generate",
+                        lambda *a, **kw: (seen.append(torch.get_num_threads()), generate(*a, **kw))[1])
+    blocks = torch.randint(0, V, (4, 8), generator=torch.Generator().manual_seed(0))
+    gen = GenerationConfig(max_new_tokens=3, temperature=0.0, batch_size=4)
+    torch.set_num_threads(2)
+    for follow, want in ((False, {2}), (True, {1})):
+        seen.clear()
+        generate_teacher_sequences(target, _prompts(), gen, tmp_path / str(follow), seed=0, eos_token_id=EOS,
+                                   pad_token_id=0, follow_free_cores=follow)
+        assert set(seen) == want and torch.get_num_threads() == 2, ("answers", follow, seen)
+        seen.clear()
+        build_teacher_cache(target, blocks, tmp_path / str(follow), k=4, follow_free_cores=follow)
+        assert set(seen) == want and torch.get_num_threads() == 2, ("top-k cache", follow, seen)
+
+
 def test_on_policy_hook_rows_prefix_mask_and_determinism():
     student = tiny_llama(vocab_size=V, hidden_size=32, seed=3).train()
     blocks = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(1))

@@ -153,7 +153,8 @@ def test_last_step_is_evaluated_once_selection_is_on(tmp_path):
 
 @pytest.mark.parametrize("kw,match", [({"max_time_s": -1}, "max_time_s"), ({"max_steps": 0}, "max_steps"),
                                       ({"mixed_precision": "fp8"}, "mixed_precision"),
-                                      ({"num_threads": -1}, "num_threads")])
+                                      ({"num_threads": -1}, "num_threads"),
+                                      ({"follow_free_cores": True, "num_threads": 2}, "trainer.num_threads=0")])
 def test_bad_trainer_config_is_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         TrainerConfig(**kw)
@@ -165,6 +166,29 @@ def test_num_threads_applies_inside_training_only(tmp_path):
     train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path, _cfg(max_steps=1, num_threads=1),
           on_step=lambda s, r: inside.append(torch.get_num_threads()))
     assert inside == [1] and torch.get_num_threads() == 2
+
+
+def test_a_runs_weights_do_not_depend_on_how_busy_the_machine_is(tmp_path, monkeypatch):
+    """trainer.num_threads=0 keeps the thread count torch has when the run starts, whatever the free cores (the
+    count changes the summation order): the same run with 1 and with 2 cores free trains at the same count, records
+    it once and ends with the same weights; trainer.follow_free_cores=true takes the count from the free cores."""
+    from decode import fast_settings
+
+    torch.set_num_threads(2)
+    weights = []
+    for free in (1, 2):
+        monkeypatch.setattr(fast_settings, "free_cores", lambda window_s=0.5, free=free: free)
+        student, inside = tiny_llama(vocab_size=V, hidden_size=32, seed=3), []
+        out = train(student, _blocks(), tmp_path / f"free{free}", _cfg(),
+                    on_step=lambda s, r: inside.append(torch.get_num_threads()))
+        assert inside == [2, 2, 2] and out["threads"] == [[0.0, 2]]
+        weights.append(student.state_dict())
+    assert all(torch.equal(w, weights[1][k]) for k, w in weights[0].items())
+    monkeypatch.setattr(fast_settings, "free_cores", lambda window_s=0.5: 1)
+    inside = []
+    out = train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), _blocks(), tmp_path / "follow",
+                _cfg(follow_free_cores=True), on_step=lambda s, r: inside.append(torch.get_num_threads()))
+    assert inside == [1, 1, 1] and out["threads"] == [[0.0, 1]] and torch.get_num_threads() == 2
 
 
 @given(n=st.integers(2, 300), steps=st.integers(1, 40), mb=st.integers(1, 8), seed=st.integers(0, 5))

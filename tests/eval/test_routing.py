@@ -125,7 +125,7 @@ def _save_tiny_draft(out: Path, seed: int):
     from models.checkpoints import save_hf_atomic
     from distill.drafts import LlamaArch, build_llama
 
-    _, tok = load_causal_lm("tests/fixtures/reference_target", role="target")
+    _, tok = load_causal_lm("models/assets/reference_target", role="target")
     arch = LlamaArch(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_position_embeddings=256)
     save_hf_atomic(build_llama(arch, tok, seed=seed), tok, out)
     return out
@@ -142,7 +142,7 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     table.write_text(json.dumps({"routes": {"medical": {"draft": "a", "path": str(a)},
                                             "code": {"draft": "b", "path": str(b)},
                                             "chat": {"draft": None, "path": None, "target_only": True}}}))
-    cfg = {"target": {"name_or_path": "tests/fixtures/reference_target"}, "decode": {"draft_routing": str(table)},
+    cfg = {"target": {"name_or_path": "models/assets/reference_target"}, "decode": {"draft_routing": str(table)},
            "eval": {"domains": ["medical", "code", "chat"], "max_prompts": 1, "max_new_tokens": 4, "max_prompt_tokens": 32,
                     "cost_ratio_trials": 1, "bootstrap_samples": 0, "plots": True}}  # plots of a sparse doc
     rc = validate(cfg)

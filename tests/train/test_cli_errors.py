@@ -125,6 +125,17 @@ TRAIN_CASES = {
                                     "Key 'text_feild' not in 'ExtraDomainConfig'", "did you mean text_field?"),
     "config_group_without_plus": (["experiment=smoke"], "'experiment' is a config group", "+experiment=smoke",
                                   "distill_med"),
+    # folders of conf/ that --help lists as groups but Hydra cannot select: the message names the command that works
+    "accelerate_config_added": (["+accelerate=single"], "conf/accelerate/single.yaml is a launch config of "
+                                "accelerate", "one process is what plain python -m train runs: python -m train "
+                                "hydra.run.dir="),
+    "accelerate_config_selected": (["accelerate=ddp", "trainer.max_steps=5"], "conf/accelerate/ddp.yaml is a launch "
+                                   "config", "accelerate launch --config_file conf/accelerate/ddp.yaml -m train "
+                                   "trainer.max_steps=5 hydra.run.dir=", " trainer=ddp"),
+    "domain_added": (["+domain=byo_chat"], "'domain' is not a config group", "data.domain=byo_chat"),
+    "selected_group_added": (["+draft=layer_pruned"], "use draft=layer_pruned (no '+')",
+                             "python -m train hydra.run.dir="),
+    "experiment_force_added": (["++experiment=smoke"], "use +experiment=smoke (one '+')"),
     # a list of dicts the shell split at spaces / brace-expanded, as an unquoted value arrives
     "unquoted_list_of_dicts": (["eval.extra_domains=[{name:", "x,", "path:", "/tmp/x.jsonl}]"],
                                "put the whole override in single quotes",
@@ -338,6 +349,46 @@ def test_eval_cli_refuses_a_draft_whose_cache_cannot_be_rolled_back(models, tmp_
     proc = cli("eval", *_eval_args(models, **{"eval.drafts": f"{{chunked: {tmp_path / 'chunked'}}}"}),
                f"hydra.run.dir={tmp_path / 'run'}")
     assert_clean_error(proc, 2, "draft 'chunked'", "cannot roll back the KV cache", "chunked_attention")
+
+
+def test_every_group_help_lists_is_either_selectable_or_refused_with_the_command_that_works(tmp_path):
+    """``python -m train --help`` lists every folder of conf/ as a group; each one typed the way Hydra rejects it
+    (``+G=O`` for every group but experiment, ``G=O`` where the defaults select none, ``++experiment=O``) exits 2 with
+    our one line (never Hydra's "Key 'accelerate' not in 'RootConfig'" or "appears more than once"), and the command
+    the line names composes into a valid config (a ``python -m train`` one), or is an ``accelerate launch`` of an
+    existing launch config with the trainer of the same name."""
+    import re
+    import shlex
+
+    from cliforks import run_commands
+    from core.cli import _selected_groups
+    from tinymodels import compose_config
+    from train.run import validate
+
+    help_out = cli("train", "--help")
+    assert help_out.returncode == 0, help_out.stderr[-2000:]
+    listed = help_out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    groups = {m.group(1): m.group(2).split(", ") for line in listed.splitlines()
+              if (m := re.fullmatch(r"(\w+): (\w+(?:, \w+)*)", line.strip()))}
+    assert {"accelerate", "domain", "draft", "experiment", "trainer"} <= set(groups), groups
+    assert "conf/accelerate/NAME.yaml is a launch config" in help_out.stdout  # --help says how those are used
+    selected = _selected_groups(ROOT / "conf")
+    commands = [f"++{g}={o[0]}" if g == "experiment" else f"+{g}={o[0]}" for g, o in groups.items()]
+    commands += [f"{g}={o[0]}" for g, o in groups.items() if g not in selected and g != "experiment"]
+    run = make_finished_run(tmp_path)  # nothing may start: a command that got through would be refused here
+    procs = run_commands("train", [[c, "trainer.max_steps=5", f"hydra.run.dir={run}"] for c in commands],
+                         env=cli_env())
+    for command, proc in zip(commands, procs):
+        message = assert_clean_error(proc, 2, "invalid config: ")
+        assert "RootConfig" not in message and "more than once" not in message, (command, message)
+        fix = shlex.split(message.rsplit(": ", 1)[1])
+        if fix[:3] == ["python", "-m", "train"]:
+            assert command not in fix and "trainer.max_steps=5" in fix, (command, message)
+            validate(compose_config([a for a in fix[3:] if not a.startswith("hydra.")]))
+        else:
+            assert fix[:3] == ["accelerate", "launch", "--config_file"] and (ROOT / fix[3]).is_file(), message
+            assert f"trainer={Path(fix[3]).stem}" in fix, message
+            validate(compose_config([a for a in fix[6:] if not a.startswith("hydra.")]))
 
 
 @pytest.mark.parametrize("key,value,suggestion", [

@@ -264,19 +264,21 @@ class LlamaServer:
             raise EngineError(f"llama-server did not answer: {e}; {self.log_tail()}") from e
 
 
-def lookup_server_args(kind: str, settings: dict, num_draft_tokens: int, cache_file: str | os.PathLike | None = None
-                       ) -> list[str]:
+def lookup_server_args(kind: str, settings: dict, num_draft_tokens: int) -> list[str]:
     """llama-server's flags for a lookup draft (decode/ngram.py), no draft model: ``prompt_lookup`` as llama.cpp's
-    ``ngram-simple`` (the last ``min_ngram`` tokens looked up in the context, ``num_draft_tokens`` copied);
-    ``suffix`` as ``ngram-cache`` with a dynamic lookup cache (``cache_file``: n-grams of the context and of earlier
-    generations, updated by generation; default ``<engine run dir>/ngram-cache.bin`` named by the caller)."""
+    ``ngram-simple`` (the last ``settings["min_ngram"]`` tokens looked up in the context, ``num_draft_tokens``
+    copied); ``suffix`` as ``ngram-cache``, its n-gram statistics over the request's context (llama-server keeps no
+    store of earlier answers: a ``--lookup-cache-dynamic`` file must exist before it starts and is not written by
+    the server).
+
+    Raises:
+        ValueError: an unknown kind."""
     if kind == "prompt_lookup":
         return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(int(settings["min_ngram"])),
                 "--spec-ngram-simple-size-m", str(int(num_draft_tokens)), "--spec-ngram-simple-min-hits", "1",
                 "--spec-draft-n-max", str(int(num_draft_tokens))]
     if kind == "suffix":
-        args = ["--spec-type", "ngram-cache", "--spec-draft-n-max", str(int(num_draft_tokens))]
-        return args + (["--lookup-cache-dynamic", str(cache_file)] if cache_file is not None else [])
+        return ["--spec-type", "ngram-cache", "--spec-draft-n-max", str(int(num_draft_tokens))]
     raise ValueError(f"unknown lookup draft kind {kind!r}: prompt_lookup or suffix")
 
 

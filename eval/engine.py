@@ -139,11 +139,9 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
         alone_tps[name] = _tps([r for rs in alone.values() for r in rs])
         runs[name] = serve(name, files["target"], g)
     for name, kind in lookups.items():  # llama.cpp's own n-gram speculation: no draft model, no c
-        cache = Path(out_dir) / f"ngram-cache-{name}.bin"
-        cache.unlink(missing_ok=True)  # the suffix store starts empty, as ours
         alone_tps[name] = math.nan
         runs[name] = serve(name, files["target"], extra=lookup_server_args(
-            kind, (lookup_settings or {}).get(name) or {"min_ngram": 2}, num_draft_tokens, cache))
+            kind, (lookup_settings or {}).get(name) or {"min_ngram": 2}, num_draft_tokens))
     alone_tps["target"] = _tps([r for r in runs["target"][next(iter(first))]])
     return {"schema": SCHEMA, "engine": engine.describe(), "target_gguf": str(files["target"]),
             "target_from": files["target_from"], "drafts_gguf": {n: str(p) for n, p in files["drafts"].items()},

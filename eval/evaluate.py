@@ -342,6 +342,13 @@ class _Evaluation:
                                    **self.decode_kwargs)
         return out, policy
 
+    def pairs(self) -> list[tuple[int, str, Any]]:
+        """``(setting index, draft name, draft)`` of every speculative decode of a prompt: each draft at each setting,
+        except token trees for drafts that only chain (EAGLE-3 heads, lookup drafts)."""
+        return [(k, name, draft) for k, (policy, _, _) in enumerate(self.settings) for name, draft in self.drafts.items()
+                if not (str(policy).startswith("tree:") and (getattr(draft, "is_ngram", False)
+                                                             or getattr(draft, "is_eagle3", False)))]
+
     def paired_trials(self, ids: torch.Tensor, seed: int, bar):
         """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd
         rounds run the speculative settings first: :func:`eval.evaluate.alternated_rounds` with ``rotate``) so each
@@ -349,9 +356,9 @@ class _Evaluation:
         ``{(setting index, draft): (output, policy)}`` of the first round, and ``{(setting index, draft): [seconds
         per round]}``."""
         calls = {TARGET_ONLY: functools.partial(self.target_only, ids, seed)}
-        for k, (_, gamma, make) in enumerate(self.settings):
-            for name, draft in self.drafts.items():
-                calls[(k, name)] = functools.partial(self.speculative, ids, seed, gamma, make, draft)
+        for k, name, draft in self.pairs():
+            _, gamma, make = self.settings[k]
+            calls[(k, name)] = functools.partial(self.speculative, ids, seed, gamma, make, draft)
         results, seconds = alternated_rounds(calls, self.device, self.trials, rotate=True,
                                              after=lambda _: bar.update(1))
         first = {key: res[0] for key, res in results.items() if key != TARGET_ONLY}
@@ -364,7 +371,7 @@ class _Evaluation:
         rows: list[dict] = []
         outputs = self.target_outputs.setdefault(domain, {})
         truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
-        runs = len(prompts) * (1 + len(self.settings) * len(self.drafts)) * self.trials
+        runs = len(prompts) * (1 + len(self.pairs())) * self.trials
         bar = tqdm(total=runs, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
         lookups = [d for d in self.drafts.values() if getattr(d, "is_ngram", False)]
         for d in lookups:  # a suffix draft's store: this domain's earlier answers only, from an empty one
@@ -378,18 +385,18 @@ class _Evaluation:
             outputs[p.id] = ref.sequences[0, ids.size(1): ids.size(1) + int(ref.num_new_tokens[0])].tolist()
             for d in lookups:  # after every setting decoded it: no decode sees its own prompt's answer
                 d.observe(outputs[p.id])
-            for k, (policy_name, gamma, _) in enumerate(self.settings):
-                for name in self.drafts:
-                    out, policy = first[(k, name)]
-                    row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
-                               t_spec[(k, name)], ref, t_ref, self.compare)
-                    if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
-                        d = divergence(self.target, ref.sequences, out.sequences, ids.size(1))
-                        if d is not None and d["numerical_tie"]:
-                            row["numerical_tie_gap"] = d["logit_gap"]
-                        log.warning("greedy outputs differ (%s, %s, prompt %s, %s): %s", name, domain, p.id,
-                                    policy_name if gamma is None else f"gamma {gamma}", d)
-                    rows.append(row)
+            for k, name, _ in self.pairs():
+                policy_name, gamma, _ = self.settings[k]
+                out, policy = first[(k, name)]
+                row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
+                           t_spec[(k, name)], ref, t_ref, self.compare)
+                if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
+                    d = divergence(self.target, ref.sequences, out.sequences, ids.size(1))
+                    if d is not None and d["numerical_tie"]:
+                        row["numerical_tie_gap"] = d["logit_gap"]
+                    log.warning("greedy outputs differ (%s, %s, prompt %s, %s): %s", name, domain, p.id,
+                                policy_name if gamma is None else f"gamma {gamma}", d)
+                rows.append(row)
         bar.close()
         summary = {"prompts": len(prompts), "new_tokens": tgt_tokens, "time_s": tgt_time,
                    "tokens_per_s": tgt_tokens / tgt_time if tgt_time else None}

@@ -523,7 +523,7 @@ def lookup_engine_settings(target: str, spec: str, settings: dict, gamma: int, g
     tfmt = "q8_0" if fmt_ == "source" else fmt_
     target_gguf = str(src) if src is not None and fmt_ == "source" else str(
         gdir / (target_export_name(target, tfmt) if Path(target).is_dir() else f"target-{tfmt}.gguf"))
-    args = ["-m", target_gguf, *lookup_server_args(kind, settings, gamma, gdir / "ngram-cache.bin")]
+    args = ["-m", target_gguf, *lookup_server_args(kind, settings, gamma)]
     hf = None
     if kind == "prompt_lookup":
         hf = {"prompt_lookup_num_tokens": gamma, "max_matching_ngram_size": settings["max_ngram"], "snippet": "\n".join([

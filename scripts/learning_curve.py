@@ -1,7 +1,7 @@
 """The learning curve of a draft: held-out acceptance against the unique teacher tokens it trained on.
 
     python scripts/learning_curve.py RUN_OR_SWEEP_DIR [...] [--domain medical] [--draft distilled] [--target 0.6]
-        [--gpu-tokens-per-s 200000] [--out DIR]
+        [--gpu-tokens-per-s 200000] [--recorded learning_curve.json ...] [--out DIR]
 
 Reads each finished run (``metrics.json`` with the held-out section, eval/heldout.py, and the distilled draft's
 ``specdraft.json``), e.g. the folders of ``python -m train +experiment=learning_curve -m``. Prints and writes
@@ -14,7 +14,12 @@ Reads each finished run (``metrics.json`` with the held-out section, eval/heldou
   ``--target``, and, marked as a projection, what scoring that many tokens costs: CPU-hours at the throughput the
   runs measured here and GPU-hours at ``--gpu-tokens-per-s`` (a stated assumption, not a measurement).
 
-Exit status 2 with a message when fewer than two finished runs are found.
+Points are grouped by draft kind (``specdraft.json``'s ``init``: ``layer_pruned``, ``eagle3``, ...): each kind gets
+its own fit, table and series in the plot (held-out alpha_1 and tau at gamma 3 against tokens, log axis, each point
+labelled with its training seconds). ``--recorded`` adds the points of an earlier ``learning_curve.json`` (e.g. a
+kind measured at another commit), shown as they were recorded.
+
+Exit status 2 with a message when fewer than two points of one kind are found.
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ def run_point(run: Path, domain: str, draft: str = "distilled") -> dict | None:
     unique = tr.get("unique_tokens") or (meta.get("teacher_cache") or {}).get("scored_tokens")  # cached: the same
     reads = tr.get("max_reads_per_token") or (-(-int(tr["tokens_seen"]) // unique) if unique and "tokens_seen" in tr
                                               else None)
-    return {"run": str(run), "unique_tokens": unique, "max_reads": reads,
+    return {"run": str(run), "kind": meta.get("init") or "draft", "unique_tokens": unique, "max_reads": reads,
             "steps": tr.get("steps"), "train_s": tr.get("train_time_s"), "teacher_cost_s": cost,
             "alpha_1": s["alpha"][0], "alpha_1_ci": s["alpha_ci"][0], "tau_3": s["tau"].get("3", s["tau"].get(3)),
             "tau_3_ci": s["tau_ci"].get("3", s["tau_ci"].get(3)), "prompts": s["prompts"],
@@ -69,13 +74,17 @@ def curve(points: list[dict], target: float, gpu_tokens_per_s: float) -> dict:
     xs, ys = [p["unique_tokens"] for p in points], [p["alpha_1"] for p in points]
     a, b = fit_log_line(xs, ys)
     need = 10 ** ((target - a) / b) if b > 0 else None
-    per_token_s = sum(p["teacher_cost_s"] for p in points) / max(1, sum(p["unique_tokens"] for p in points))
+    per_token_s = sum(p["teacher_cost_s"] or 0 for p in points) / max(1, sum(p["unique_tokens"] for p in points))
     cpu_rate = max((p["unique_tokens"] / p["teacher_cost_s"] for p in points if p["teacher_cost_s"]), default=None)
     return {"fit": {"a": a, "b_per_decade": b}, "target_alpha_1": target, "tokens_for_target": need,
             "projection": None if need is None else {
                 "cpu_hours_here": need / cpu_rate / 3600 if cpu_rate else None, "cpu_tokens_per_s": cpu_rate,
                 "gpu_hours": need / gpu_tokens_per_s / 3600, "gpu_tokens_per_s_assumed": gpu_tokens_per_s},
             "teacher_s_per_token_here": per_token_s}
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def markdown(points: list[dict], c: dict, domain: str) -> str:
@@ -86,8 +95,8 @@ def markdown(points: list[dict], c: dict, domain: str) -> str:
         others = ", ".join(f"{d} {v:.2f}" for d, v in p["others"].items())
         tr = "-" if p["train_alpha_1"] is None else f"{p['train_alpha_1']:.2f}"
         lines.append(f"| {p['unique_tokens']:,} | {p['max_reads']} | {p['alpha_1']:.3f}{ci(p['alpha_1_ci'])} | "
-                     f"{p['tau_3']:.2f}{ci(p['tau_3_ci'])} | {tr} | {others} | {p['teacher_cost_s']:.0f} | "
-                     f"{p['train_s']:.0f} |")
+                     f"{p['tau_3']:.2f}{ci(p['tau_3_ci'])} | {tr} | {others} | {_num(p['teacher_cost_s'])} | "
+                     f"{_num(p['train_s'])} |")
     f = c["fit"]
     lines += ["", f"Fit: alpha_1 = {f['a']:.3f} + {f['b_per_decade']:.3f} x log10(tokens) "
                   f"({len(points)} points)."]
@@ -104,28 +113,36 @@ def markdown(points: list[dict], c: dict, domain: str) -> str:
     return "\n".join(lines)
 
 
-def plot(points: list[dict], c: dict, path: Path, domain: str) -> None:
+def plot(groups: dict[str, tuple[list[dict], dict]], path: Path, domain: str) -> None:
+    """Held-out alpha_1 (with intervals and each kind's fit) and tau at gamma 3 against tokens, one series per kind,
+    each point labelled with its training seconds."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [p["unique_tokens"] for p in points]
-    fig, ax = plt.subplots(1, 2, figsize=(9, 3.5))
-    ax[0].errorbar(xs, [p["alpha_1"] for p in points], fmt="o", label=f"held-out {domain}",
-                   yerr=[[p["alpha_1"] - p["alpha_1_ci"][0] for p in points],
-                         [p["alpha_1_ci"][1] - p["alpha_1"] for p in points]] if all(p["alpha_1_ci"] for p in points)
-                   else None)
-    if all(p["train_alpha_1"] is not None for p in points):
-        ax[0].plot(xs, [p["train_alpha_1"] for p in points], "x", label="training prompts")
-    f = c["fit"]
-    lo, hi = min(xs), max(max(xs), c["tokens_for_target"] or 0)
-    grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
-    ax[0].plot(grid, [f["a"] + f["b_per_decade"] * math.log10(g) for g in grid], "--", label="fit (projection)")
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    for kind, (points, c) in groups.items():
+        xs = [p["unique_tokens"] for p in points]
+        err = ([[p["alpha_1"] - p["alpha_1_ci"][0] for p in points], [p["alpha_1_ci"][1] - p["alpha_1"] for p in points]]
+               if all(p["alpha_1_ci"] for p in points) else None)
+        line = ax[0].errorbar(xs, [p["alpha_1"] for p in points], yerr=err, fmt="o", capsize=3,
+                              label=f"{kind}: held-out {domain}")
+        color = line[0].get_color()
+        f = c["fit"]
+        grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
+        ax[0].plot(grid, [f["a"] + f["b_per_decade"] * math.log10(g) for g in grid], "--", color=color, lw=0.8)
+        terr = ([[p["tau_3"] - p["tau_3_ci"][0] for p in points], [p["tau_3_ci"][1] - p["tau_3"] for p in points]]
+                if all(p.get("tau_3_ci") for p in points) else None)
+        ax[1].errorbar(xs, [p["tau_3"] for p in points], yerr=terr, fmt="o-", capsize=3, color=color, label=kind)
+        for p in points:
+            if p.get("train_s") is not None:
+                ax[1].annotate(f"{p['train_s']:.0f} s", (p["unique_tokens"], p["tau_3"]), fontsize=6,
+                               xytext=(3, 3), textcoords="offset points", color=color)
     ax[0].set(xscale="log", xlabel="unique teacher tokens", ylabel="alpha_1 (first draft position)")
+    ax[1].set(xscale="log", xlabel="unique teacher tokens", ylabel="tau at gamma 3 (held-out; labels: training s)")
     ax[0].legend(fontsize=7)
-    ax[1].plot(xs, [p["tau_3"] for p in points], "o-")
-    ax[1].set(xscale="log", xlabel="unique teacher tokens", ylabel="tau at gamma 3 (held-out)")
+    ax[1].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -139,21 +156,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="assumed teacher-forced scoring throughput of one GPU for the projection")
     ap.add_argument("--draft", default="distilled", help="the draft read from each run (default distilled; its int8 "
                     "copy when only that was evaluated)")
+    ap.add_argument("--recorded", type=Path, action="append", default=[],
+                    help="an earlier run's learning_curve.json whose points are added as recorded")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     points = [p for p in (run_point(r, args.domain, args.draft) for r in _runs(args.paths)) if p and p["unique_tokens"]]
-    if len(points) < 2:
-        print(f"error: need at least two finished runs with a held-out section under {args.paths}; found "
-              f"{len(points)}", file=sys.stderr)
+    for f in args.recorded:
+        points += [{"kind": "draft", **p} for p in json.loads(f.read_text())["points"]]
+    kinds: dict[str, list[dict]] = {}
+    for p in sorted(points, key=lambda p: p["unique_tokens"]):
+        kinds.setdefault(p["kind"], []).append(p)
+    kinds = {k: ps for k, ps in kinds.items() if len(ps) >= 2}
+    if not kinds:
+        print(f"error: need at least two finished runs of one draft kind with a held-out section under "
+              f"{args.paths}; found {len(points)} point(s)", file=sys.stderr)
         return 2
-    points.sort(key=lambda p: p["unique_tokens"])
-    c = curve(points, args.target, args.gpu_tokens_per_s)
+    groups = {k: (ps, curve(ps, args.target, args.gpu_tokens_per_s)) for k, ps in kinds.items()}
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
-    md = markdown(points, c, args.domain)
+    md = "\n\n".join(f"**{k}**\n\n" + markdown(ps, c, args.domain) for k, (ps, c) in groups.items())
     (out / "learning_curve.md").write_text(md + "\n")
-    (out / "learning_curve.json").write_text(json.dumps({"points": points, **c}, indent=2) + "\n")
-    plot(points, c, out / "learning_curve.png", args.domain)
+    doc = {"points": [p for ps, _ in groups.values() for p in ps], **next(iter(groups.values()))[1],
+           "kinds": {k: c for k, (_, c) in groups.items()}}
+    (out / "learning_curve.json").write_text(json.dumps(doc, indent=2) + "\n")
+    plot(groups, out / "learning_curve.png", args.domain)
     print(md)
     print(f"\nwrote {out / 'learning_curve.md'}, .json, .png")
     return 0

@@ -80,3 +80,19 @@ def hf_greedy(target, ids, mask, max_new_tokens: int, eos_token_id=None, pad_tok
     full = torch.full((ids.shape[0], ids.shape[1] + max_new_tokens), pad_token_id, dtype=torch.long)
     full[:, : out.shape[1]] = out
     return full
+
+
+def pooled_chisquare_pvalue(counts, expected_probs, n: int) -> float:
+    """Chi-square goodness of fit of ``counts`` against ``expected_probs * n`` (flat tensors), the cells expected fewer
+    than 5 times pooled into one."""
+    import torch
+    from scipy import stats
+
+    exp = expected_probs.flatten().double() * n
+    counts = counts.flatten().double()
+    big = exp >= 5
+    obs, e = counts[big], exp[big]
+    if exp[~big].sum() > 0:
+        obs, e = torch.cat([obs, counts[~big].sum()[None]]), torch.cat([e, exp[~big].sum()[None]])
+    return float(stats.chisquare(obs.numpy(), (e * obs.sum() / e.sum()).numpy()).pvalue)
+

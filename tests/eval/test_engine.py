@@ -179,6 +179,27 @@ def test_real_server_speculative_greedy_equals_alone(tiny_ggufs):
 
 
 @needs_engine
+@pytest.mark.parametrize("kind", ["prompt_lookup", "suffix"])
+def test_llama_cpps_ngram_speculation_serves_our_lookup_settings_losslessly(tiny_ggufs, kind):
+    """serving.json's llama.cpp flags for a lookup draft start the installed server, which speculates with its own
+    n-gram lookup (ngram-simple / ngram-cache) and answers exactly as the target alone."""
+    from decode.llamacpp import lookup_server_args
+
+    folder, t, d, tok = tiny_ggufs
+    engine = find_engine()
+    prompts = [tok("abc abc abc abc abc", add_special_tokens=True)["input_ids"],
+               tok("face bad face bad face", add_special_tokens=True)["input_ids"]]
+    with LlamaServer(engine, t, threads=1, ctx_size=256) as s:
+        alone = [s.complete(p, 24) for p in prompts]
+    args = lookup_server_args(kind, {"min_ngram": 2}, 3)
+    with LlamaServer(engine, t, threads=1, ctx_size=256, extra_args=tuple(args)) as s:
+        spec = [s.complete(p, 24) for p in prompts]
+    assert [r.tokens for r in spec] == [r.tokens for r in alone]
+    if kind == "prompt_lookup":  # the repeated prompts match: the engine drafted from them
+        assert sum(r.draft_n for r in spec) > 0
+
+
+@needs_engine
 def test_engine_teacher_sequences_match_our_greedy_answers(tiny_ggufs, tmp_path):
     """distill.generation.engine=llama_cpp: the same stored format as our decoder's teacher data, and (f32 served
     target) the same greedy answers."""

@@ -135,7 +135,7 @@ def test_pretrained_draft_distilled_further(tiny, tmp_path):
     for n in ("pretrained", "distilled"):
         _assists(drafts / n, tiny["target"], tiny["texts"])
     doc = json.loads((tmp_path / "run" / "metrics.json").read_text())
-    assert set(doc["drafts"]) == {"pretrained", "distilled"} and doc["lossless_all"] is True
+    assert set(doc["drafts"]) == {"pretrained", "distilled", "prompt_lookup", "suffix"} and doc["lossless_all"] is True
 
 
 def test_bad_pretrained_drafts_fail_clearly_before_training(tiny, tmp_path):

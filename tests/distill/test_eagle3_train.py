@@ -137,8 +137,8 @@ def test_smoke_with_an_eagle3_head_end_to_end(tmp_path):
     assert meta["eagle3"]["ttt_steps"] == 3 and meta["eagle3"]["target_layers"] == [1, 3, 5]
     assert meta["teacher_cache"]["computed_shards"] >= 1
     m = json.loads((run / "metrics.json").read_text())
-    assert m["lossless_all"] is True and set(m["drafts"]) == {"distilled", "prompt_lookup", "suffix"}
-    assert set(m["heldout"]["drafts"]) == {"distilled", "prompt_lookup", "suffix"}
+    assert m["lossless_all"] is True and set(m["drafts"]) == {"distilled"}
+    assert set(m["heldout"]["drafts"]) == {"distilled"}
     from eval.sections import engine_settings
 
     e = engine_settings(str(run / "target"), str(run / "drafts" / "distilled"), 3)  # serving.json's entry for it

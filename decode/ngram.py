@@ -144,8 +144,9 @@ class NgramDraft(torch.nn.Module):
         d = self.domain if domain is None else str(domain)
         store = self._stores.setdefault(d, deque())
         store.append([int(t) for t in answer])
-        while sum(len(a) for a in store) > self.max_store_tokens and len(store) > 1:
-            store.popleft()
+        total = sum(len(a) for a in store)
+        while total > self.max_store_tokens and len(store) > 1:
+            total -= len(store.popleft())
         self._index.pop(d, None)  # rebuilt on the next lookup
 
     def clear_store(self, domain: str | None = None) -> None:
@@ -180,7 +181,8 @@ class NgramDraft(torch.nn.Module):
         store = self._store_index()
         for n in range(min(self.max_ngram, length), self.min_ngram - 1, -1):
             key = tuple(toks[length - n:])
-            own = [e for e in hist.ends(key) if e < length]  # the text's own last n tokens end at `length`
+            ends = hist.ends(key)  # ascending; the text's own last n tokens end at `length`
+            own = ends[:-1] if ends and ends[-1] == length else ends
             if self.kind == "prompt_lookup":
                 if own:
                     e = own[-1]  # the most recent earlier occurrence

@@ -145,8 +145,9 @@ class EvalConfig:
     confidence: float = 0.95  # level of the bootstrap percentile intervals, in (0, 1)
     alert_mean_accepted_length: float = 2.0  # the verdict flags domains whose tau is below this (tokens/step)
     # a setting whose tau is below this is never recommended nor routed: it cannot pay for its draft and verify
-    # forwards (eval/decision.py, paying_settings)
-    min_mean_accepted_length: float = 1.5
+    # forwards (eval/decision.py, paying_settings); break_even: each setting's own break-even tau at its measured
+    # draft cost c and verify cost v (tau_floor in eval/decision.py)
+    min_mean_accepted_length: Any = 1.5
     plots: bool = True  # write plots/*.png (matplotlib, Agg)
     num_threads: int | None = None  # torch CPU threads while timing (null: leave torch's setting)
     device: str | None = None  # cpu | cuda | cuda:N; null: cuda when torch sees a GPU, else cpu
@@ -201,9 +202,9 @@ class EvalConfig:
                              f"got {self.bootstrap_samples}")
         if not 0 < self.confidence < 1:
             raise ValueError(f"eval.confidence must be in (0, 1), got {self.confidence}")
-        if not self.min_mean_accepted_length >= 0:
-            raise ValueError(f"eval.min_mean_accepted_length must be >= 0 tokens per verify step (1 lets every "
-                             f"draft through), got {self.min_mean_accepted_length}")
+        from eval.decision import check_tau_floor
+
+        self.min_mean_accepted_length = check_tau_floor(self.min_mean_accepted_length)
         if self.alert_mean_accepted_length < 0:
             raise ValueError(f"eval.alert_mean_accepted_length must be >= 0 tokens, got "
                              f"{self.alert_mean_accepted_length}")

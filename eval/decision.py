@@ -38,7 +38,8 @@ the model call slower.
 Before the rule runs, settings that cannot pay for themselves are set aside (:func:`paying_settings`): a mean
 accepted length tau below ``eval.min_mean_accepted_length`` (1.5 by default: each verify step costs at least one
 target forward plus gamma draft forwards; a loaded SmolLM2 run recommended drafts at tau 1.00 and 1.04 on measured
-1.10x and 1.84x), and a measured speedup above ``1.1 tau / min(1, v)`` (:func:`speedup_bound`: a verify step emits
+1.10x and 1.84x; ``break_even`` instead keeps a setting from the tau its own measured c and v need, :func:`tau_floor`,
+so a lookup draft that costs almost nothing per drafted token is kept from a lower tau), and a measured speedup above ``1.1 tau / min(1, v)`` (:func:`speedup_bound`: a verify step emits
 tau tokens for one verify forward of cost v, so more than that is disturbed timing, to be re-measured). When no
 setting is left the domain goes to the target alone (basis ``low_tau``).
 
@@ -84,6 +85,7 @@ COMPONENTS_FORMULA = "tau / (mean(k c + v_k) + o)"  # decode.stats.expected_spee
 # on the 2-core EPYC: v(2 positions) = 0.65, the bound is tau / v); 10 % above that allows timing noise
 IMPLAUSIBLE_OVER_TAU = 1.1
 MIN_MEAN_ACCEPTED_LENGTH = 1.5  # eval.min_mean_accepted_length's default
+BREAK_EVEN = "break_even"  # eval.min_mean_accepted_length=break_even: each setting's own measured break-even tau
 _SETTING_NUMBERS = ("measured_speedup", "measured_speedup_ci", "expected_speedup", "expected_speedup_components",
                     "mean_accepted_length", "mean_accepted_length_ci", "mean_draft_length", "projected_speedup")
 
@@ -351,16 +353,16 @@ def decide(cands: list[dict]) -> Decision:
                    displaced=None if displaced is None else view(displaced, fld))
 
 
-def paying_settings(cands: list[dict], min_mean_accepted_length: float,
+def paying_settings(cands: list[dict], min_mean_accepted_length: float | str,
                     verify_cost_ratio: dict | None = None) -> tuple[list[dict], list[str]]:
-    """``(kept, why_dropped)``: the settings that can pay for themselves (tau >= ``min_mean_accepted_length`` and a
+    """``(kept, why_dropped)``: the settings that can pay for themselves (tau >= :func:`tau_floor` and a
     measured speedup within ``IMPLAUSIBLE_OVER_TAU`` times :func:`speedup_bound`), and one phrase per setting set
     aside."""
     kept, dropped, _ = _sort_settings(cands, min_mean_accepted_length, verify_cost_ratio)
     return kept, dropped
 
 
-def _sort_settings(cands: list[dict], min_mean_accepted_length: float,
+def _sort_settings(cands: list[dict], min_mean_accepted_length: float | str,
                    verify_cost_ratio: dict | None) -> tuple[list[dict], list[str], dict[str, int]]:
     """One pass over ``cands``: the kept settings, one phrase per setting set aside, and how many per reason."""
     kept, dropped, reasons = [], [], {}
@@ -373,22 +375,60 @@ def _sort_settings(cands: list[dict], min_mean_accepted_length: float,
         tau, s, bound = num(c.get("mean_accepted_length")), num(c.get("measured_speedup")), \
             speedup_bound(c, verify_cost_ratio)
         name = f"`{c['draft']}` with {label(c)}"
+        floor = tau_floor(c, min_mean_accepted_length)
+        below = (f"tau {tau:.2f} < {floor:.2f}, its break-even at its measured c and v"
+                 if min_mean_accepted_length == BREAK_EVEN and not math.isnan(num(c.get("expected_speedup_components")))
+                 else f"tau {tau:.2f} < {floor:g}")
         dropped.append({"no_tau": f"{name} (no measured tau)",
-                        "low_tau": f"{name} (tau {tau:.2f} < {min_mean_accepted_length:g})",
+                        "low_tau": f"{name} ({below})",
                         "disturbed": f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
                                      f"disturbed timing, re-measure)"}[why])
     return kept, dropped, reasons
 
 
-def set_aside_reason(c: dict, min_mean_accepted_length: float, verify_cost_ratio: dict | None = None) -> str | None:
+def check_tau_floor(value) -> float | str:
+    """``eval.min_mean_accepted_length`` as the decision reads it: a number >= 0 (tokens per verify step) or
+    ``"break_even"``.
+
+    Raises:
+        ValueError: anything else, naming the two forms.
+    """
+    if isinstance(value, str) and value.strip() == BREAK_EVEN:
+        return BREAK_EVEN
+    try:
+        floor = float(value)
+    except (TypeError, ValueError):
+        floor = math.nan
+    if isinstance(value, bool) or not floor >= 0:
+        raise ValueError(f"eval.min_mean_accepted_length must be a number >= 0 tokens per verify step (1 lets every "
+                         f"draft through) or {BREAK_EVEN} (each setting's break-even tau at its measured costs), "
+                         f"got {value!r}")
+    return floor
+
+
+def tau_floor(c: dict, min_mean_accepted_length: float | str) -> float:
+    """The tau setting ``c`` must reach to be kept. A number: that number. ``"break_even"``: the tau at which the
+    setting's own measured costs give 1x, ``tau / expected_speedup_components`` = ``mean(k c + v_k) + o`` (a verify
+    step of cost ``k c + v_k`` target forwards emits tau tokens; Leviathan et al. 2023, Thm 3.8 with measured costs;
+    :func:`decode.stats.expected_speedup_from_costs`), so a lookup draft (c near 0, v near 1) is kept from a lower tau
+    than a draft that runs a model; :data:`MIN_MEAN_ACCEPTED_LENGTH` where the setting has no measured costs."""
+    if min_mean_accepted_length != BREAK_EVEN:
+        return float(min_mean_accepted_length)
+    tau, e = num(c.get("mean_accepted_length")), num(c.get("expected_speedup_components"))
+    return tau / e if e > 0 and not math.isnan(tau) else MIN_MEAN_ACCEPTED_LENGTH
+
+
+def set_aside_reason(c: dict, min_mean_accepted_length: float | str,
+                     verify_cost_ratio: dict | None = None) -> str | None:
     """Why setting ``c`` cannot pay for itself: ``"no_tau"`` (no measured tau), ``"low_tau"`` (tau below
-    ``min_mean_accepted_length``), ``"disturbed"`` (a measured speedup above ``IMPLAUSIBLE_OVER_TAU`` times
+    :func:`tau_floor`), ``"disturbed"`` (a measured speedup above ``IMPLAUSIBLE_OVER_TAU`` times
     :func:`speedup_bound`); None when it can."""
     tau, s = num(c.get("mean_accepted_length")), num(c.get("measured_speedup"))
     bound = speedup_bound(c, verify_cost_ratio)
-    if math.isnan(tau) and min_mean_accepted_length > 0:  # no measured tau: nothing says it pays
+    floor = tau_floor(c, min_mean_accepted_length)
+    if math.isnan(tau) and floor > 0:  # no measured tau: nothing says it pays
         return "no_tau"
-    if tau < min_mean_accepted_length:
+    if tau < floor:
         return "low_tau"
     if not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
         return "disturbed"
@@ -400,13 +440,13 @@ def paying_fixed(doc: dict, draft: str, domain: str) -> list[dict]:
     the document's ``min_mean_accepted_length`` and verify cost ratios) and measured at least 1x: what an engine with
     a fixed draft length may be given (``serving.json``, ``routing.json``'s default)."""
     floor = doc.get("min_mean_accepted_length")
-    floor = MIN_MEAN_ACCEPTED_LENGTH if floor is None else float(floor)
+    floor = MIN_MEAN_ACCEPTED_LENGTH if floor is None else check_tau_floor(floor)
     return [c for c in candidates(doc, domain) if c["draft"] == draft and c["draft_length_policy"] == "fixed"
             and set_aside_reason(c, floor, doc.get("verify_cost_ratio")) is None
             and num(c.get("measured_speedup")) >= 1.0]
 
 
-def decide_domain(every: list[dict], min_mean_accepted_length: float,
+def decide_domain(every: list[dict], min_mean_accepted_length: float | str,
                   verify_cost_ratio: dict | None = None) -> tuple[Decision, list[dict]]:
     """:func:`paying_settings`, then :func:`decide` over what is left (the target alone, basis ``low_tau``, when
     nothing is). Returns ``(decision, the settings the rule ran over)``."""

@@ -30,12 +30,14 @@ from core.io import fmt, fmt_interval, write_json_atomic, write_text_atomic
 from eval.decision import (
     COMPONENTS_FORMULA,
     FORMULA,
+    BREAK_EVEN,
     IMPLAUSIBLE_OVER_TAU,
     MIN_MEAN_ACCEPTED_LENGTH,
     SPECULATE,
     TARGET_ONLY,
     Decision,
     candidates,
+    check_tau_floor,
     decide_domain,
     interval,
     label,
@@ -102,7 +104,8 @@ def explain(r: Decision) -> str:
         return "no finite measured speedup"
     if r.basis == "low_tau":
         shown = "; ".join(r.set_aside[:4]) + (f"; and {len(r.set_aside) - 4} more" if len(r.set_aside) > 4 else "")
-        return (f"no setting can pay for itself; each needs tau of at least eval.min_mean_accepted_length and a "
+        return (f"no setting can pay for itself; each needs tau of at least eval.min_mean_accepted_length (or its "
+                f"break-even) and a "
                 f"measured speedup that tau can explain (at most {IMPLAUSIBLE_OVER_TAU:g} tau / min(1, v)), and every "
                 f"one failed: {shown}")
     if r.basis == "below_one":
@@ -156,7 +159,7 @@ def add_decisions(doc: dict, noisy_relative_width: float = 0.5) -> None:
 
     rec = {}
     min_tau = (doc.get("context") or {}).get("min_mean_accepted_length")
-    min_tau = float(MIN_MEAN_ACCEPTED_LENGTH if min_tau is None else min_tau)  # 0 is a setting (let every draft in)
+    min_tau = check_tau_floor(MIN_MEAN_ACCEPTED_LENGTH if min_tau is None else min_tau)  # 0: let every draft in
     doc["min_mean_accepted_length"] = min_tau
     for d in domains_of(doc):
         r, _ = decide_domain(candidates(doc, d), min_tau, doc.get("verify_cost_ratio"))
@@ -214,7 +217,8 @@ def _why_target_alone(doc: dict, r: dict) -> str:
         return r["basis"]
     floor = doc.get("min_mean_accepted_length", MIN_MEAN_ACCEPTED_LENGTH)
     n = r.get("set_aside_reasons") or {}
-    parts = ([f"best tau {fmt(r.get('highest_tau'), '.2f')} < {floor:g}"] if n.get("low_tau") or n.get("no_tau") else []) \
+    floor = "its break-even" if floor == BREAK_EVEN else f"{float(floor):g}"
+    parts = ([f"best tau {fmt(r.get('highest_tau'), '.2f')} < {floor}"] if n.get("low_tau") or n.get("no_tau") else []) \
         + ([f"{n['disturbed']} setting(s) faster than tau allows (re-measure)"] if n.get("disturbed") else [])
     return "no setting pays for itself: " + "; ".join(parts or ["none measured"])
 

@@ -146,3 +146,44 @@ def test_an_evaluation_decodes_lookup_drafts_losslessly_and_its_suffix_store_hol
     assert by[("suffix", "n/1", 4)]["drafted_tokens"] > by[("suffix", "n/0", 4)]["drafted_tokens"]  # the store
     assert list(suffix._stores["notes"]) == [res["target_outputs"]["notes"][f"n/{i}"] for i in range(3)]
     assert list(suffix._stores["code"]) == [res["target_outputs"]["code"]["c/0"]]
+
+
+@pytest.mark.parametrize("floor", ["break_even", 1.5])
+def test_the_break_even_floor_keeps_a_cheap_lookup_and_refuses_a_costly_draft_at_the_same_tau(tmp_path, floor):
+    """Both drafts accept tau 4/3 at gamma 4 and were timed at 1.2x on every prompt. With the fixed floor 1.5 both are
+    refused (the target alone). With ``break_even`` each must reach the tau its own measured costs need
+    (``k c + v`` + the loop's overhead): the lookup (c 0.002) is kept and routed; the trained draft (c 0.4, its
+    measured draft time 1.6 target forwards per step) is set aside, and the verdict names its break-even."""
+    from eval.decision import candidates, tau_floor
+    from eval.report import write_report
+
+    t1, steps, n = 0.05, 12, 16  # one target forward (s); verify steps and tokens per prompt: tau 16 / 12
+    rows = []
+    for draft, c in (("suffix", 0.002), ("distilled", 0.4)):
+        for r in _rows(draft, "clinical_notes", 4, 1.2, emitted=n, steps=steps):
+            spec = r["target_time_s"] / 1.2
+            rows.append({**r, "target_time_s": n * t1 * (1 + 0.05 * int(r["prompt_id"])),
+                         "speculative_time_s": n * t1 * (1 + 0.05 * int(r["prompt_id"])) / 1.2,
+                         "speculative_trial_times_s": [spec * f for f in (0.95, 1.05)],
+                         "prefill_time_s": 0.0, "draft_time_s": steps * 4 * c * t1, "verify_time_s": steps * 1.1 * t1,
+                         "accepted_tokens": n - steps, "per_position_drafted": [steps] * 4,
+                         "per_position_accepted": [n - steps, 0, 0, 0], "accepted_length_histogram": [8, 4]})
+    results = {"rows": rows, "cost_ratio": {d: {"cost_ratio": c, "draft_forward_s": c * t1, "target_forward_s": t1}
+                                            for d, c in (("suffix", 0.002), ("distilled", 0.4))},
+               "verify_cost_ratio": {"0": {"verify_cost_ratio": 1.0, "target_forward_s": t1},
+                                     "4": {"verify_cost_ratio": 1.1, "target_forward_s": t1}},
+               "num_draft_tokens": [4], "max_new_tokens": n, "sampling": {}, "truncated_prompts": 0,
+               "timing_trials": 2, "machine_load": {}}
+    doc = write_report(tmp_path, results, {"experiment_name": "t", "seed": 0, "min_mean_accepted_length": floor},
+                       primary_num_draft_tokens=4, bootstrap_samples=200, plots=False)
+    rec = doc["recommendation"]["clinical_notes"]
+    if floor == 1.5:
+        assert rec["draft"] is None and rec["basis"] == "low_tau"
+        return
+    by_draft = {c["draft"]: c for c in candidates(doc, "clinical_notes")}
+    lookup, trained = by_draft["suffix"], by_draft["distilled"]
+    assert tau_floor(lookup, "break_even") < lookup["mean_accepted_length"] < tau_floor(trained, "break_even")
+    o = doc["drafts"]["suffix"]["clinical_notes"]["loop_overhead_per_step"]
+    assert tau_floor(lookup, "break_even") == pytest.approx(4 * 0.002 + 1.1 + o, rel=1e-6)
+    assert rec["draft"] == "suffix"
+    assert any("`distilled`" in s and "break-even" in s for s in rec["set_aside"])

@@ -188,6 +188,8 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("lora=default lora.domain=nope", "nope"),
         ("lora=default lora.max_steps=0", "lora.max_steps"),
         ("adapt.min_mean_accepted_length=0.5", "adapt.min_mean_accepted_length"),
+        ("eval.min_mean_accepted_length=-1", "eval.min_mean_accepted_length"),
+        ("eval.min_mean_accepted_length=cheap", "break_even"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(override, key):
@@ -201,7 +203,8 @@ def test_validate_rejects_bad_values_naming_the_key(override, key):
 
 def test_validate_accepts_edge_values():
     for overrides in (["decode.top_p=1.0", "decode.temperature=0"], ["decode.do_sample=true", "decode.top_p=0.01"],
-                      ["decode.num_draft_tokens=1", "trainer.max_steps=1", "stages=[eval]"]):
+                      ["decode.num_draft_tokens=1", "trainer.max_steps=1", "stages=[eval]"],
+                      ["eval.min_mean_accepted_length=break_even"], ["eval.min_mean_accepted_length=0"]):
         _check(compose_cfg(overrides))
     with pytest.raises(ValueError, match="decode.temperature"):
         validate(compose_cfg(["decode.do_sample=true", "decode.temperature=0"]))

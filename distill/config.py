@@ -265,6 +265,9 @@ class TrainerConfig:
     """Optimisation settings (the ``trainer`` config group). Steps count optimizer updates."""
 
     max_steps: int = 300
+    # read only the first N training blocks of the epoch-0 order, as many times as max_steps needs (a data budget
+    # of N blocks: the learning curve's sizes, several reads each); 0: every block
+    unique_blocks: int = 0
     micro_batch_size: int = 16  # sequences per micro-batch per process
     grad_accum_steps: int = 1  # micro-batches per optimizer step
     lr: float = 3e-3
@@ -291,6 +294,9 @@ class TrainerConfig:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"trainer.{name} must be >= 1, got {getattr(self, name)}")
+        if self.unique_blocks < 0:
+            raise ValueError(f"trainer.unique_blocks must be >= 0 training blocks (0: every block), got "
+                             f"{self.unique_blocks}")
         if not self.lr > 0:
             raise ValueError(f"trainer.lr must be > 0, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

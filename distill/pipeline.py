@@ -244,6 +244,10 @@ def teacher_signal_data(rc, opts: DataOptions, *, target, tokenizer, weights: di
                                         **dc.loss_kwargs())
     else:
         step, teacher = make_distill_step(get_loss(dc.loss), dc.temperature, cut, **dc.loss_kwargs()), target
+        if tcfg.unique_blocks:  # the online teacher reads the same first blocks of the epoch-0 order
+            rows = rows_this_run_uses(blocks.size(0), tcfg, rc.seed, dist.num_processes)
+            if rows is not None:
+                blocks, answer_mask = blocks[rows], (answer_mask[rows] if answer_mask is not None else None)
     if dist.is_main_process:
         dist.wait_for_everyone()
     return step, teacher, blocks, passes, answer_counts, answer_mask

@@ -432,9 +432,12 @@ def batch_indices(num_blocks: int, step: int, global_batch: int, seed: int) -> t
 def rows_this_run_uses(num_blocks: int, tcfg: TrainerConfig, seed: int, num_processes: int = 1
                        ) -> torch.Tensor | None:
     """The blocks a run of ``tcfg.max_steps`` steps will read, when that is less than one epoch: the first
-    ``max_steps * global batch`` indices of the epoch-0 permutation (:func:`batch_indices`); ``None`` when it reads
+    ``max_steps * global batch`` indices of the epoch-0 permutation (:func:`batch_indices`), at most
+    ``tcfg.unique_blocks`` of them when that is set (the run then reads those several times); ``None`` when it reads
     all of them."""
     needed = tcfg.max_steps * tcfg.global_batch(num_processes)  # trainer.global_batch_size or mb x accum x world
+    if tcfg.unique_blocks:
+        needed = min(needed, tcfg.unique_blocks)
     return None if needed >= num_blocks else batch_indices(num_blocks, 0, needed, seed)
 
 

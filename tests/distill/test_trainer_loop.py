@@ -205,6 +205,37 @@ def test_cached_run_covers_exactly_the_blocks_training_reads(n, steps, mb, seed)
     assert len(kept) == min(n, steps * mb)
 
 
+@given(n=st.integers(2, 300), unique=st.integers(1, 60), steps=st.integers(1, 40), mb=st.integers(1, 8),
+       seed=st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_unique_blocks_is_a_prefix_of_the_epoch_order_shared_by_every_size(n, unique, steps, mb, seed):
+    """trainer.unique_blocks=N keeps the first N blocks of the epoch-0 order (what a one-read run of N blocks reads),
+    whatever max_steps; a smaller N keeps a prefix of a larger one's (the curve's sizes share one cache)."""
+    from distill.trainer import batch_indices, blocks_this_run_uses
+
+    blocks = torch.arange(n).view(n, 1)
+    kept = blocks_this_run_uses(blocks, _cfg(max_steps=steps, micro_batch_size=mb, unique_blocks=unique), seed)
+    kept = kept[:, 0].tolist()
+    assert len(kept) == min(n, unique, steps * mb) and len(set(kept)) == len(kept)
+    if len(kept) == n:  # every block: the blocks as they are
+        assert kept == list(range(n))
+        return
+    assert kept == batch_indices(n, 0, n, seed).tolist()[:len(kept)]
+    wider = blocks_this_run_uses(blocks, _cfg(max_steps=steps, micro_batch_size=mb, unique_blocks=unique + 7), seed)
+    assert len(wider) == n or wider[:len(kept), 0].tolist() == kept
+
+
+def test_unique_blocks_reads_the_same_blocks_several_times(tmp_path):
+    """A run of 6 steps x 2 blocks over unique_blocks=4 reads those 4 blocks three times each and no other."""
+    from distill.trainer import blocks_this_run_uses
+
+    blocks = _blocks()
+    cfg = _cfg(max_steps=6, micro_batch_size=2, unique_blocks=4, warmup_steps=0)
+    subset = blocks_this_run_uses(blocks, cfg, 0)
+    out = train(tiny_llama(vocab_size=V, hidden_size=32, seed=3), subset, tmp_path, cfg)
+    assert subset.shape[0] == 4 and out["unique_tokens"] == subset.numel() and out["max_reads_per_token"] == 3
+
+
 @pytest.mark.parametrize("warmup, warned", [(3, True), (5, True), (2, False)])
 def test_warmup_that_covers_every_step_is_warned(tmp_path, caplog, warmup, warned):
     # max_steps=3: a warmup of 3 or more never reaches the cosine decay; the warning names both keys

@@ -97,6 +97,8 @@ def markdown(points: list[dict], c: dict, domain: str) -> str:
         lines.append(f"| {p['unique_tokens']:,} | {p['max_reads']} | {p['alpha_1']:.3f}{ci(p['alpha_1_ci'])} | "
                      f"{p['tau_3']:.2f}{ci(p['tau_3_ci'])} | {tr} | {others} | {_num(p['teacher_cost_s'])} | "
                      f"{_num(p['train_s'])} |")
+    if c is None:
+        return "\n".join(lines + ["", "One token count: no fit."])
     f = c["fit"]
     lines += ["", f"Fit: alpha_1 = {f['a']:.3f} + {f['b_per_decade']:.3f} x log10(tokens) "
                   f"({len(points)} points)."]
@@ -129,9 +131,10 @@ def plot(groups: dict[str, tuple[list[dict], dict]], path: Path, domain: str) ->
         line = ax[0].errorbar(xs, [p["alpha_1"] for p in points], yerr=err, fmt="o", capsize=3,
                               label=f"{kind}: held-out {domain}")
         color = line[0].get_color()
-        f = c["fit"]
-        grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
-        ax[0].plot(grid, [f["a"] + f["b_per_decade"] * math.log10(g) for g in grid], "--", color=color, lw=0.8)
+        if c is not None:
+            f = c["fit"]
+            grid = [min(xs) * (max(xs) / min(xs)) ** (k / 40) for k in range(41)]
+            ax[0].plot(grid, [f["a"] + f["b_per_decade"] * math.log10(g) for g in grid], "--", color=color, lw=0.8)
         terr = ([[p["tau_3"] - p["tau_3_ci"][0] for p in points], [p["tau_3_ci"][1] - p["tau_3"] for p in points]]
                 if all(p.get("tau_3_ci") for p in points) else None)
         ax[1].errorbar(xs, [p["tau_3"] for p in points], yerr=terr, fmt="o-", capsize=3, color=color, label=kind)
@@ -163,20 +166,21 @@ def main(argv: list[str] | None = None) -> int:
     points = [p for p in (run_point(r, args.domain, args.draft) for r in _runs(args.paths)) if p and p["unique_tokens"]]
     for f in args.recorded:
         points += [{"kind": "draft", **p} for p in json.loads(f.read_text())["points"]]
-    kinds: dict[str, list[dict]] = {}
+    kinds: dict[str, list[dict]] = {}  # one series per draft kind, its points read once apart from those read more
     for p in sorted(points, key=lambda p: p["unique_tokens"]):
-        kinds.setdefault(p["kind"], []).append(p)
-    kinds = {k: ps for k, ps in kinds.items() if len(ps) >= 2}
-    if not kinds:
-        print(f"error: need at least two finished runs of one draft kind with a held-out section under "
-              f"{args.paths}; found {len(points)} point(s)", file=sys.stderr)
+        kinds.setdefault(p["kind"] if (p.get("max_reads") or 1) <= 1 else f"{p['kind']}, several reads", []).append(p)
+    if not any(len({p["unique_tokens"] for p in ps}) >= 2 for ps in kinds.values()):
+        print(f"error: need at least two finished runs of one draft kind at different token counts with a held-out "
+              f"section under {args.paths}; found {len(points)} point(s)", file=sys.stderr)
         return 2
-    groups = {k: (ps, curve(ps, args.target, args.gpu_tokens_per_s)) for k, ps in kinds.items()}
+    groups = {k: (ps, curve(ps, args.target, args.gpu_tokens_per_s) if len({p["unique_tokens"] for p in ps}) >= 2
+                  else None) for k, ps in kinds.items()}
     out = args.out or (args.paths[0] if args.paths[0].is_dir() else Path("."))
     out.mkdir(parents=True, exist_ok=True)
     md = "\n\n".join(f"**{k}**\n\n" + markdown(ps, c, args.domain) for k, (ps, c) in groups.items())
     (out / "learning_curve.md").write_text(md + "\n")
-    doc = {"points": [p for ps, _ in groups.values() for p in ps], **next(iter(groups.values()))[1],
+    doc = {"points": [p for ps, _ in groups.values() for p in ps],
+           **next(c for _, c in groups.values() if c is not None),
            "kinds": {k: c for k, (_, c) in groups.items()}}
     (out / "learning_curve.json").write_text(json.dumps(doc, indent=2) + "\n")
     plot(groups, out / "learning_curve.png", args.domain)

@@ -116,6 +116,17 @@ def test_summary_pools_counts_and_checks_outputs():
     assert "d/med at token 1 (top-2 gap 0.040 nats)" in md and "near-tie" in md
 
 
+def test_a_speedup_its_tau_cannot_explain_is_a_re_measure_verdict():
+    """Nothing accepted (tau 1) yet measured 1.5x faster than the target alone: disturbed timing, not a draft that
+    pays (a verify step emits tau tokens and costs at least one token's time)."""
+    raw = {**RAW, "runs": {"target": RAW["runs"]["target"],
+                           "d": {"med": [_row("a", [1, 2, 3], 10, 66.0, 6, 0), _row("b", [4, 5], 10, 66.0, 6, 0)]}}}
+    e = summarize(raw, samples=200)["drafts"]["d"]["med"]
+    assert e["mean_accepted_length"] == pytest.approx(1.0) and e["speedup"] > 1.4
+    assert e["verdict"] == "re-measure"
+    assert summarize(RAW, samples=200)["drafts"]["d"]["med"]["verdict"] != "re-measure"
+
+
 def test_summary_disagreement_and_other_gamma():
     far = {"d": {"med": {"num_draft_tokens": 3, "acceptance_rate": 0.9, "acceptance_rate_ci": [0.85, 0.95]}}}
     e = summarize(RAW, far, samples=200)["drafts"]["d"]["med"]
@@ -176,6 +187,26 @@ def test_real_server_speculative_greedy_equals_alone(tiny_ggufs):
         if full:  # the target as its own draft: nearly everything accepted (a batched verify may break a near-tie
             # of this random model's logits differently from the one-token draft forward)
             assert sum(r.draft_n_accepted for r in spec) >= 0.8 * sum(r.draft_n for r in spec)
+
+
+@needs_engine
+def test_the_engine_check_times_the_target_alone_twice_and_never_with_probabilities(tiny_ggufs, tmp_path):
+    """The target alone is served before and after the drafts (its time per prompt the mean of both passes) and a
+    third time, untimed, with n_probs for the top-2 gaps; a lookup draft runs with llama.cpp's n-gram flags."""
+    from eval.engine import run_engine_check
+
+    folder, t, d, tok = tiny_ggufs
+    prompts = {"x": [("a", tok("abc abc abc abc", add_special_tokens=True)["input_ids"]),
+                     ("b", tok("face bad face bad", add_special_tokens=True)["input_ids"])]}
+    raw = run_engine_check(EngineConfig(enabled="true"), target_path=folder,
+                           draft_paths={"prompt_lookup": "ngram:prompt_lookup"}, prompt_ids=prompts,
+                           max_new_tokens=12, num_draft_tokens=3, threads=1, out_dir=tmp_path / "engine",
+                           lookup_settings={"prompt_lookup": {"min_ngram": 2}})
+    assert list(raw["commands"]) == ["target", "prompt_lookup", "target again", "target top-2"]
+    rows = raw["runs"]["target"]["x"]
+    assert all(r["predicted_ms"] == pytest.approx(sum(r["predicted_ms_passes"]) / 2) for r in rows)
+    assert all(r["top2_gap"] and len(r["top2_gap"]) == len(r["tokens"]) for r in rows)
+    assert [r["tokens"] for r in raw["runs"]["prompt_lookup"]["x"]] == [r["tokens"] for r in rows]
 
 
 @needs_engine

@@ -14,15 +14,15 @@ lc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(lc)
 
 
-def _run(root: Path, tokens: int, alpha: float, cost_s: float) -> Path:
-    run = root / f"r{tokens}"
+def _run(root: Path, tokens: int, alpha: float, cost_s: float, reads: int = 1) -> Path:
+    run = root / f"r{tokens}x{reads}"
     (run / "drafts" / "distilled").mkdir(parents=True)
     cell = {"prompts": 32, "alpha": [alpha, 0.5], "alpha_ci": [[alpha - 0.05, alpha + 0.05], None],
             "tau": {"1": 1.3, "3": 1 + alpha * 2}, "tau_ci": {"3": [1.0, 2.0]}}
     doc = {"heldout": {"drafts": {"distilled_int8": {"medical": cell, "chat": {**cell, "alpha": [alpha / 2, 0]},
                                                      "train:medical": {**cell, "alpha": [alpha + 0.2, 0]}}}}}
     (run / "metrics.json").write_text(json.dumps(doc))
-    meta = {"train": {"unique_tokens": tokens, "max_reads_per_token": 1, "steps": tokens // 1024,
+    meta = {"train": {"unique_tokens": tokens, "max_reads_per_token": reads, "steps": reads * tokens // 1024,
                       "train_time_s": 10.0}, "teacher_cache": {"time_s": 1.0, "cost_s": cost_s}}
     (run / "drafts" / "distilled" / "specdraft.json").write_text(json.dumps(meta))
     return run
@@ -52,3 +52,16 @@ def test_flat_curve_has_no_projection_and_too_few_runs_fail(tmp_path, capsys):
     doc = json.loads((tmp_path / "learning_curve.json").read_text())
     assert doc["tokens_for_target"] is None and doc["projection"] is None
     assert "does not rise" in (tmp_path / "learning_curve.md").read_text()
+
+
+def test_points_read_several_times_are_their_own_series(tmp_path):
+    """A size trained for several reads (trainer.unique_blocks) is not a point of the one-read curve: it gets its own
+    series, without a fit when it has one token count."""
+    for t in (10_000, 100_000):
+        _run(tmp_path, t, 0.1 + 0.05 * math.log10(t), cost_s=1)
+    _run(tmp_path, 10_000, 0.4, cost_s=1, reads=4)
+    assert lc.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "learning_curve.json").read_text())
+    assert doc["fit"]["b_per_decade"] == pytest.approx(0.05)  # the one-read points alone
+    assert set(doc["kinds"]) == {"draft", "draft, several reads"} and doc["kinds"]["draft, several reads"] is None
+    assert "One token count: no fit." in (tmp_path / "learning_curve.md").read_text()

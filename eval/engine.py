@@ -12,7 +12,8 @@ records, pooled over prompts (sums, never a mean of per-prompt means):
 - **tokens/s** = sum ``predicted_n`` / sum ``predicted_ms`` (generation only, prompt processing excluded) of the
   target alone and with the draft, their ratio the engine's **speedup**, with a paired bootstrap interval; the
   target alone is timed twice, before and after every draft, per prompt the mean of the two, and never with
-  ``n_probs`` (its top-2 gaps come from a third, untimed pass: per-token probabilities slow the server);
+  ``n_probs`` (the top-2 gaps of the prompts where a draft's output parted from it come from a third, untimed pass:
+  per-token probabilities slow the server);
 - **mean accepted length** tau = (accepted + steps) / steps with steps = ``predicted_n - 1 - accepted`` (the first
   token comes from the prompt pass; every verify step emits its accepted tokens plus one);
 - **c** = the draft's per-token decode time / the target's (each served alone, tokens/s ratio) and **v** = the
@@ -150,10 +151,18 @@ def run_engine_check(ec, *, target_path, draft_paths: dict[str, Path], prompt_id
         runs[name] = serve(name, files["target"], extra=lookup_server_args(
             kind, (lookup_settings or {}).get(name) or {"min_ngram": 2}, num_draft_tokens))
     runs["target"] = _mean_passes(runs["target"], serve("target again", files["target"]))
-    gaps = serve("target top-2", files["target"], n_probs=2)  # untimed: where a near-tie could flip
-    for domain, rows in runs["target"].items():
-        for r, g in zip(rows, gaps[domain]):
-            r["top2_gap"] = g.get("top2_gap") if g["tokens"] == r["tokens"] else None
+    # the top-2 gaps (untimed) of the prompts where some draft's greedy output left the target alone's: whether the
+    # engine broke a near-tie there
+    alone = {d: {r["id"]: r for r in rows} for d, rows in runs["target"].items()}
+    parted = {d: [(pid, ids) for pid, ids in ps if any(
+        r["id"] == pid and r["tokens"] != alone[d][pid]["tokens"] for n, by in runs.items() if n != "target"
+        for r in by.get(d, []))] for d, ps in prompt_ids.items()}
+    parted = {d: ps for d, ps in parted.items() if ps}
+    if parted:
+        for domain, rows in serve("target top-2", files["target"], domains=parted, n_probs=2).items():
+            for g in rows:
+                r = alone[domain][g["id"]]
+                r["top2_gap"] = g.get("top2_gap") if g["tokens"] == r["tokens"] else None
     alone_tps["target"] = _tps([r for r in runs["target"][next(iter(first))]])
     return {"schema": SCHEMA, "engine": engine.describe(), "target_gguf": str(files["target"]),
             "target_from": files["target_from"], "drafts_gguf": {n: str(p) for n, p in files["drafts"].items()},

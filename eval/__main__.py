@@ -43,11 +43,13 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
 
     rc = validate_eval(cfg)
     run_dir = Path(run_dir)
-    if not rc.eval.drafts and not rc.decode.draft_routing and not (run_dir / "drafts").is_dir():
+    lookups_only = rc.eval.drafts is not None and not rc.eval.drafts and rc.eval.lookup_drafts  # eval.drafts={}
+    if not rc.eval.drafts and not rc.decode.draft_routing and not (run_dir / "drafts").is_dir() and not lookups_only:
         raise ValueError("python -m eval needs eval.drafts='{name: /path/to/draft_dir, ...}' or "
                          "decode.draft_routing=/path/to/routing.json "
                          "(or hydra.run.dir pointing at a training run directory with drafts/; "
-                         f"{run_dir} {'has no drafts/ folder' if run_dir.is_dir() else 'does not exist'})")
+                         f"{run_dir} {'has no drafts/ folder' if run_dir.is_dir() else 'does not exist'}), or "
+                         "eval.drafts={} to decode only the lookup drafts of eval.lookup_drafts")
     _check_same_experiment(rc, run_dir)
     check_eval_inputs(rc, run_dir)
     return rc

@@ -82,7 +82,7 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     drafts_dir = Path(run_dir) / "drafts"
     if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
         paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
-    elif rc.eval.drafts:
+    elif rc.eval.drafts is not None:  # {}: no trained drafts (the lookup drafts alone)
         def where(p) -> Path:  # drafts/<name>: the run's, unless only the working directory has it
             p = Path(p).expanduser()
             if p.is_absolute() or p.parts[:1] != ("drafts",):

@@ -370,3 +370,21 @@ def test_a_run_dir_without_drafts_is_named_in_the_error(tmp_path, make_dir):
     with pytest.raises(ValueError) as ei:
         check_before_eval(compose_config(["eval.domains=[chat]"]), run_dir)
     assert f"{run_dir} {'has no drafts/ folder' if make_dir else 'does not exist'}" in str(ei.value)
+    assert "eval.drafts={} to decode only the lookup drafts" in str(ei.value)
+
+
+def test_an_empty_eval_drafts_evaluates_the_lookup_drafts_alone(tmp_path):
+    """eval.drafts={} says "no trained drafts": the lookup drafts need no checkpoint, so the check passes and the
+    evaluation's drafts are the lookups alone (a run folder's drafts/ is not read); with no lookup drafts either, the
+    error stands."""
+    from eval.__main__ import check_before_eval
+    from eval.pipeline import draft_paths, lookup_specs
+
+    run_dir = tmp_path / "run"
+    (run_dir / "drafts" / "old").mkdir(parents=True)
+    (run_dir / "drafts" / "old" / "config.json").write_text("{}")
+    rc = check_before_eval(compose_config(["eval.domains=[chat]", "eval.drafts={}"]), tmp_path / "fresh")
+    assert draft_paths(rc, run_dir) == {} and set(lookup_specs(rc)) == {"prompt_lookup", "suffix"}
+    with pytest.raises(ValueError, match="eval.lookup_drafts"):
+        check_before_eval(compose_config(["eval.domains=[chat]", "eval.drafts={}", "eval.lookup_drafts=[]"]),
+                          tmp_path / "fresh")

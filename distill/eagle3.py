@@ -288,10 +288,9 @@ class Eagle3Recipe(Recipe):
                 blocks = blocks[rows]
             passes["teacher_cache"] = teacher.record()
         elif rc.trainer.unique_blocks:  # the online teacher reads the same first blocks of the epoch-0 order
-            from distill.trainer import rows_this_run_uses
+            from distill.trainer import blocks_this_run_uses
 
-            rows = rows_this_run_uses(blocks.size(0), rc.trainer, rc.seed, pair.dist.num_processes)
-            blocks = blocks if rows is None else blocks[rows]
+            blocks = blocks_this_run_uses(blocks, rc.trainer, rc.seed, pair.dist.num_processes)
         e = rc.draft.eagle3
         meta = {"loss": "forward_kl" if self.distilled else "cross_entropy", "temperature": 1.0 if self.distilled
                 else None, "data_source": data_source if self.distilled else "dataset",

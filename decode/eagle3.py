@@ -37,11 +37,19 @@ __all__ = ["Eagle3State", "eagle3_generate", "speculative_generate"]
 
 def speculative_generate(target, draft, input_ids, attention_mask=None, **kwargs):
     """``decode.speculative_generate``: an EAGLE-3 head (``draft.is_eagle3``) goes to :func:`eagle3_generate`, a
-    lookup draft (``draft.is_ngram``) to :func:`decode.ngram.ngram_generate`, any other draft to :func:`decode.speculative.speculative_generate` (its docstring: the arguments).
+    lookup draft (``draft.is_ngram``) to :func:`decode.ngram.ngram_generate`, a lookup in front of a trained draft
+    (``draft.is_hybrid``) to :func:`decode.hybrid.hybrid_generate`, any other draft to
+    :func:`decode.speculative.speculative_generate` (its docstring: the arguments).
 
     Raises:
-        ValueError: what those raise; ``draft_tree`` with an EAGLE-3 head or a lookup draft (the chain only).
+        ValueError: what those raise; ``draft_tree`` with an EAGLE-3 head, a lookup or a hybrid draft (the chain only).
     """
+    if getattr(draft, "is_hybrid", False):  # a lookup in front of a trained draft (decode/hybrid.py)
+        from decode.hybrid import hybrid_generate
+
+        if kwargs.pop("draft_tree", None) is not None:
+            raise ValueError("draft_tree is not supported with a hybrid draft: use the chain (draft_tree=None).")
+        return hybrid_generate(target, draft, input_ids, attention_mask, **kwargs)
     if getattr(draft, "is_ngram", False):  # a lookup draft (decode/ngram.py)
         from decode.ngram import ngram_generate
 

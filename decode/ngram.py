@@ -29,7 +29,7 @@ from decode.common import GenerationOutput, finalize, prefill, setup_decoding
 from decode.speculative import LoopClock, _Block, _emit, _retire, _Rows, _validated_policy, _verify
 from decode.stats import AcceptanceStats
 
-__all__ = ["NGRAM_KINDS", "NgramDraft", "NgramIndex", "ngram_generate", "lookup_spec", "parse_lookup_spec"]
+__all__ = ["NGRAM_KINDS", "NgramDraft", "NgramIndex", "ngram_generate", "lookup_lists", "lookup_spec", "parse_lookup_spec"]
 
 NGRAM_KINDS = ("prompt_lookup", "suffix")
 _SPEC = "ngram:"
@@ -41,12 +41,13 @@ def lookup_spec(kind: str) -> str:
 
 
 def parse_lookup_spec(path) -> str | None:
-    """``kind`` of an ``ngram:<kind>`` draft spec, None for anything else (a checkpoint path).
+    """``kind`` of an ``ngram:<kind>`` draft spec, None for anything else (a checkpoint path, or a lookup in front of
+    a trained draft, ``ngram:<kind>+<draft dir>``: :func:`decode.hybrid.parse_hybrid_spec`).
 
     Raises:
         ValueError: ``ngram:<kind>`` with an unknown kind."""
     s = str(path)
-    if not s.startswith(_SPEC):
+    if not s.startswith(_SPEC) or "+" in s:
         return None
     kind = s[len(_SPEC):]
     if kind not in NGRAM_KINDS:
@@ -212,9 +213,9 @@ class NgramDraft(torch.nn.Module):
         return out, conf
 
 
-def _proposals(draft: NgramDraft, hists: dict, rows: _Rows, caps: list[int], policy, pad: int, vocab: int,
-               do_sample: bool, device) -> _Block:
-    """One lookup per row (its text so far), cut by the policy's confidence test, as a :class:`_Block`."""
+def lookup_lists(draft: NgramDraft, hists: dict, rows: _Rows, caps: list[int], policy, vocab: int) -> list[list[int]]:
+    """One lookup per row (its text so far, ``hists[row]``), at most ``caps[i]`` tokens, cut by the policy's
+    confidence test and before any id outside ``[0, vocab)``: the proposed ids per row (``[]``: no match)."""
     props = []
     for row, cap in zip(rows.ids, caps):
         toks, conf = draft.propose(hists[row], cap)
@@ -226,6 +227,13 @@ def _proposals(draft: NgramDraft, hists: dict, rows: _Rows, caps: list[int], pol
                 k += 1
             toks = toks[:k]
         props.append(toks)
+    return props
+
+
+def _proposals(draft: NgramDraft, hists: dict, rows: _Rows, caps: list[int], policy, pad: int, vocab: int,
+               do_sample: bool, device) -> _Block:
+    """One lookup per row (:func:`lookup_lists`) as a :class:`_Block`."""
+    props = lookup_lists(draft, hists, rows, caps, policy, vocab)
     g = max((len(p) for p in props), default=0)
     tokens = torch.full((len(props), g), pad, dtype=torch.long)
     for i, p in enumerate(props):

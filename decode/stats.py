@@ -53,6 +53,8 @@ class AcceptanceStats:
         nodes_verified: draft tokens the target scored, summed over row-steps: the draft length for a chain, every
             node of the tree for a token tree (:mod:`decode.tree`, where ``draft_lengths`` holds the tree's depth
             and ``accepted_tokens`` the accepted path lengths).
+        lookup_drafted_tokens: drafted tokens a hybrid draft (:mod:`decode.hybrid`) took from its lookup rather
+            than its model (0 for every other draft).
     """
 
     verify_steps: int = 0
@@ -68,6 +70,7 @@ class AcceptanceStats:
     accepted_length_histogram: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     nodes_verified: int = 0
+    lookup_drafted_tokens: int = 0
 
     # ------------------------------------------------------------------ derived metrics
     @property
@@ -130,6 +133,7 @@ class AcceptanceStats:
             accepted_length_histogram=_add_lists(self.accepted_length_histogram, other.accepted_length_histogram),
             draft_lengths=list(self.draft_lengths) + list(other.draft_lengths),
             nodes_verified=self.nodes_verified + other.nodes_verified,
+            lookup_drafted_tokens=self.lookup_drafted_tokens + other.lookup_drafted_tokens,
         )
 
     def __radd__(self, other):  # lets sum([...]) start from 0

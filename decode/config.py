@@ -222,10 +222,12 @@ def _route(entry, where: str, base: Path) -> Route:
     if not isinstance(entry, dict) or not isinstance(entry.get("path"), str) or not entry["path"]:
         raise RoutingError(f"{where} must be an object with a non-empty string 'path' (the draft directory), "
                            f"got {entry!r}")
+    from decode.hybrid import parse_hybrid_spec
     from decode.ngram import parse_lookup_spec
 
     try:
-        lookup = parse_lookup_spec(entry["path"]) is not None  # ngram:<kind>: a lookup draft, no directory
+        # ngram:<kind>: a lookup draft, no directory; ngram:<kind>+<dir>: a lookup in front of the draft in <dir>
+        lookup = parse_lookup_spec(entry["path"]) is not None or parse_hybrid_spec(entry["path"]) is not None
     except ValueError as e:
         raise RoutingError(f"{where}.path: {e}") from None
     p = Path(entry["path"]).expanduser()
@@ -278,8 +280,13 @@ def load_routing(path: str | os.PathLike, check_paths: bool = True) -> RoutingTa
         raise RoutingError(f"routing table {p} routes no domain and has no {DEFAULT_KEY!r} route")
     if check_paths:
         routed = list(table.routes.items()) + ([(DEFAULT_KEY, table.default)] if table.default else [])
+        from decode.hybrid import parse_hybrid_spec
+
         for d, r in routed:
-            if not r.target_only and not r.path.startswith("ngram:") and not (Path(r.path) / "config.json").is_file():
+            if r.target_only or (r.path.startswith("ngram:") and parse_hybrid_spec(r.path) is None):
+                continue
+            model_dir = parse_hybrid_spec(r.path)[1] if r.path.startswith("ngram:") else r.path  # a hybrid's draft
+            if not (Path(model_dir) / "config.json").is_file():
                 raise RoutingError(f"routing table {p}: the draft for {d!r} ({r.draft}) is not a model directory: "
-                                   f"{r.path} has no config.json. Re-run the evaluation, or fix the path.")
+                                   f"{model_dir} has no config.json. Re-run the evaluation, or fix the path.")
     return table

@@ -48,6 +48,8 @@ class _LookupTiming:
 
 
 def _timing_state(m, prompt: torch.Tensor, steps: int, fast_path):
+    if getattr(m, "is_hybrid", False):  # its model's forward (the evaluation scales c by the model's share)
+        m = m.model
     if getattr(m, "is_eagle3", False):
         return _HeadTiming(m, prompt, steps)
     if getattr(m, "is_ngram", False):

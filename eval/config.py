@@ -123,10 +123,13 @@ class HeldoutConfig:
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
-    drafts: dict[str, str] | None = None  # name -> HF dir (or ngram:<kind>); null: the run directory's drafts/
+    drafts: dict[str, str] | None = None  # name -> HF dir (or ngram:<kind>, ngram:<kind>+<dir>); null: the run directory's drafts/
     # lookup drafts (decode/ngram.py, settings decode.lookup) evaluated beside the trained ones, each under its kind's
     # name: prompt_lookup | suffix; [] for none
     lookup_drafts: list[str] = field(default_factory=lambda: ["prompt_lookup", "suffix"])
+    # a lookup of each kind listed put in front of every trained token draft evaluated (decode/hybrid.py): the lookup
+    # proposes where the text matches, the draft elsewhere; named <kind>+<draft>; [] for none
+    hybrid_lookups: list[str] = field(default_factory=list)
     max_prompts: int = 16  # prompts per built-in domain (a user file in extra_domains: every record)
     max_new_tokens: int = 64  # tokens generated per prompt
     max_prompt_tokens: int = 192  # longer prompts: see prompt_overflow
@@ -185,6 +188,10 @@ class EvalConfig:
         if bad or len(set(self.lookup_drafts)) != len(self.lookup_drafts):
             raise ValueError(f"eval.lookup_drafts must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
                              f"got {list(self.lookup_drafts)}")
+        bad = [k for k in self.hybrid_lookups if k not in NGRAM_KINDS]
+        if bad or len(set(self.hybrid_lookups)) != len(self.hybrid_lookups):
+            raise ValueError(f"eval.hybrid_lookups must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
+                             f"got {list(self.hybrid_lookups)}")
         if self.num_draft_tokens is not None:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "

@@ -236,9 +236,10 @@ def verified_lengths(rows: list[dict]) -> set[int]:
 
 
 def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool, policy_name: str, gamma, policy,
-         out, ts: list[float], ref, t_ref: list[float], compare: bool) -> dict:
+         out, ts: list[float], ref, t_ref: list[float], compare: bool, draft_model=None) -> dict:
     """One ``per_prompt.csv`` row (:data:`eval.metrics.PER_PROMPT_COLUMNS`): the counts of the first round's
-    decode, the mean and per-round wall times of both sides."""
+    decode, the mean and per-round wall times of both sides (``lookup_drafted_tokens`` for a hybrid
+    ``draft_model`` only)."""
     s = out.stats
     return {
         "draft": draft, "domain": domain, "prompt_id": prompt_id,
@@ -258,6 +259,7 @@ def _row(draft: str, domain: str, prompt_id, ids: torch.Tensor, truncated: bool,
         "per_position_drafted": list(s.per_position_drafted),
         "per_position_accepted": list(s.per_position_accepted),
         "accepted_length_histogram": list(s.accepted_length_histogram),
+        "lookup_drafted_tokens": s.lookup_drafted_tokens if getattr(draft_model, "is_hybrid", False) else None,
     }
 
 
@@ -344,10 +346,10 @@ class _Evaluation:
 
     def pairs(self) -> list[tuple[int, str, Any]]:
         """``(setting index, draft name, draft)`` of every speculative decode of a prompt: each draft at each setting,
-        except token trees for drafts that only chain (EAGLE-3 heads, lookup drafts)."""
+        except token trees for drafts that only chain (EAGLE-3 heads, lookup and hybrid drafts)."""
+        chain_only = ("is_ngram", "is_eagle3", "is_hybrid")
         return [(k, name, draft) for k, (policy, _, _) in enumerate(self.settings) for name, draft in self.drafts.items()
-                if not (str(policy).startswith("tree:") and (getattr(draft, "is_ngram", False)
-                                                             or getattr(draft, "is_eagle3", False)))]
+                if not (str(policy).startswith("tree:") and any(getattr(draft, a, False) for a in chain_only))]
 
     def paired_trials(self, ids: torch.Tensor, seed: int, bar):
         """``trials`` rounds of one prompt: target-only and every (setting, draft), the order alternating (odd
@@ -373,8 +375,8 @@ class _Evaluation:
         truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
         runs = len(prompts) * (1 + len(self.pairs())) * self.trials
         bar = tqdm(total=runs, desc=f"eval {domain}", unit="decode", dynamic_ncols=True)
-        lookups = [d for d in self.drafts.values() if getattr(d, "is_ngram", False)]
-        for d in lookups:  # a suffix draft's store: this domain's earlier answers only, from an empty one
+        lookups = [d for d in self.drafts.values() if getattr(d, "is_ngram", False) or getattr(d, "is_hybrid", False)]
+        for d in lookups:  # a suffix draft's store (a hybrid's lookup's): this domain's earlier answers, from empty
             d.clear_store(domain)
             d.use_domain(domain)
         for i, p in enumerate(prompts):
@@ -385,11 +387,11 @@ class _Evaluation:
             outputs[p.id] = ref.sequences[0, ids.size(1): ids.size(1) + int(ref.num_new_tokens[0])].tolist()
             for d in lookups:  # after every setting decoded it: no decode sees its own prompt's answer
                 d.observe(outputs[p.id])
-            for k, name, _ in self.pairs():
+            for k, name, model in self.pairs():
                 policy_name, gamma, _ = self.settings[k]
                 out, policy = first[(k, name)]
                 row = _row(name, domain, p.id, ids, truncated, policy_name, gamma, policy, out,
-                           t_spec[(k, name)], ref, t_ref, self.compare)
+                           t_spec[(k, name)], ref, t_ref, self.compare, draft_model=model)
                 if row["greedy_equal"] is False:  # a fault, or a numerical tie of the target's logits?
                     d = divergence(self.target, ref.sequences, out.sequences, ids.size(1))
                     if d is not None and d["numerical_tie"]:

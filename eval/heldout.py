@@ -28,7 +28,8 @@ This holds for drafts whose next proposal depends only on the tokens (every toke
 depends on where its block starts (the target's features reach it up to the block's start); its replay takes, per
 start, the chain the head drafts from there (:func:`eagle3_runs`, one training-time-test unroll), and its first
 block drafts nothing, as its decoder (:mod:`decode.eagle3`). A lookup draft's proposal depends on the text so far
-and may be shorter than gamma (:func:`ngram_runs`). Intervals: percentile
+and may be shorter than gamma (:func:`ngram_runs`); a hybrid (:mod:`decode.hybrid`) takes its lookup's proposal
+where there is one and its model's chain elsewhere (:func:`hybrid_runs`). Intervals: percentile
 bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
@@ -247,6 +248,25 @@ def ngram_runs(draft, prompts: list[list[int]], answers: list[list[int]], max_ga
     return out
 
 
+def hybrid_runs(draft, prompts: list[list[int]], answers: list[list[int]], max_gamma: int, vocab: int,
+                batch_size: int = 8) -> list[tuple[list[int], list[int]]]:
+    """``(run, lengths)`` per answer for :func:`replay` of a hybrid (:class:`decode.hybrid.HybridDraft`): where its
+    lookup proposes at answer position ``t`` (:func:`ngram_runs`), that proposal; elsewhere its model's chain from
+    ``t``, whose leading matches are the consecutive teacher-forced matches from ``t`` (:func:`draft_matches`: an
+    accepted draft token is the answer's token, so the chain reads what teacher forcing reads), as long as the block
+    may draft."""
+    looked = ngram_runs(draft.lookup, prompts, answers, max_gamma)
+    matches = draft_matches(draft.model, prompts, answers, vocab, batch_size)
+    out = []
+    for (run, lengths), m in zip(looked, matches):
+        model_run = [0] * (len(m) + 1)
+        for j in range(len(m) - 1, -1, -1):
+            model_run[j] = model_run[j + 1] + 1 if m[j] else 0
+        out.append(([r if n else model_run[t] for t, (r, n) in enumerate(zip(run, lengths))],
+                    [n if n else max_gamma for n in lengths]))
+    return out
+
+
 def summarize_replays(replays: list[Replay], max_gamma: int, *, samples: int, confidence: float, seed: int,
                       key: tuple) -> dict:
     """Pooled ``alpha`` per draft position and ``tau`` per gamma with bootstrap intervals over prompts."""
@@ -412,7 +432,13 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
         answers = greedy_answers(target, prompts, cfg.max_new_tokens, eos, pad, cfg.batch_size)
         record["prompts"][d] = len(prompts)
         for name, draft in drafts.items():
-            if getattr(draft, "is_ngram", False):  # a lookup draft: its proposals, this domain's store
+            if getattr(draft, "is_hybrid", False):  # a lookup in front of a model: each position's proposer
+                draft.clear_store(d)
+                draft.use_domain(d)
+                vocab = min(output_vocab_size(target), output_vocab_size(draft.model))
+                replays = [replay(None, cfg.max_gamma, runs=r, lengths=n) for r, n in
+                           hybrid_runs(draft, prompts, answers, cfg.max_gamma, vocab, cfg.batch_size)]
+            elif getattr(draft, "is_ngram", False):  # a lookup draft: its proposals, this domain's store
                 draft.clear_store(d)
                 draft.use_domain(d)
                 replays = [replay(None, cfg.max_gamma, runs=r, lengths=n) for r, n in

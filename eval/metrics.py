@@ -26,19 +26,19 @@ PER_PROMPT_COLUMNS = (
     "drafted_tokens", "accepted_tokens", "emitted_tokens", "draft_time_s", "verify_time_s", "speculative_time_s",
     "target_new_tokens", "target_time_s", "greedy_equal", "per_position_drafted", "per_position_accepted",
     "accepted_length_histogram", "draft_length_policy", "draft_lengths", "speculative_trial_times_s",
-    "target_trial_times_s", "prefill_time_s", "nodes_verified", "numerical_tie_gap",
+    "target_trial_times_s", "prefill_time_s", "nodes_verified", "numerical_tie_gap", "lookup_drafted_tokens",
 )
 LIST_COLUMNS = ("per_position_drafted", "per_position_accepted", "accepted_length_histogram", "draft_lengths")
 # columns added after the first files were written: their value in an older per_prompt.csv / row
 COLUMN_DEFAULTS = {"draft_length_policy": "fixed", "draft_lengths": [], "speculative_trial_times_s": [],
                    "target_trial_times_s": [], "prefill_time_s": None, "nodes_verified": None,
-                   "numerical_tie_gap": None}
+                   "numerical_tie_gap": None, "lookup_drafted_tokens": None}
 # per-trial wall times (seconds, one per timing trial; space-separated in the CSV)
 FLOAT_LIST_COLUMNS = ("speculative_trial_times_s", "target_trial_times_s")
 # numerical_tie_gap: where greedy_equal is false because the target's top logits tie at the first differing
 # position (eval.evaluate.divergence), the gap there in logit units; empty otherwise
 OPTIONAL_FLOAT_COLUMNS = ("prefill_time_s", "numerical_tie_gap")  # None when unknown (an older file)
-OPTIONAL_INT_COLUMNS = ("nodes_verified",)
+OPTIONAL_INT_COLUMNS = ("nodes_verified", "lookup_drafted_tokens")
 FIXED = "fixed"
 INT_COLUMNS = ("num_draft_tokens", "prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
                "emitted_tokens", "target_new_tokens")
@@ -361,12 +361,12 @@ def aggregate(rows: list[dict], cost_ratio: dict[str, float], *, primary_num_dra
     policies: dict[tuple[str, str], dict[str, dict]] = {}
     for (draft, domain, name), cell in policy_cells.items():
         policies.setdefault((draft, domain), {})[name] = cell_metrics(
-            cell, cost_ratio[draft], num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
+            cell, cell_cost_ratio(cell, cost_ratio[draft]), num_draft_tokens=max(int(r["num_draft_tokens"]) for r in cell),
             draft_length_policy=name, step_overhead=overhead[(draft, domain)], **kw)
     drafts: dict[str, dict[str, dict]] = {}
     for (draft, domain, g), cell in cells.items():
         drafts.setdefault(draft, {}).setdefault(domain, {})[g] = cell_metrics(
-            cell, cost_ratio[draft], num_draft_tokens=g, step_overhead=overhead[(draft, domain)], **kw)
+            cell, cell_cost_ratio(cell, cost_ratio[draft]), num_draft_tokens=g, step_overhead=overhead[(draft, domain)], **kw)
     out: dict[str, dict[str, dict]] = {}
     best_measured: dict[str, dict] = {}
     for draft, by_domain in drafts.items():
@@ -454,6 +454,18 @@ def row_from_csv(rec: dict[str, str]) -> dict:
     for k in FLOAT_LIST_COLUMNS:
         out[k] = [float(x) for x in rec[k].split()]
     return out
+
+
+def cell_cost_ratio(rows: list[dict], c: float) -> float:
+    """The cost ratio of a cell's drafted tokens: ``c`` (the draft model's one-position forward over the target's),
+    scaled for a hybrid draft (decode/hybrid.py) by the share of its drafted tokens its model proposed,
+    ``c (1 - lookup_drafted / drafted)`` (a lookup costs next to nothing: decode/ngram.py); ``c`` for every other
+    draft (rows without ``lookup_drafted_tokens``)."""
+    looked = [r.get("lookup_drafted_tokens") for r in rows]
+    if not rows or any(x is None for x in looked):
+        return c
+    drafted = sum(int(r["drafted_tokens"]) for r in rows)
+    return c * (1.0 - sum(looked) / drafted) if drafted else c
 
 
 def read_per_prompt_csv(path: str | Path) -> list[dict]:

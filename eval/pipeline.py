@@ -37,7 +37,7 @@ from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
 from eval.decision import routing_section, write_routing
 from eval.evaluate import Prompt, evaluate_drafts
-from eval.report import render_markdown, setting_label, verdicts_section, write_report
+from eval.report import render_markdown, setting_label, target_description, verdicts_section, write_report
 
 
 def routed_drafts(table_path: str, domains: list[str], eval_drafts: dict | None) -> tuple[dict, dict]:
@@ -95,7 +95,8 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
             if drafts_dir.is_dir() else {}
     paths = {n: q for n, q in paths.items() if not str(q).startswith("ngram:")}  # lookup drafts: lookup_specs
-    if not paths and not rc.decode.draft_routing and not lookup_specs(rc):  # a table may route to the target alone
+    if not paths and not rc.decode.draft_routing and not lookup_specs(rc) and not hybrid_specs(rc):
+        # (a table may route to the target alone)
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
@@ -120,6 +121,30 @@ def lookup_specs(rc) -> dict[str, str]:
     for n, q in (rc.eval.drafts or {}).items():
         if parse_lookup_spec(q):
             out[n] = str(q)
+    return out
+
+
+def hybrid_specs(rc) -> dict[str, tuple[str, Path]]:
+    """name -> ``(lookup kind, trained draft directory)`` of the hybrids (decode/hybrid.py) named by path,
+    ``ngram:<kind>+<draft dir>``: with ``decode.draft_routing`` the table's, else ``eval.drafts``'s (the ones
+    ``eval.hybrid_lookups`` makes are added after the trained drafts load: :func:`_add_hybrids`).
+
+    Raises:
+        ValueError: a spec with an unknown kind or no draft directory."""
+    from decode.hybrid import parse_hybrid_spec
+
+    if rc.decode.draft_routing:
+        from decode.config import load_routing
+
+        table = load_routing(rc.decode.draft_routing, check_paths=False)
+        entries = {r.draft: r.path for r in (table.draft_for(d) for d in rc.eval.all_domains()) if not r.target_only}
+    else:
+        entries = dict(rc.eval.drafts or {})
+    out = {}
+    for n, q in entries.items():
+        h = parse_hybrid_spec(q)
+        if h is not None:
+            out[n] = (h[0], Path(h[1]).expanduser())
     return out
 
 
@@ -317,31 +342,6 @@ def prompt_format_section(formats: dict[str, list[str]]) -> str:
     return "\n".join(rows)
 
 
-def target_description(target, tokenizer) -> dict:
-    """What the report says of the target: architecture, layers, hidden size, heads, vocabulary, parameters, context,
-    whether its tokenizer has a chat template, and where a converted target came from (its ``specdraft.json``)."""
-    from data.text import chat_template_of
-
-    c = target.config
-    out = {"model_type": getattr(c, "model_type", None), "num_layers": getattr(c, "num_hidden_layers", None),
-           "hidden_size": getattr(c, "hidden_size", None), "num_heads": getattr(c, "num_attention_heads", None),
-           "num_kv_heads": getattr(c, "num_key_value_heads", None), "vocab_size": getattr(c, "vocab_size", None),
-           "parameters": sum(int(p.numel()) for p in target.parameters()),
-           "max_position_embeddings": getattr(c, "max_position_embeddings", None),
-           "chat_template": chat_template_of(tokenizer) is not None}
-    from core.errors import CheckpointError
-    from models.checkpoints import read_specdraft_meta
-
-    path = getattr(c, "_name_or_path", None)
-    try:
-        src = read_specdraft_meta(path).extra.get("source") if path and Path(str(path)).is_dir() else None
-    except CheckpointError:  # a damaged specdraft.json only loses this line of the report
-        src = None
-    if isinstance(src, dict):
-        out["converted_from"] = src
-    return out
-
-
 def domain_sources(domains: dict) -> dict[str, list[tuple[str, str]]]:
     """name -> [(source, license)] for the report's attribution table."""
     from data.loading import get_domain
@@ -416,12 +416,13 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         check_planned_drafts(rc, run_dir, later)
         paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
-    for n, path in paths.items():  # before a GGUF target's conversion: a typo costs no minute
+    hybrids = {n: p for n, (_, p) in hybrid_specs(rc).items()}  # the trained drafts behind named hybrids
+    for n, path in {**paths, **hybrids}.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
     tokenizer = load_tokenizer(rc.target.name_or_path, role="target")
-    for n, path in paths.items():
+    for n, path in {**paths, **hybrids}.items():
         check_tokenizers_compatible(tokenizer, load_tokenizer(path, role=f"draft {n!r}"), draft_name=f"draft {n!r}")
     return paths, domains, tokenizer
 
@@ -474,7 +475,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     ev = events or (lambda *a, **k: None)
     paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
     device, dtype = rc.eval.torch_device(), rc.eval.torch_dtype()
-    for n, path in paths.items():  # an unknown "quantize", or int8 on a GPU / in bf16, fails before any model loads
+    hybrids = {n: p for n, (_, p) in hybrid_specs(rc).items()}  # the trained drafts behind named hybrids
+    for n, path in {**paths, **hybrids}.items():  # an unknown "quantize", or int8 on a GPU / in bf16: before loading
         check_quantize_device(path, device, dtype, role=f"draft {n!r}")
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
                            tokenizer)
@@ -487,6 +489,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     compile_s0 = compile_seconds()
     target, tokenizer, drafts, meta = _load_models(rc, paths, device, dtype)
     paths = {**paths, **_add_lookups(rc, drafts, meta, device)}
+    paths = {**paths, **_add_hybrids(rc, target, tokenizer, drafts, meta, paths, device, dtype)}
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
@@ -509,7 +512,8 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
                                     "target_only": {d: results["target_only"][d] for d, n in routed.items()
                                                     if n is None and d in results["target_only"]}}
     sections, serving = _report_sections(rc, meta, tokenizer, context, {n: paths[n] for n in drafts}, run_dir)
-    sections.append(_engine_check(rc, {n: paths[n] for n in drafts}, prompts, tokenizer, results, run_dir, ev))
+    served = {n: paths[n] for n in drafts if not getattr(drafts[n], "is_hybrid", False)}  # engines have no hybrid
+    sections.append(_engine_check(rc, served, prompts, tokenizer, results, run_dir, ev))
     sections.append(_heldout(rc, opts, target, tokenizer, drafts, ev))
     doc, routing_path = _write_report_set(rc, run_dir, results, context, sections, serving, domains, routed,
                                           {n: paths[n] for n in drafts}, _deployment(rc, target, drafts),
@@ -540,10 +544,7 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     name -> ``(specdraft.json as :class:`models.checkpoints.SpecdraftMeta`, decoder forward "lean" /
     "hugging_face")``."""
     from decode import cache_policy
-    from decode.fast_llama import fast_path_supported
-    from decode.fast_settings import load_draft
     from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer, load_causal_lm
-    from models.eagle3 import check_eagle3_fits
 
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
@@ -554,17 +555,66 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
     cache_policy(target, 1, slots, role="target")
     drafts, meta = {}, {}
     for n in paths:
-        model, _, saved = load_draft(paths[n], role=f"draft {n!r}", dtype=dtype, device=device)  # int8: quantized
-        drafts[n] = model
-        if getattr(model, "is_eagle3", False):  # an EAGLE-3 head: the target's vocabulary and layers (decode/eagle3.py)
-            check_eagle3_fits(model, target, f"draft {n!r}")
-            meta[n] = (saved, "eagle3")
-            continue
-        check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {n!r}")
-        check_context_fits(model, need, f"draft {n!r}", what)
-        cache_policy(model, 1, slots, role=f"draft {n!r}")
-        meta[n] = (saved, "lean" if fast_path_supported(model) else "hugging_face")
+        drafts[n], meta[n] = _load_draft(rc, n, paths[n], target, tokenizer, device, dtype)
     return target, tokenizer, drafts, meta
+
+
+def _load_draft(rc, name: str, path, target, tokenizer, device, dtype) -> tuple:
+    """One draft checkpoint for the evaluation (:func:`_load_models`): ``(model, (specdraft.json, decoder forward))``,
+    checked against the target, the tokenizer, the context the evaluation needs and the decoder's cache policy."""
+    from decode import cache_policy
+    from decode.fast_llama import fast_path_supported
+    from decode.fast_settings import load_draft
+    from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer
+    from models.eagle3 import check_eagle3_fits
+
+    need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
+    what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
+    slots = need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2
+    model, _, saved = load_draft(path, role=f"draft {name!r}", dtype=dtype, device=device)  # int8: quantized
+    if getattr(model, "is_eagle3", False):  # an EAGLE-3 head: the target's vocabulary and layers (decode/eagle3.py)
+        check_eagle3_fits(model, target, f"draft {name!r}")
+        return model, (saved, "eagle3")
+    check_vocab_covers_tokenizer(model, tokenizer, role=f"draft {name!r}")
+    check_context_fits(model, need, f"draft {name!r}", what)
+    cache_policy(model, 1, slots, role=f"draft {name!r}")
+    return model, (saved, "lean" if fast_path_supported(model) else "hugging_face")
+
+
+def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, device, dtype) -> dict[str, str]:
+    """Add the hybrids (decode/hybrid.py; the lookup's settings ``decode.lookup``) to ``drafts`` / ``meta``: a lookup
+    of each ``eval.hybrid_lookups`` kind in front of every trained token draft loaded (named ``<kind>+<draft>``),
+    and the ones :func:`hybrid_specs` names (their trained draft loaded here, or shared when it is loaded already).
+    Returns their name -> ``ngram:<kind>+<draft dir>``.
+
+    Raises:
+        ValueError: a named hybrid whose trained draft is an EAGLE-3 head (a hybrid needs a token draft)."""
+    from decode.hybrid import HybridDraft, hybrid_name, hybrid_spec
+
+    def token_draft(m) -> bool:
+        return not any(getattr(m, a, False) for a in ("is_ngram", "is_eagle3", "is_hybrid"))
+
+    specs: dict[str, str] = {}
+    trained = [n for n, m in drafts.items() if token_draft(m)]
+    for kind in rc.eval.hybrid_lookups:
+        for n in trained:
+            name = hybrid_name(kind, n)
+            drafts[name] = HybridDraft(rc.decode.lookup.make(kind).to(device), drafts[n])
+            meta[name] = (meta[n][0], "hybrid")
+            specs[name] = hybrid_spec(kind, Path(paths[n]).resolve())
+    by_path = {str(Path(paths[n]).resolve()): n for n in trained}
+    for name, (kind, path) in hybrid_specs(rc).items():
+        key = str(Path(path).resolve())
+        if key in by_path:
+            model, saved = drafts[by_path[key]], meta[by_path[key]][0]
+        else:
+            model, (saved, _) = _load_draft(rc, name, path, target, tokenizer, device, dtype)
+        if not token_draft(model):
+            raise ValueError(f"draft {name!r}: a hybrid (ngram:{kind}+<dir>) needs a trained token draft behind the "
+                             f"lookup, and {path} is an EAGLE-3 head; evaluate the head on its own instead")
+        drafts[name], meta[name] = HybridDraft(rc.decode.lookup.make(kind).to(device), model), (saved, "hybrid")
+        specs[name] = hybrid_spec(kind, key)
+    return specs
 
 
 def _add_lookups(rc, drafts: dict, meta: dict, device) -> dict[str, str]:
@@ -629,7 +679,7 @@ def _report_sections(rc, meta: dict, tokenizer, context: dict, draft_paths: dict
     from data.text import Renderer
     from eval.sections import ServingSection
 
-    saved = {n: m for n, (m, _) in meta.items()}
+    saved = {n: m for n, (m, how) in meta.items() if how != "hybrid"}  # a hybrid's model is listed under its own name
     sections = [training_section(saved)] if any(m.train is not None for m in saved.values()) else []
     if any(m.init or m.quantize_mode != "none" for m in saved.values()):
         from eval.sections import draft_sources_section
@@ -713,8 +763,11 @@ def _deployment(rc, target, drafts: dict) -> dict | None:
     from eval.decision import deployment_cost_ratios
 
     count = weights_read_per_token  # a memory-bound forward reads these (an untied input embedding: a few rows)
-    return deployment_cost_ratios(asdict(rc.eval.deployment), {n: 0 if getattr(m, "is_ngram", False) else count(m)
-                                                               for n, m in drafts.items()}, count(target))
+    def weights(m):  # a lookup reads none; a hybrid its model's (an upper bound: its lookup steps read none)
+        return 0 if getattr(m, "is_ngram", False) else count(m.model if getattr(m, "is_hybrid", False) else m)
+
+    return deployment_cost_ratios(asdict(rc.eval.deployment), {n: weights(m) for n, m in drafts.items()},
+                                  count(target))
 
 
 def _write_report_set(rc, run_dir: Path, results: dict, context: dict, sections: list, serving, domains,

@@ -560,7 +560,7 @@ def _tie_words(doc: dict) -> str:
 
 def _target_words(m: dict | None, formats: dict | None = None) -> str:
     """`` (<gguf file> from the package ...; llama, 30 layers, ...; chat template used)``: the target's shape from
-    ``context.target_model`` (:func:`eval.pipeline.target_description`)."""
+    ``context.target_model`` (:func:`target_description`)."""
     if not m:
         return ""
     src = m.get("converted_from") or {}
@@ -702,3 +702,28 @@ def write_report(out_dir: str | Path, results: dict, context: dict, extra_sectio
         write_json_atomic(out_dir / "metrics.json", doc)
     write_text_atomic(out_dir / "report.md", render_markdown(doc, extra_sections, rel, sources))
     return doc
+
+
+def target_description(target, tokenizer) -> dict:
+    """What the report says of the target: architecture, layers, hidden size, heads, vocabulary, parameters, context,
+    whether its tokenizer has a chat template, and where a converted target came from (its ``specdraft.json``)."""
+    from data.text import chat_template_of
+
+    c = target.config
+    out = {"model_type": getattr(c, "model_type", None), "num_layers": getattr(c, "num_hidden_layers", None),
+           "hidden_size": getattr(c, "hidden_size", None), "num_heads": getattr(c, "num_attention_heads", None),
+           "num_kv_heads": getattr(c, "num_key_value_heads", None), "vocab_size": getattr(c, "vocab_size", None),
+           "parameters": sum(int(p.numel()) for p in target.parameters()),
+           "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+           "chat_template": chat_template_of(tokenizer) is not None}
+    from core.errors import CheckpointError
+    from models.checkpoints import read_specdraft_meta
+
+    path = getattr(c, "_name_or_path", None)
+    try:
+        src = read_specdraft_meta(path).extra.get("source") if path and Path(str(path)).is_dir() else None
+    except CheckpointError:  # a damaged specdraft.json only loses this line of the report
+        src = None
+    if isinstance(src, dict):
+        out["converted_from"] = src
+    return out

@@ -587,6 +587,8 @@ def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
     Raises:
         ValueError: a recommended draft has no path in ``draft_paths``.
     """
+    from decode.hybrid import parse_hybrid_spec
+
     target_path = str(Path(target).resolve()) if Path(target).exists() else str(target)
     domains = {}
     for domain, r in recommended_settings(doc).items():
@@ -597,6 +599,15 @@ def serving_document(doc: dict, draft_paths: dict[str, str | Path], target: str,
             raise ValueError(f"serving settings: no checkpoint path for recommended draft {r['draft']!r}")
         path = route_path(draft_paths[r["draft"]])
         gguf = {"gguf_dir": gguf_dir, "formats": formats}
+        hybrid = parse_hybrid_spec(path)
+        if hybrid is not None:  # no engine puts a lookup in front of a draft model: they serve the trained draft
+            kind, model_path = hybrid
+            note = (f"{r.get('note') or ''} The engines serve {Path(model_path).name} alone: none of them puts a "
+                    f"{kind} lookup in front of a draft model, which specdraft's decoder does "
+                    "(decode/hybrid.py).").strip()
+            domains[domain] = {**r, "note": note, "draft_path": path,
+                               **engine_settings(target_path, model_path, r["num_draft_tokens"], **gguf)}
+            continue
         if path.startswith("ngram:"):  # a lookup draft: no checkpoint, the engines' own n-gram methods
             settings = (lookup_settings or {}).get(r["draft"]) or {}
             domains[domain] = {**r, "draft_path": path, **lookup_engine_settings(

@@ -69,7 +69,7 @@ def trainable_domain(name: str) -> bool:
 
 def _evaluate(rc, opts, out_dir: Path, drafts: dict[str, str], events, resume: bool) -> dict:
     """Evaluate ``drafts`` (name -> path) into ``out_dir``, those alone (the stage chooses between a draft and its
-    adapter: no lookup drafts); reuse a finished evaluation on resume."""
+    adapter: no lookup or hybrid drafts); reuse a finished evaluation on resume."""
     from eval.pipeline import evaluate_run
 
     metrics = out_dir / "metrics.json"
@@ -78,7 +78,7 @@ def _evaluate(rc, opts, out_dir: Path, drafts: dict[str, str], events, resume: b
         if set(doc["drafts"]) == set(drafts):
             log.info("adapt: reusing the finished evaluation in %s (trainer.resume=true)", out_dir)
             return doc
-    sub = replace(rc, eval=replace(rc.eval, drafts=dict(drafts), lookup_drafts=[]),
+    sub = replace(rc, eval=replace(rc.eval, drafts=dict(drafts), lookup_drafts=[], hybrid_lookups=[]),
                   decode=replace(rc.decode, draft_routing=None))
     evaluate_run(sub, opts, out_dir, events=events)
     return json.loads(metrics.read_text())

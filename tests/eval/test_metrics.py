@@ -20,7 +20,7 @@ def row(draft="d", domain="x", g=2, steps=4, accepted=4, emitted=8, new=8, spec_
     lengths = lengths if lengths is not None else [g] * steps
     return {"draft_length_policy": policy, "draft_lengths": lengths, "draft": draft, "domain": domain, "prompt_id": pid, "num_draft_tokens": g, "prompt_tokens": 10,
             "truncated": False, "new_tokens": new, "verify_steps": steps, "drafted_tokens": sum(lengths),
-            "nodes_verified": sum(lengths), "numerical_tie_gap": None,
+            "nodes_verified": sum(lengths), "numerical_tie_gap": None, "lookup_drafted_tokens": None,
             "accepted_tokens": accepted, "emitted_tokens": emitted, "draft_time_s": 0.25 * spec_t,
             "verify_time_s": 0.5 * spec_t, "prefill_time_s": 0.1 * spec_t, "speculative_time_s": spec_t,
             "target_new_tokens": tnew, "target_time_s": tgt_t, "greedy_equal": equal,

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from decode.common import GenerationOutput, finalize, prefill, setup_decoding
-from decode.ngram import NGRAM_KINDS, NgramDraft, lookup_lists, lookup_spec
-from decode.speculative import LoopClock, _Block, _draft, _emit, _retire, _Rows, _validated_policy, _verify
+from decode.ngram import NGRAM_KINDS, NgramDraft, lookup_lists, lookup_spec, verify_step
+from decode.speculative import LoopClock, _Block, _draft, _retire, _Rows, _validated_policy
 from decode.stats import AcceptanceStats
 
 __all__ = ["HybridDraft", "hybrid_generate", "hybrid_spec", "parse_hybrid_spec", "hybrid_name"]
@@ -189,14 +189,8 @@ def hybrid_generate(target, draft: HybridDraft, input_ids: torch.Tensor, attenti
                 mcaps = [cap if u else 0 for cap, u in zip(caps, use_model)]
                 mblock = _draft(dstate, rows, mcaps, policy, io.vocab, do_sample, sampling, generator)
             block = _merged(props, mblock, use_model, io.pad, io.vocab, do_sample, io.device)
-        verify_start = tstate.length
-        with clock.verify:  # one target forward over the last emitted token and the proposals
-            logits = tstate.forward(torch.cat([rows.last[:, None], block.tokens], 1), None, logits_to_keep=0)
-        v = _verify(logits[..., :io.vocab], block, rows, max_new_tokens, io.eos_t, do_sample, sampling, generator)
-        _emit(io.buf, rows, v, prompt_len, io.pad)
-        emitted = v.emitted.tolist()
-        for i, (row, m) in enumerate(zip(rows.ids, v.m)):
-            hists[row].extend(emitted[i][:m])
+        v, verify_start, emitted = verify_step(tstate, block, rows, hists, io, clock, max_new_tokens, do_sample,
+                                               sampling, generator)
         for i, (k, n, m) in enumerate(zip(v.k, v.n, v.m)):
             clock.stats.record_step(k, n, m)
             if not use_model[i]:

@@ -29,7 +29,8 @@ from decode.common import GenerationOutput, finalize, prefill, setup_decoding
 from decode.speculative import LoopClock, _Block, _emit, _retire, _Rows, _validated_policy, _verify
 from decode.stats import AcceptanceStats
 
-__all__ = ["NGRAM_KINDS", "NgramDraft", "NgramIndex", "ngram_generate", "lookup_lists", "lookup_spec", "parse_lookup_spec"]
+__all__ = ["NGRAM_KINDS", "NgramDraft", "NgramIndex", "ngram_generate", "lookup_lists", "lookup_spec", "parse_lookup_spec",
+           "verify_step"]
 
 NGRAM_KINDS = ("prompt_lookup", "suffix")
 _SPEC = "ngram:"
@@ -250,6 +251,23 @@ def _proposals(draft: NgramDraft, hists: dict, rows: _Rows, caps: list[int], pol
     return _Block(tokens, probs, lens, 0, 0, 1)
 
 
+def verify_step(tstate, block: _Block, rows: _Rows, hists: dict, io, clock: LoopClock, max_new_tokens: int,
+                do_sample: bool, sampling: dict, generator) -> tuple:
+    """One verify step after a lookup's proposals (and :mod:`decode.hybrid`'s mixed blocks): one target forward over
+    each row's last emitted token and its proposals, the verdict, the emitted tokens written to ``io.buf`` and added
+    to each row's text (``hists``). Returns ``(verdict, the target cache length before the step, emitted ids per
+    row (host lists))``."""
+    verify_start = tstate.length
+    with clock.verify:  # one target forward over the last emitted token and the proposals
+        logits = tstate.forward(torch.cat([rows.last[:, None], block.tokens], 1), None, logits_to_keep=0)
+    v = _verify(logits[..., :io.vocab], block, rows, max_new_tokens, io.eos_t, do_sample, sampling, generator)
+    _emit(io.buf, rows, v, io.input_ids.shape[1], io.pad)
+    emitted = v.emitted.tolist()
+    for i, (row, m) in enumerate(zip(rows.ids, v.m)):
+        hists[row].extend(emitted[i][:m])
+    return v, verify_start, emitted
+
+
 @torch.inference_mode()
 def ngram_generate(target, draft: NgramDraft, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                    max_new_tokens: int, num_draft_tokens: int = 4, do_sample: bool = False, temperature: float = 1.0,
@@ -285,14 +303,8 @@ def ngram_generate(target, draft: NgramDraft, input_ids: torch.Tensor, attention
         caps = [min(gamma, max_new_tokens - t - 1) for t in rows.num_new]
         with clock.draft:
             block = _proposals(draft, hists, rows, caps, policy, io.pad, io.vocab, do_sample, io.device)
-        verify_start = tstate.length
-        with clock.verify:  # one target forward over the last emitted token and the proposals
-            logits = tstate.forward(torch.cat([rows.last[:, None], block.tokens], 1), None, logits_to_keep=0)
-        v = _verify(logits[..., :io.vocab], block, rows, max_new_tokens, io.eos_t, do_sample, sampling, generator)
-        _emit(io.buf, rows, v, prompt_len, io.pad)
-        emitted = v.emitted.tolist()
-        for i, (row, m) in enumerate(zip(rows.ids, v.m)):
-            hists[row].extend(emitted[i][:m])
+        v, verify_start, _ = verify_step(tstate, block, rows, hists, io, clock, max_new_tokens, do_sample, sampling,
+                                         generator)
         for k, n, m in zip(v.k, v.n, v.m):
             clock.stats.record_step(k, n, m)
         policy.update(v.k, v.n)

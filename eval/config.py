@@ -130,6 +130,9 @@ class EvalConfig:
     # a lookup of each kind listed put in front of every trained token draft evaluated (decode/hybrid.py): the lookup
     # proposes where the text matches, the draft elsewhere; named <kind>+<draft>; [] for none
     hybrid_lookups: list[str] = field(default_factory=list)
+    # domain -> the sampling its traffic is decoded with instead of decode's ({do_sample, temperature, top_k, top_p}):
+    # e.g. clinical notes greedy and open chat sampled at temperature 1 in one evaluation
+    domain_sampling: dict[str, Any] | None = None
     max_prompts: int = 16  # prompts per built-in domain (a user file in extra_domains: every record)
     max_new_tokens: int = 64  # tokens generated per prompt
     max_prompt_tokens: int = 192  # longer prompts: see prompt_overflow
@@ -192,6 +195,7 @@ class EvalConfig:
         if bad or len(set(self.hybrid_lookups)) != len(self.hybrid_lookups):
             raise ValueError(f"eval.hybrid_lookups must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
                              f"got {list(self.hybrid_lookups)}")
+        self.check_domain_sampling()
         if self.num_draft_tokens is not None:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
                 raise ValueError(f"eval.num_draft_tokens must be null or a non-empty list of integers >= 1, "
@@ -257,6 +261,34 @@ class EvalConfig:
         from core.cli import resolve_dtype
 
         return resolve_dtype(self.dtype, self.torch_device(), "eval.dtype")
+
+    def check_domain_sampling(self) -> None:
+        """Raises ValueError: a ``domain_sampling`` entry for a domain the evaluation does not decode, a key other
+        than ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``, or settings the decoder refuses."""
+        from decode.sampling import validate_sampling_args
+
+        keys = ("do_sample", "temperature", "top_k", "top_p")
+        for d, kw in (self.domain_sampling or {}).items():
+            if d not in self.all_domains():
+                raise ValueError(f"eval.domain_sampling.{d}: {d!r} is not among the evaluated domains "
+                                 f"{self.all_domains()}; add it to eval.domains or drop the entry")
+            if not isinstance(kw, Mapping) or set(kw) - set(keys):
+                raise ValueError(f"eval.domain_sampling.{d} must map some of {list(keys)} to values, got {kw!r}: "
+                                 f"e.g. eval.domain_sampling='{{{d}: {{do_sample: true, temperature: 1.0}}}}'")
+            try:
+                validate_sampling_args(**{"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **kw})
+            except ValueError as e:
+                raise ValueError(f"eval.domain_sampling.{d}: {e}") from None
+
+    def sampling_for(self, domain: str, default: dict) -> dict:
+        """The sampling keyword arguments ``domain`` decodes with: ``default`` (decode's) updated by its
+        ``domain_sampling`` entry (``{}``: greedy)."""
+        kw = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **default,
+              **(self.domain_sampling or {}).get(domain, {})}
+        if not kw["do_sample"]:
+            return {}
+        return {"do_sample": True, "temperature": float(kw["temperature"]), "top_k": int(kw["top_k"]),
+                "top_p": float(kw["top_p"])}
 
     def all_domains(self) -> list[str]:
         """``domains`` then any extra domain not already listed, in order, without duplicates."""

@@ -48,7 +48,7 @@ import math
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 import torch
@@ -320,9 +320,12 @@ class _Evaluation:
     max_prompt_tokens: int
     decode_kwargs: dict
     trials: int
-    compare: bool  # greedy: check every speculative output against target-only's
+    check_lossless: bool  # greedy domains: check every speculative output against target-only's
+    domain_kwargs: dict = field(default_factory=dict)  # domain -> its own sampling settings (eval.domain_sampling)
 
     def __post_init__(self):
+        self.base_kwargs = dict(self.decode_kwargs)
+        self.compare = self.check_lossless and not self.base_kwargs.get("do_sample")
         self.eos, self.pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
         self.device = next(self.target.parameters()).device  # sampling draws on the models' device
         self.target_outputs: dict[str, dict[str, list[int]]] = {}  # domain -> prompt id -> target-only greedy ids
@@ -371,6 +374,8 @@ class _Evaluation:
         """``(rows, prompts truncated, target-only summary)`` of one domain; prompt i decodes with seed
         ``seed + i``."""
         rows: list[dict] = []
+        self.decode_kwargs = dict(self.domain_kwargs.get(domain, self.base_kwargs))  # what this domain's traffic uses
+        self.compare = self.check_lossless and not self.decode_kwargs.get("do_sample")
         outputs = self.target_outputs.setdefault(domain, {})
         truncated_total, tgt_tokens, tgt_time = 0, 0, 0.0
         runs = len(prompts) * (1 + len(self.pairs())) * self.trials
@@ -410,7 +415,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
                     check_lossless: bool = True, cost_ratio_trials: int = 20, decode_kwargs: dict | None = None,
                     seed: int = 0, events: Callable[..., None] | None = None,
                     draft_length_policies: dict[str, Callable[[], Any]] | None = None,
-                    warn_truncation: bool = True, timing_trials: int = 1) -> dict:
+                    warn_truncation: bool = True, timing_trials: int = 1,
+                    domain_sampling: dict[str, dict] | None = None) -> dict:
     """Decode every prompt target-only, then speculatively with every draft at every ``num_draft_tokens``, then
     with every draft under every draft-length policy of ``draft_length_policies``.
 
@@ -433,6 +439,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
             run and its row does not depend on the order of prompts. Their rows carry the policy's name in
             ``draft_length_policy`` and its cap ``max_draft_tokens`` in ``num_draft_tokens``.
         decode_kwargs: sampling settings (``do_sample``, ``temperature``, ``top_k``, ``top_p``); greedy by default.
+        domain_sampling: domain -> the sampling settings that domain decodes with instead (``{}``: greedy); its rows
+            are checked for losslessness only where it decodes greedily.
         events: optional ``events(name, **fields)`` callback (the run's event log).
         warn_truncation: warn when prompts were truncated (the pipeline passes False: it warned once already).
         timing_trials: timed repetitions of every decode (>= 1); a row's ``target_trial_times_s`` /
@@ -442,7 +450,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     Returns:
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
         (:func:`eval.evaluate.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
-        "sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials", "machine_load",
+        "sampling", "domain_sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials",
+        "machine_load",
         "target_only", "target_outputs"}`` (``target_outputs``: domain -> prompt id -> the target-only greedy ids of
         the first trial; ``machine_load``: :func:`eval.evaluate.load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
@@ -452,8 +461,9 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
     gammas = sorted(set([num_draft_tokens] if isinstance(num_draft_tokens, int) else num_draft_tokens))
     policies = dict(draft_length_policies or {})
     settings = [("fixed", gamma, None) for gamma in gammas] + [(n, None, f) for n, f in policies.items()]
+    domain_sampling = {d: dict(kw) for d, kw in (domain_sampling or {}).items()}
     ev = _Evaluation(target, tokenizer, drafts, settings, max_new_tokens, max_prompt_tokens, decode_kwargs,
-                     max(1, int(timing_trials)), check_lossless and not decode_kwargs.get("do_sample"))
+                     max(1, int(timing_trials)), check_lossless, domain_sampling)
     rows: list[dict] = []
     truncated_total, load, target_only = 0, {}, {}  # target_only: domain -> target-only tokens, mean time
     # the weights stay as they are for the whole evaluation: every decode call reuses what the first one read
@@ -481,7 +491,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         warnings.warn(f"{truncated_total} prompt(s) longer than eval.max_prompt_tokens={max_prompt_tokens} were "
                       f"truncated from the left", stacklevel=2)
     return {"rows": rows, "cost_ratio": cost, "verify_cost_ratio": verify, "num_draft_tokens": gammas,
-            "max_new_tokens": max_new_tokens, "sampling": decode_kwargs, "truncated_prompts": truncated_total,
+            "max_new_tokens": max_new_tokens, "sampling": decode_kwargs, "domain_sampling": domain_sampling,
+            "truncated_prompts": truncated_total,
             "draft_length_policies": list(policies), "timing_trials": ev.trials, "machine_load": load,
             "target_only": target_only, "target_outputs": ev.target_outputs}
 

@@ -659,7 +659,9 @@ def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | 
             max_new_tokens=rc.eval.max_new_tokens, max_prompt_tokens=rc.eval.max_prompt_tokens,
             check_lossless=rc.eval.check_lossless, cost_ratio_trials=rc.eval.cost_ratio_trials,
             decode_kwargs=rc.decode.sampling_kwargs(), seed=rc.seed, events=ev, draft_length_policies=policies,
-            warn_truncation=False, timing_trials=rc.eval.timing_trials)
+            warn_truncation=False, timing_trials=rc.eval.timing_trials,
+            domain_sampling={d: rc.eval.sampling_for(d, rc.decode.sampling_kwargs())
+                             for d in rc.eval.domain_sampling or {}})
             for group_drafts, group_prompts in groups if group_prompts]
     results = {**parts[0], "rows": [r for p in parts for r in p["rows"]],
                "cost_ratio": {n: c for p in parts for n, c in p["cost_ratio"].items()},

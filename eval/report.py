@@ -389,6 +389,7 @@ def metrics_document(results: dict, context: dict, *, primary_num_draft_tokens: 
         "max_new_tokens": results["max_new_tokens"],
         "sampling": sampling,
         "decoding": "sampling" if sampling.get("do_sample") else "greedy",
+        "domain_sampling": results.get("domain_sampling") or {},
         "bootstrap_samples": bootstrap_samples,
         "confidence": confidence,
         "alert_mean_accepted_length": alert_mean_accepted_length,
@@ -519,14 +520,15 @@ def _header_lines(doc: dict) -> list[str]:
     lines += [f"- target: `{ctx.get('target')}`" + _target_words(ctx.get("target_model"), ctx.get("prompt_formats")),
               "- drafts: " + ", ".join(f"`{k}` (`{ctx.get('drafts', {}).get(k, '')}`)" for k in drafts),
               f"- decoding: {doc['decoding']}" + (f" {doc['sampling']}" if doc["decoding"] == "sampling" else "")
-              + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
+              + "".join(f"; {d}: " + (f"sampling {kw}" if kw else "greedy")
+                        for d, kw in (doc.get("domain_sampling") or {}).items()) + f"; max_new_tokens {doc['max_new_tokens']}; num_draft_tokens (gamma) "
               + (f"swept over {swept}, tables at gamma = {doc['num_draft_tokens']}" if len(swept) > 1
                  else str(doc["num_draft_tokens"])),
               *([f"- runtime: {describe_runtime(ctx['runtime'])}"] if ctx.get("runtime") else []),
               f"- intervals: {level}% percentile bootstrap over prompts ({doc['bootstrap_samples']} resamples, "
               f"pooled ratio recomputed per resample, seed {ctx.get('seed')})",
               f"- lossless (speculative greedy output equals target-only greedy output on every prompt): "
-              f"{fmt(doc['lossless_all'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}" + (" (not checked when sampling)" if doc["lossless_all"] is None else "")
+              f"{fmt(doc['lossless_all'], '.3f', exact_ints=True, text=True, booleans=('yes', '**NO**'))}" + (" (not checked when sampling)" if doc["lossless_all"] is None else " (greedy domains)" if any((doc.get("domain_sampling") or {}).values()) else "")
               + _tie_words(doc)]
     if doc.get("truncated_prompts"):
         lines.append(f"- {doc['truncated_prompts']} prompt(s) were truncated from the left to eval.max_prompt_tokens")

@@ -187,3 +187,52 @@ def test_the_break_even_floor_keeps_a_cheap_lookup_and_refuses_a_costly_draft_at
     assert tau_floor(lookup, "break_even") == pytest.approx(4 * 0.002 + 1.1 + o, rel=1e-6)
     assert rec["draft"] == "suffix"
     assert any("`distilled`" in s and "break-even" in s for s in rec["set_aside"])
+
+
+def test_each_domain_decodes_with_its_own_sampling():
+    """eval.domain_sampling: one domain sampled, the other greedy, in one evaluation; the greedy domain is checked
+    for losslessness and the sampled one is not (its outputs differ from the target-only sample); reseeded decodes
+    repeat their samples, so two trials agree."""
+    from data.text import train_bpe_tokenizer
+    from eval.evaluate import Prompt, evaluate_drafts
+
+    text = ["Patient: I have a cough and a fever. Note: The patient reports a cough and a fever.",
+            "User: hello there\nAssistant: hi, how can I help?"] * 20
+    tok = train_bpe_tokenizer(iter(text), vocab_size=200, min_frequency=1)
+    target = tiny_llama(vocab_size=len(tok), seed=0, eos_token_id=tok.eos_token_id)
+    drafts = {"suffix": NgramDraft("suffix", min_ngram=1, max_ngram=3, min_share=0.3)}
+    prompts = {"notes": [Prompt("notes", f"n/{i}", "Patient: I have a cough and a fever. Note:") for i in range(2)],
+               "chat": [Prompt("chat", f"c/{i}", "User: hello there\nAssistant:") for i in range(2)]}
+    sampled = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    res = evaluate_drafts(target, tok, drafts, prompts, num_draft_tokens=3, max_new_tokens=12, max_prompt_tokens=64,
+                          cost_ratio_trials=2, seed=0, timing_trials=2, domain_sampling={"chat": sampled})
+    by = {r["domain"]: r for r in res["rows"]}
+    assert by["notes"]["greedy_equal"] is True and by["chat"]["greedy_equal"] is None
+    assert res["domain_sampling"] == {"chat": sampled} and res["sampling"] == {}
+    greedy = res["target_outputs"]["chat"]
+    assert greedy["c/0"] != greedy["c/1"]  # two seeds, two samples of the same prompt: chat was sampled
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("eval.domain_sampling={code: {do_sample: true}}", "not among the evaluated domains"),
+    ("eval.domain_sampling={chat: {temp: 1.0}}", "must map some of"),
+    ("eval.domain_sampling={chat: {do_sample: true, temperature: 0}}", "eval.domain_sampling.chat: temperature=0"),
+])
+def test_bad_domain_sampling_is_refused(override, needle):
+    from eval.config import validate_eval
+    from tinymodels import compose_config
+
+    with pytest.raises(ValueError) as ei:
+        validate_eval(compose_config(["eval.domains=[chat]", override]))
+    assert needle in str(ei.value)
+
+
+def test_sampling_for_merges_the_domain_entry_over_decode():
+    from eval.config import EvalConfig
+
+    cfg = EvalConfig(domains=["chat", "medical"], domain_sampling={"chat": {"do_sample": True, "temperature": 0.7}})
+    assert cfg.sampling_for("medical", {}) == {}
+    assert cfg.sampling_for("chat", {}) == {"do_sample": True, "temperature": 0.7, "top_k": 0, "top_p": 1.0}
+    assert cfg.sampling_for("chat", {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 0.9})["top_k"] == 5
+    greedy_chat = EvalConfig(domains=["chat"], domain_sampling={"chat": {"do_sample": False}})
+    assert greedy_chat.sampling_for("chat", {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}) == {}

@@ -451,9 +451,8 @@ def evaluate_drafts(target, tokenizer, drafts: dict[str, Any], prompts_by_domain
         ``{"rows": [per-prompt row], "cost_ratio": {draft: {...}}, "verify_cost_ratio": {str(gamma): {...}}
         (:func:`eval.evaluate.measure_verify_cost_ratio`), "num_draft_tokens": [gammas], "max_new_tokens",
         "sampling", "domain_sampling", "truncated_prompts", "draft_length_policies": [names], "timing_trials",
-        "machine_load",
-        "target_only", "target_outputs"}`` (``target_outputs``: domain -> prompt id -> the target-only greedy ids of
-        the first trial; ``machine_load``: :func:`eval.evaluate.load_record` per domain; ``target_only``: per domain the
+        "machine_load", "target_only", "target_outputs"}`` (``target_outputs``: domain -> prompt id -> the target-only
+        ids of the first trial, greedy or a sample where the domain samples; ``machine_load``: :func:`eval.evaluate.load_record` per domain; ``target_only``: per domain the
         target-only decodes' ``new_tokens``, ``time_s`` (trial means summed) and ``tokens_per_s``); rows have the columns of
         :data:`eval.metrics.PER_PROMPT_COLUMNS` (``draft_lengths``: the decoder's ``AcceptanceStats.draft_lengths``).
     """

@@ -233,6 +233,14 @@ def _route(entry, where: str, base: Path) -> Route:
     p = Path(entry["path"]).expanduser()
     if not p.is_absolute() and not lookup:
         p = base / p
+    hybrid = parse_hybrid_spec(entry["path"])
+    if hybrid is not None:  # its trained draft resolves as a plain route's directory does
+        from decode.hybrid import hybrid_name, hybrid_spec
+
+        inner = Path(hybrid[1]).expanduser()
+        inner = inner if inner.is_absolute() else base / inner
+        entry = {**entry, "path": hybrid_spec(hybrid[0], inner),
+                 "draft": entry.get("draft") or hybrid_name(hybrid[0], inner.name)}
     gamma = entry.get("num_draft_tokens")
     if gamma is not None and (not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1):
         raise RoutingError(f"{where}.num_draft_tokens must be an integer >= 1 or absent, got {gamma!r}")

@@ -50,7 +50,7 @@ def parse_hybrid_spec(path) -> tuple[str, str] | None:
     """``(kind, draft path)`` of an ``ngram:<kind>+<draft path>`` spec; None for anything else.
 
     Raises:
-        ValueError: ``ngram:<kind>+...`` with an unknown kind, or with no draft path after the ``+``."""
+        ValueError: ``ngram:<kind>+...`` with an unknown kind, no draft path after the ``+``, or another spec there."""
     s = str(path)
     head = lookup_spec("")
     if not s.startswith(head) or _SEP not in s:
@@ -61,6 +61,9 @@ def parse_hybrid_spec(path) -> tuple[str, str] | None:
                          f"{list(NGRAM_KINDS)}")
     if not draft:
         raise ValueError(f"{s!r} names no trained draft after '+': use ngram:{kind}+<draft dir>")
+    if draft.startswith(head):
+        raise ValueError(f"{s!r}: a lookup goes in front of a trained draft's directory, not of another lookup: use "
+                         f"ngram:{kind}+<draft dir>, or ngram:{kind} alone")
     return kind, draft
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from data.config import DataConfig
@@ -275,6 +276,8 @@ class EvalConfig:
             if not isinstance(kw, Mapping) or set(kw) - set(keys):
                 raise ValueError(f"eval.domain_sampling.{d} must map some of {list(keys)} to values, got {kw!r}: "
                                  f"e.g. eval.domain_sampling='{{{d}: {{do_sample: true, temperature: 1.0}}}}'")
+            if "do_sample" in kw and not isinstance(kw["do_sample"], bool):
+                raise ValueError(f"eval.domain_sampling.{d}.do_sample must be true or false, got {kw['do_sample']!r}")
             try:
                 validate_sampling_args(**{"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **kw})
             except ValueError as e:
@@ -282,11 +285,20 @@ class EvalConfig:
 
     def sampling_for(self, domain: str, default: dict) -> dict:
         """The sampling keyword arguments ``domain`` decodes with: ``default`` (decode's) updated by its
-        ``domain_sampling`` entry (``{}``: greedy)."""
+        ``domain_sampling`` entry (``{}``: greedy).
+
+        Raises:
+            ValueError: the merged settings are ones the decoder refuses (names the entry)."""
         kw = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **default,
               **(self.domain_sampling or {}).get(domain, {})}
         if not kw["do_sample"]:
             return {}
+        from decode.sampling import validate_sampling_args
+
+        try:  # with decode's settings merged in (decode.do_sample=true and a domain's temperature 0)
+            validate_sampling_args(**kw)
+        except ValueError as e:
+            raise ValueError(f"eval.domain_sampling.{domain} with decode's settings: {e}") from None
         return {"do_sample": True, "temperature": float(kw["temperature"]), "top_k": int(kw["top_k"]),
                 "top_p": float(kw["top_p"])}
 
@@ -372,3 +384,81 @@ class EvalRootConfig:
 
 def validate_eval(cfg: Any) -> EvalRootConfig:
     return validate_structured(EvalRootConfig, cfg, keys=[f.name for f in EvalRootConfig.__dataclass_fields__.values()])
+
+
+# ------------------------------------------------------------------ the drafts the config names
+def lookup_specs(rc) -> dict[str, str]:
+    """name -> ``ngram:<kind>`` of the lookup drafts (decode/ngram.py) the evaluation decodes: with
+    ``decode.draft_routing`` the table's, else ``eval.lookup_drafts`` (named by kind) and the ``eval.drafts`` entries
+    that name one.
+
+    Raises:
+        ValueError: an ``ngram:<kind>`` with an unknown kind (names the kinds)."""
+    from decode.ngram import lookup_spec, parse_lookup_spec
+
+    if rc.decode.draft_routing:
+        from decode.config import load_routing
+
+        table = load_routing(rc.decode.draft_routing, check_paths=False)
+        routes = [table.draft_for(d) for d in rc.eval.all_domains()]
+        return {r.draft: r.path for r in routes if not r.target_only and parse_lookup_spec(r.path)}
+    out = {k: lookup_spec(k) for k in rc.eval.lookup_drafts}
+    for n, q in (rc.eval.drafts or {}).items():
+        if parse_lookup_spec(q):
+            out[n] = str(q)
+    return out
+
+
+def hybrid_specs(rc) -> dict[str, tuple[str, Path]]:
+    """name -> ``(lookup kind, trained draft directory)`` of the hybrids (decode/hybrid.py) named by path,
+    ``ngram:<kind>+<draft dir>``: with ``decode.draft_routing`` the table's, else ``eval.drafts``'s (the ones
+    ``eval.hybrid_lookups`` makes are added after the trained drafts load: :func:`_add_hybrids`).
+
+    Raises:
+        ValueError: a spec with an unknown kind or no draft directory."""
+    from decode.hybrid import parse_hybrid_spec
+
+    if rc.decode.draft_routing:
+        from decode.config import load_routing
+
+        table = load_routing(rc.decode.draft_routing, check_paths=False)
+        entries = {r.draft: r.path for r in (table.draft_for(d) for d in rc.eval.all_domains()) if not r.target_only}
+    else:
+        entries = dict(rc.eval.drafts or {})
+    out = {}
+    for n, q in entries.items():
+        h = parse_hybrid_spec(q)
+        if h is not None:
+            out[n] = (h[0], Path(h[1]).expanduser())
+    return out
+
+
+def check_draft_names(rc, paths: dict[str, Path]) -> None:
+    """Every draft the evaluation decodes has a name of its own: the checkpoints (``paths``), the lookups
+    (:func:`lookup_specs`), the hybrids named by path (:func:`hybrid_specs`) and the ones ``eval.hybrid_lookups``
+    makes (``<kind>+<draft>``).
+
+    Raises:
+        ValueError: two of them share a name (names both and how to rename one)."""
+    from decode.hybrid import hybrid_name
+    from models.eagle3 import is_eagle3_dir
+
+    taken: dict[str, str] = {}
+
+    def claim(name: str, what: str) -> None:
+        if name in taken:
+            raise ValueError(f"two drafts are named {name!r}: {taken[name]} and {what}. Rename the eval.drafts entry "
+                             f"(eval.drafts='{{another_name: ...}}'), or drop one of them")
+        taken[name] = what
+
+    for n, p in paths.items():
+        claim(n, f"the checkpoint {p}")
+    for n, spec in lookup_specs(rc).items():
+        claim(n, f"the lookup draft {spec}")
+    for n, (kind, p) in hybrid_specs(rc).items():
+        claim(n, f"the hybrid ngram:{kind}+{p}")
+    if not rc.decode.draft_routing:
+        for kind in rc.eval.hybrid_lookups:
+            for n, p in paths.items():
+                if Path(p).is_dir() and not is_eagle3_dir(p):
+                    claim(hybrid_name(kind, n), f"the hybrid eval.hybrid_lookups makes of {n!r}")

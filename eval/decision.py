@@ -607,8 +607,9 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
     """The routing document for a ``metrics.json`` document ``doc`` and the drafts' directories.
 
     Returns:
-        ``{"schema", "metric": "measured_speedup", "num_draft_tokens_swept", "target", "routes": {domain: {"draft",
-        "path", "num_draft_tokens", "measured_speedup", ..., "candidates": {draft: numbers}}}, "default": {...}}``.
+        ``{"schema", "metric": "measured_speedup", "num_draft_tokens_swept", "decoding", "target", "routes": {domain:
+        {"draft", "path", "num_draft_tokens", "measured_speedup", ..., "candidates": {draft: numbers}}}, "default":
+        {...}}`` (a domain of ``eval.domain_sampling`` also says its own ``decoding`` and ``sampling``).
 
     Raises:
         ValueError: a recommended draft has no path in ``draft_paths``.
@@ -617,16 +618,18 @@ def routing_table(doc: dict, draft_paths: dict[str, str | Path]) -> dict:
     if missing:
         raise ValueError(f"routing table: no checkpoint path for draft(s) {missing}")
     routes = {}
+    own = doc.get("domain_sampling") or {}  # eval.domain_sampling: a domain measured under its own sampling
     for domain, rec in doc["recommendation"].items():
         name = rec["draft"]
         cands = {n: _entry(doc, n, domain) for n in doc["drafts"] if domain in doc["drafts"][n]}
+        how = {"decoding": ("sampling" if own[domain] else "greedy"), "sampling": own[domain]} if domain in own else {}
         if name is None:  # the target alone is fastest: route to no draft
-            routes[domain] = {"draft": None, "path": None, "target_only": True, "num_draft_tokens": None,
+            routes[domain] = {"draft": None, "path": None, "target_only": True, "num_draft_tokens": None, **how,
                               "measured_speedup": rec.get("measured_speedup"),
                               "measured_speedup_ci": rec.get("measured_speedup_ci"),
                               "reason": rec.get("reason"), "candidates": cands}
             continue
-        routes[domain] = {"draft": name, "path": route_path(draft_paths[name]),
+        routes[domain] = {"draft": name, "path": route_path(draft_paths[name]), **how,
                           **_entry(doc, name, domain, rec["num_draft_tokens"], rec.get("draft_length_policy", "fixed")),
                           "candidates": cands}
     default = default_route(doc, routes, draft_paths)

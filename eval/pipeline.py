@@ -35,6 +35,7 @@ from core.cli import torch_threads
 from core.errors import PromptTooLongError
 from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
+from eval.config import check_draft_names, hybrid_specs, lookup_specs  # noqa: F401  (lookup_specs: eval.pipeline's API)
 from eval.decision import routing_section, write_routing
 from eval.evaluate import Prompt, evaluate_drafts
 from eval.report import render_markdown, setting_label, target_description, verdicts_section, write_report
@@ -100,52 +101,6 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
-
-
-def lookup_specs(rc) -> dict[str, str]:
-    """name -> ``ngram:<kind>`` of the lookup drafts (decode/ngram.py) the evaluation decodes: with
-    ``decode.draft_routing`` the table's, else ``eval.lookup_drafts`` (named by kind) and the ``eval.drafts`` entries
-    that name one.
-
-    Raises:
-        ValueError: an ``ngram:<kind>`` with an unknown kind (names the kinds)."""
-    from decode.ngram import lookup_spec, parse_lookup_spec
-
-    if rc.decode.draft_routing:
-        from decode.config import load_routing
-
-        table = load_routing(rc.decode.draft_routing, check_paths=False)
-        routes = [table.draft_for(d) for d in rc.eval.all_domains()]
-        return {r.draft: r.path for r in routes if not r.target_only and parse_lookup_spec(r.path)}
-    out = {k: lookup_spec(k) for k in rc.eval.lookup_drafts}
-    for n, q in (rc.eval.drafts or {}).items():
-        if parse_lookup_spec(q):
-            out[n] = str(q)
-    return out
-
-
-def hybrid_specs(rc) -> dict[str, tuple[str, Path]]:
-    """name -> ``(lookup kind, trained draft directory)`` of the hybrids (decode/hybrid.py) named by path,
-    ``ngram:<kind>+<draft dir>``: with ``decode.draft_routing`` the table's, else ``eval.drafts``'s (the ones
-    ``eval.hybrid_lookups`` makes are added after the trained drafts load: :func:`_add_hybrids`).
-
-    Raises:
-        ValueError: a spec with an unknown kind or no draft directory."""
-    from decode.hybrid import parse_hybrid_spec
-
-    if rc.decode.draft_routing:
-        from decode.config import load_routing
-
-        table = load_routing(rc.decode.draft_routing, check_paths=False)
-        entries = {r.draft: r.path for r in (table.draft_for(d) for d in rc.eval.all_domains()) if not r.target_only}
-    else:
-        entries = dict(rc.eval.drafts or {})
-    out = {}
-    for n, q in entries.items():
-        h = parse_hybrid_spec(q)
-        if h is not None:
-            out[n] = (h[0], Path(h[1]).expanduser())
-    return out
 
 
 def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
@@ -417,6 +372,13 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
     hybrids = {n: p for n, (_, p) in hybrid_specs(rc).items()}  # the trained drafts behind named hybrids
+    for n, path in hybrids.items():
+        if not Path(path).is_dir():
+            raise ValueError(f"draft {n!r}: {path} is not a directory; the trained draft behind a lookup "
+                             "(ngram:<kind>+<draft dir>) must be a local checkpoint folder")
+    check_draft_names(rc, paths)
+    for d in rc.eval.domain_sampling or {}:  # decode's settings merged with the domain's
+        rc.eval.sampling_for(d, rc.decode.sampling_kwargs())
     for n, path in {**paths, **hybrids}.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
@@ -596,6 +558,9 @@ def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, d
 
     specs: dict[str, str] = {}
     trained = [n for n, m in drafts.items() if token_draft(m)]
+    if rc.eval.hybrid_lookups and not trained:
+        log.warning("eval.hybrid_lookups=%s makes no hybrid: no trained token draft is evaluated (name one in "
+                    "eval.drafts)", list(rc.eval.hybrid_lookups))
     for kind in rc.eval.hybrid_lookups:
         for n in trained:
             name = hybrid_name(kind, n)

@@ -67,7 +67,10 @@ def test_threads_follow_the_cores_left_while_this_process_works():
             time.sleep(0.6)
             assert follow.update() < N and torch.get_num_threads() == follow.threads
         time.sleep(0.6)
-        assert follow.update() == N  # the other process is gone
+        after = follow.update()
+        if after < N and threads.free_cores(0.5) < N:
+            pytest.skip("a process outside the test started holding a core: the last count needs an idle machine")
+        assert after == N  # the other process is gone
         assert [n for _, n in follow.changes] == [N, N - 1, N]
     finally:
         follow.close()

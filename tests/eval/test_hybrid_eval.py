@@ -145,3 +145,59 @@ def test_python_m_eval_decodes_hybrids_and_routes_to_one(tmp_path):
     assert list(doc["drafts"]) == ["suffix+mine"] and doc["lossless_all"] is True
     proc = _eval(*common, "eval.drafts={h: 'ngram:suffix+/nowhere/draft'}", f"hydra.run.dir={tmp_path / 'bad'}")
     assert proc.returncode != 0 and "/nowhere/draft" in proc.stderr
+
+
+def test_two_drafts_with_one_name_are_refused(tmp_path):
+    """A checkpoint named like a lookup kind or like the hybrid eval.hybrid_lookups makes would silently replace
+    one draft with another: the check names both."""
+    from eval.config import check_draft_names, validate_eval
+    from tinymodels import compose_config
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("{}")
+    for drafts, extra in ((f"{{mine: {mine}, suffix: {mine}}}", []),
+                          (f"{{mine: {mine}, suffix+mine: {mine}}}", ["eval.hybrid_lookups=[suffix]"]),
+                          (f"{{mine: {mine}, suffix+mine: 'ngram:prompt_lookup+{mine}'}}", ["eval.hybrid_lookups=[suffix]"])):
+        rc = validate_eval(compose_config(["eval.domains=[chat]", f"eval.drafts={drafts}", *extra]))
+        paths = {n: Path(p) for n, p in rc.eval.drafts.items() if not str(p).startswith("ngram:")}
+        with pytest.raises(ValueError, match="two drafts are named"):
+            check_draft_names(rc, paths)
+    rc = validate_eval(compose_config(["eval.domains=[chat]", f"eval.drafts={{mine: {mine}}}",
+                                       "eval.hybrid_lookups=[suffix]"]))
+    check_draft_names(rc, {"mine": mine})  # prompt_lookup, suffix, mine, suffix+mine: all different
+
+
+def test_a_relative_hybrid_route_resolves_against_the_tables_folder_and_bad_specs_are_refused(tmp_path):
+    from core.errors import RoutingError
+    from decode.config import load_routing
+    from decode.hybrid import parse_hybrid_spec
+
+    (tmp_path / "sub" / "mine").mkdir(parents=True)
+    (tmp_path / "sub" / "mine" / "config.json").write_text("{}")
+    (tmp_path / "routing.json").write_text(json.dumps({"routes": {"chat": {"path": "ngram:suffix+sub/mine"}}}))
+    route = load_routing(tmp_path / "routing.json").draft_for("chat")
+    assert route.path == f"ngram:suffix+{tmp_path / 'sub' / 'mine'}" and route.draft == "suffix+mine"
+    with pytest.raises(ValueError, match="not of another lookup"):
+        parse_hybrid_spec("ngram:suffix+ngram:prompt_lookup")
+    (tmp_path / "nested.json").write_text(json.dumps({"routes": {"c": {"path": "ngram:suffix+ngram:suffix"}}}))
+    with pytest.raises(RoutingError, match="not of another lookup"):
+        load_routing(tmp_path / "nested.json")
+
+
+def test_domain_sampling_is_checked_against_decodes_settings_and_recorded_per_route():
+    from eval.config import EvalConfig, validate_eval
+    from eval.decision import routing_table
+    from tinymodels import compose_config
+
+    with pytest.raises(ValueError, match="do_sample must be true or false"):
+        validate_eval(compose_config(["eval.domains=[chat]", "eval.domain_sampling={chat: {do_sample: 'false'}}"]))
+    cfg = EvalConfig(domains=["chat"], domain_sampling={"chat": {"temperature": 0}})
+    with pytest.raises(ValueError, match="eval.domain_sampling.chat with decode's settings"):
+        cfg.sampling_for("chat", {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0})
+    sampled = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    doc = {"drafts": {}, "recommendation": {"chat": {"draft": None}, "medical": {"draft": None}},
+           "num_draft_tokens_swept": [3], "decoding": "greedy", "domain_sampling": {"chat": sampled}}
+    routes = routing_table(doc, {})["routes"]
+    assert routes["chat"]["decoding"] == "sampling" and routes["chat"]["sampling"] == sampled
+    assert "decoding" not in routes["medical"]  # decoded as the document's top-level decoding says

@@ -192,3 +192,30 @@ def compose_config(overrides: list[str]):
     root = Path(__file__).resolve().parents[1]
     with initialize_config_dir(config_dir=str(root / "conf"), version_base="1.3"):
         return compose("config", overrides=overrides)
+
+
+def perturbed_copy(model, noise: float, seed: int):
+    """A draft made from ``model`` by adding ``noise * std(param)`` Gaussian noise to every weight: it partly
+    agrees with ``model``."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
+    return draft.eval()
+
+
+def save_tiny_lm(out_dir, texts, vocab_size: int, seed: int):
+    """A tiny Llama with a BPE tokenizer trained on ``texts``, saved to ``out_dir`` (a checkpoint folder the CLI
+    loads); returns ``out_dir``."""
+    from pathlib import Path
+
+    from data.text import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer(iter(texts), vocab_size=vocab_size, min_frequency=1)
+    model = tiny_llama(vocab_size=len(tok), seed=seed, eos_token_id=tok.eos_token_id)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return Path(out_dir)

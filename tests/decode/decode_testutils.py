@@ -5,17 +5,7 @@ import copy
 
 import torch
 
-from tinymodels import tiny_llama
-
-
-def perturbed_copy(model, noise: float, seed: int):
-    """A draft made from ``model`` by adding ``noise * std(param)`` Gaussian noise: partial agreement."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
-    return draft.eval()
+from tinymodels import perturbed_copy, tiny_llama  # noqa: F401  (perturbed_copy: re-exported)
 
 
 def make_pair(seed: int, noise: float, vocab_target: int = 64, vocab_draft: int | None = None, independent=False):

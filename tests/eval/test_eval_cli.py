@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tinymodels import compose_config, tiny_llama
+from tinymodels import compose_config, save_tiny_lm
 
 pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
 
@@ -29,14 +29,7 @@ SWEEP = [1, 2, 3]
 
 
 def _save(tmp: Path, name: str, texts, vocab_size: int, seed: int) -> Path:
-    from data.text import train_bpe_tokenizer
-
-    tok = train_bpe_tokenizer(iter(texts), vocab_size=vocab_size, min_frequency=1)
-    model = tiny_llama(vocab_size=len(tok), seed=seed, eos_token_id=tok.eos_token_id)
-    out = tmp / name
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    return save_tiny_lm(tmp / name, texts, vocab_size, seed)
 
 
 def _eval(*args: str) -> subprocess.CompletedProcess:

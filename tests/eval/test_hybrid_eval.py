@@ -5,7 +5,6 @@ eval.hybrid_lookups decodes the hybrids beside the drafts, lossless, and a routi
 hybrid re-evaluates it."""
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -18,19 +17,9 @@ import torch
 from decode.hybrid import HybridDraft, hybrid_generate
 from decode.ngram import NgramDraft
 from eval.heldout import hybrid_runs, replay
-from tinymodels import tiny_llama
+from tinymodels import perturbed_copy, save_tiny_lm, tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def perturbed_copy(model, noise: float, seed: int):
-    """``model`` with ``noise * std(param)`` Gaussian noise added to every weight: a draft that partly agrees."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(noise * p.std() * torch.randn(p.shape, generator=gen))
-    return draft.eval()
 
 
 @pytest.mark.parametrize("kind", ["prompt_lookup", "suffix"])
@@ -102,17 +91,6 @@ def test_a_hybrid_route_round_trips_and_serves_its_trained_draft(tmp_path):
     assert "serve distilled alone" in clin["note"] and "-md" in clin["llama_cpp"]["args"]
 
 
-def _save(tmp: Path, name: str, texts, seed: int) -> Path:
-    from data.text import train_bpe_tokenizer
-
-    tok = train_bpe_tokenizer(iter(texts), vocab_size=300, min_frequency=1)
-    model = tiny_llama(vocab_size=len(tok), seed=seed, eos_token_id=tok.eos_token_id)
-    out = tmp / name
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def _eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "eval", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "WANDB_MODE": "offline"})
@@ -120,7 +98,7 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
 
 def test_python_m_eval_decodes_hybrids_and_routes_to_one(tmp_path):
     text = ["User: hello there\nAssistant: hi, how can I help?", "The patient reports chest pain and cough."] * 20
-    target, mine = _save(tmp_path, "target", text, 0), _save(tmp_path, "mine", text, 1)
+    target, mine = save_tiny_lm(tmp_path / "target", text, 300, 0), save_tiny_lm(tmp_path / "mine", text, 300, 1)
     run_dir = tmp_path / "run"
     common = [f"target.name_or_path={target}", "eval.domains=[chat]", "eval.max_prompts=2", "eval.max_new_tokens=8",
               "eval.cost_ratio_trials=2", "eval.bootstrap_samples=100", "eval.num_threads=1",

@@ -263,6 +263,8 @@ class EvalConfig:
 
         return resolve_dtype(self.dtype, self.torch_device(), "eval.dtype")
 
+    _DECODE_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0}  # greedy, as decode's
+
     def check_domain_sampling(self) -> None:
         """Raises ValueError: a ``domain_sampling`` entry for a domain the evaluation does not decode, a key other
         than ``do_sample`` / ``temperature`` / ``top_k`` / ``top_p``, or settings the decoder refuses."""
@@ -279,7 +281,7 @@ class EvalConfig:
             if "do_sample" in kw and not isinstance(kw["do_sample"], bool):
                 raise ValueError(f"eval.domain_sampling.{d}.do_sample must be true or false, got {kw['do_sample']!r}")
             try:
-                validate_sampling_args(**{"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **kw})
+                validate_sampling_args(**{**self._DECODE_DEFAULTS, **kw})
             except ValueError as e:
                 raise ValueError(f"eval.domain_sampling.{d}: {e}") from None
 
@@ -289,8 +291,7 @@ class EvalConfig:
 
         Raises:
             ValueError: the merged settings are ones the decoder refuses (names the entry)."""
-        kw = {"do_sample": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0, **default,
-              **(self.domain_sampling or {}).get(domain, {})}
+        kw = {**self._DECODE_DEFAULTS, **default, **(self.domain_sampling or {}).get(domain, {})}
         if not kw["do_sample"]:
             return {}
         from decode.sampling import validate_sampling_args
@@ -387,6 +388,17 @@ def validate_eval(cfg: Any) -> EvalRootConfig:
 
 
 # ------------------------------------------------------------------ the drafts the config names
+def _named_paths(rc) -> dict[str, str]:
+    """name -> path of the drafts the config names: with ``decode.draft_routing`` the table's routes to a draft
+    (over ``eval``'s domains), else ``eval.drafts``."""
+    if not rc.decode.draft_routing:
+        return {n: str(q) for n, q in (rc.eval.drafts or {}).items()}
+    from decode.config import load_routing
+
+    table = load_routing(rc.decode.draft_routing, check_paths=False)
+    return {r.draft: r.path for r in (table.draft_for(d) for d in rc.eval.all_domains()) if not r.target_only}
+
+
 def lookup_specs(rc) -> dict[str, str]:
     """name -> ``ngram:<kind>`` of the lookup drafts (decode/ngram.py) the evaluation decodes: with
     ``decode.draft_routing`` the table's, else ``eval.lookup_drafts`` (named by kind) and the ``eval.drafts`` entries
@@ -396,16 +408,8 @@ def lookup_specs(rc) -> dict[str, str]:
         ValueError: an ``ngram:<kind>`` with an unknown kind (names the kinds)."""
     from decode.ngram import lookup_spec, parse_lookup_spec
 
-    if rc.decode.draft_routing:
-        from decode.config import load_routing
-
-        table = load_routing(rc.decode.draft_routing, check_paths=False)
-        routes = [table.draft_for(d) for d in rc.eval.all_domains()]
-        return {r.draft: r.path for r in routes if not r.target_only and parse_lookup_spec(r.path)}
-    out = {k: lookup_spec(k) for k in rc.eval.lookup_drafts}
-    for n, q in (rc.eval.drafts or {}).items():
-        if parse_lookup_spec(q):
-            out[n] = str(q)
+    out = {} if rc.decode.draft_routing else {k: lookup_spec(k) for k in rc.eval.lookup_drafts}
+    out.update({n: q for n, q in _named_paths(rc).items() if parse_lookup_spec(q)})
     return out
 
 
@@ -418,19 +422,8 @@ def hybrid_specs(rc) -> dict[str, tuple[str, Path]]:
         ValueError: a spec with an unknown kind or no draft directory."""
     from decode.hybrid import parse_hybrid_spec
 
-    if rc.decode.draft_routing:
-        from decode.config import load_routing
-
-        table = load_routing(rc.decode.draft_routing, check_paths=False)
-        entries = {r.draft: r.path for r in (table.draft_for(d) for d in rc.eval.all_domains()) if not r.target_only}
-    else:
-        entries = dict(rc.eval.drafts or {})
-    out = {}
-    for n, q in entries.items():
-        h = parse_hybrid_spec(q)
-        if h is not None:
-            out[n] = (h[0], Path(h[1]).expanduser())
-    return out
+    specs = {n: parse_hybrid_spec(q) for n, q in _named_paths(rc).items()}
+    return {n: (h[0], Path(h[1]).expanduser()) for n, h in specs.items() if h is not None}
 
 
 def check_draft_names(rc, paths: dict[str, Path]) -> None:

@@ -111,6 +111,15 @@ class Replay:
     accepted: list[int]
 
 
+def match_runs(matches: list[bool]) -> list[int]:
+    """``run[j]``: the consecutive matches starting at answer position ``j`` (``len(matches) + 1`` entries, the last
+    0): what a token draft's chain from ``j`` has accepted when its block may draft that far."""
+    run = [0] * (len(matches) + 1)
+    for j in range(len(matches) - 1, -1, -1):
+        run[j] = run[j + 1] + 1 if matches[j] else 0
+    return run
+
+
 def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None = None,
            lengths: list[int] | None = None) -> Replay:
     """Replay greedy speculative decoding of one answer from its match vector (module docstring).
@@ -128,9 +137,7 @@ def replay(matches: list[bool] | None, max_gamma: int, *, runs: list[int] | None
         raise ValueError(f"eval.heldout.max_gamma must be >= 1, got {max_gamma}")
     if runs is None:
         n = len(matches)
-        run = [0] * (n + 1)  # run[j]: consecutive matches starting at j
-        for j in range(n - 1, -1, -1):
-            run[j] = run[j + 1] + 1 if matches[j] else 0
+        run = match_runs(matches)
         first_drafts = True
     else:
         n, first_drafts = len(runs), not (runs and runs[0] is None)
@@ -259,9 +266,7 @@ def hybrid_runs(draft, prompts: list[list[int]], answers: list[list[int]], max_g
     matches = draft_matches(draft.model, prompts, answers, vocab, batch_size)
     out = []
     for (run, lengths), m in zip(looked, matches):
-        model_run = [0] * (len(m) + 1)
-        for j in range(len(m) - 1, -1, -1):
-            model_run[j] = model_run[j + 1] + 1 if m[j] else 0
+        model_run = match_runs(m)
         out.append(([r if n else model_run[t] for t, (r, n) in enumerate(zip(run, lengths))],
                     [n if n else max_gamma for n in lengths]))
     return out

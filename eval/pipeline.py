@@ -510,15 +510,21 @@ def _load_models(rc, paths: dict[str, Path], device, dtype) -> tuple:
 
     target, tokenizer = load_causal_lm(rc.target.name_or_path, role="target", dtype=dtype, device=device)
     check_vocab_covers_tokenizer(target, tokenizer, role="target")
-    need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
-    what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
-    slots = need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2
+    need, what, slots = _context_needs(rc)
     check_context_fits(target, need, "target", what)
     cache_policy(target, 1, slots, role="target")
     drafts, meta = {}, {}
     for n in paths:
         drafts[n], meta[n] = _load_draft(rc, n, paths[n], target, tokenizer, device, dtype)
     return target, tokenizer, drafts, meta
+
+
+def _context_needs(rc) -> tuple[int, str, int]:
+    """``(positions a decode reads, how to say so, cache slots it needs)``: prompt plus new tokens, and a block's
+    overhang beyond them."""
+    need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
+    what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
+    return need, what, need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2
 
 
 def _load_draft(rc, name: str, path, target, tokenizer, device, dtype) -> tuple:
@@ -530,9 +536,7 @@ def _load_draft(rc, name: str, path, target, tokenizer, device, dtype) -> tuple:
     from models.checkpoints import check_context_fits, check_vocab_covers_tokenizer
     from models.eagle3 import check_eagle3_fits
 
-    need = rc.eval.max_prompt_tokens + rc.eval.max_new_tokens
-    what = f"eval.max_prompt_tokens + eval.max_new_tokens ({rc.eval.max_prompt_tokens} + {rc.eval.max_new_tokens})"
-    slots = need + max(rc.eval.sweep(rc.decode.num_draft_tokens)) + 2
+    need, what, slots = _context_needs(rc)
     model, _, saved = load_draft(path, role=f"draft {name!r}", dtype=dtype, device=device)  # int8: quantized
     if getattr(model, "is_eagle3", False):  # an EAGLE-3 head: the target's vocabulary and layers (decode/eagle3.py)
         check_eagle3_fits(model, target, f"draft {name!r}")

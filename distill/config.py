@@ -22,6 +22,8 @@ class Eagle3Options:
     ttt_steps: int = 3  # training-time test: draft steps unrolled per position (EAGLE-3 Sec. 3.1)
     step_weight: float = 0.8  # loss weight of step j: step_weight ** j
     init: str = "target"  # target (the layer, norm and head rows from the target's) | random
+    feature_norm: str = "none"  # channel: fc trains on features scaled to unit RMS per channel (folded when saved)
+    train_lm_head: bool = True  # false: the head's output rows stay as initialised (the target's rows under init=target)
 
     def __post_init__(self):
         if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
@@ -30,6 +32,10 @@ class Eagle3Options:
             raise ValueError(f"draft.eagle3.step_weight must be in (0, 1], got {self.step_weight!r}")
         if self.init not in ("target", "random"):
             raise ValueError(f"draft.eagle3.init must be target or random, got {self.init!r}")
+        if self.feature_norm not in ("none", "channel"):
+            raise ValueError(f"draft.eagle3.feature_norm must be none or channel, got {self.feature_norm!r}")
+        if not isinstance(self.train_lm_head, bool):
+            raise ValueError(f"draft.eagle3.train_lm_head must be true or false, got {self.train_lm_head!r}")
         if self.target_layers is not None and (len(self.target_layers) != 3 or len(set(self.target_layers)) != 3):
             raise ValueError(f"draft.eagle3.target_layers must name three different layers or be null, got "
                              f"{self.target_layers!r}")

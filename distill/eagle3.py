@@ -212,6 +212,16 @@ class FeatureCache:
                 "time_s": round(self.time_s, 2), "top_k": self.k, "layers": list(self.layers)}
 
 
+def feature_sample(teacher, blocks: torch.Tensor, layers, rows: int = 16) -> torch.Tensor:
+    """The target's features ``(R, T, 3 H_t)`` of the first ``rows`` training blocks: read from a
+    :class:`FeatureCache` or computed by the (online) target."""
+    n = min(rows, blocks.shape[0])
+    if isinstance(teacher, FeatureCache):
+        return teacher.get(torch.arange(n))[0]
+    x = blocks[:n]
+    return target_outputs(teacher, x, torch.ones_like(x), layers)[0]
+
+
 def make_eagle3_step(distilled: bool, steps: int, weight: float):
     """The :data:`distill.trainer.StepLoss` of an EAGLE-3 head; ``teacher`` is the target (online) or a
     :class:`FeatureCache`."""
@@ -272,7 +282,6 @@ class Eagle3Recipe(Recipe):
         head = pair.draft
         kept = kept_token_ids(counts[: pair.shared], head.cfg.draft_vocab_size, forced_ids(pair.tokenizer, pair.target))
         head.init_from_target(pair.target, kept, how=rc.draft.eagle3.init, seed=rc.seed)
-        pair.draft_parameters = sum(p.numel() for p in head.parameters() if p.requires_grad)
         teacher = pair.target
         if self.distilled and dc.teacher_signal == "cached":
             from distill.trainer import batch_indices, rows_this_run_uses
@@ -292,10 +301,16 @@ class Eagle3Recipe(Recipe):
 
             blocks = blocks_this_run_uses(blocks, rc.trainer, rc.seed, pair.dist.num_processes)
         e = rc.draft.eagle3
+        if e.feature_norm == "channel":  # per-channel RMS of the first blocks' features, as the trainer will see them
+            head.normalize_features(feature_sample(teacher, blocks, head.cfg.target_layers))
+        if not e.train_lm_head:
+            head.lm_head.weight.requires_grad_(False)
+        pair.draft_parameters = sum(p.numel() for p in head.parameters() if p.requires_grad)
         meta = {"loss": "forward_kl" if self.distilled else "cross_entropy", "temperature": 1.0 if self.distilled
                 else None, "data_source": data_source if self.distilled else "dataset",
                 "teacher_signal": dc.teacher_signal if self.distilled else None, "distilled": self.distilled,
                 "eagle3": {"ttt_steps": e.ttt_steps, "step_weight": e.step_weight, "init": e.init,
+                           "feature_norm": e.feature_norm, "train_lm_head": e.train_lm_head,
                            "target_layers": list(head.cfg.target_layers), "draft_vocab_size": head.cfg.draft_vocab_size,
                            "draft_vocab_counted_on": on, "draft_vocab_share": kept_mass(counts, kept)}}
         return Signal(make_eagle3_step(self.distilled, e.ttt_steps, e.step_weight), teacher, blocks, None, passes,

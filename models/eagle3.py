@@ -234,6 +234,8 @@ class Eagle3Draft(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # training only: fc reads features * feature_scale; folded into fc.weight when saved (save_eagle3)
+        self.register_buffer("feature_scale", torch.ones(3 * cfg.target_hidden_size))
 
     @property
     def config(self):
@@ -278,8 +280,39 @@ class Eagle3Draft(nn.Module):
 
     # ------------------------------------------------------------------ forward pieces
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """``features (B, T, 3 H_t)`` -> fused ``(B, T, H)`` (paper Sec. 3.2)."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        """``features (B, T, 3 H_t)`` -> fused ``fc(features * feature_scale)`` ``(B, T, H)`` (paper Sec. 3.2;
+        ``feature_scale`` is all ones except while training with ``draft.eagle3.feature_norm=channel``)."""
+        x = features.to(self.fc.weight.dtype)
+        return self.fc(x * self.feature_scale.to(x.dtype))
+
+    @torch.no_grad()
+    def normalize_features(self, features: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        """Reparametrise ``fc`` so that it reads each feature channel divided by its root mean square over
+        ``features (..., 3 H_t)`` (a sample of the target's states), leaving the fused output unchanged:
+        ``feature_scale = 1 / rms`` and ``fc.weight *= rms``. The function is the same; the optimiser's steps are
+        not: Adam moves every weight by about the learning rate, so a channel of RMS 375 (the target's outlier
+        channels) no longer moves the fused feature 375 times as far as a channel of RMS 1 (input standardisation,
+        LeCun et al. 1998, "Efficient BackProp", Sec. 4.3). Returns ``rms (3 H_t,)``.
+
+        Raises:
+            ValueError: ``features`` of the wrong width.
+        """
+        f = features.reshape(-1, features.shape[-1]).float()
+        if f.shape[-1] != self.feature_scale.numel():
+            raise ValueError(f"features of width {f.shape[-1]}, the head reads {self.feature_scale.numel()}")
+        rms = f.pow(2).mean(0).sqrt().clamp(min=eps)
+        scale = self.feature_scale.float()
+        self.fc.weight.mul_((rms * scale).to(self.fc.weight.dtype)[None, :])  # current fc on raw x: W * scale
+        self.feature_scale.copy_(1.0 / rms)
+        return rms
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The state dict as engines read it: ``feature_scale`` folded into ``fc.weight`` (``fc(x * s) =
+        (W diag(s)) x``) and left out."""
+        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in self.state_dict().items()}
+        scale = state.pop("feature_scale")
+        state["fc.weight"] = (state["fc.weight"].float() * scale.float()[None, :]).to(state["fc.weight"].dtype)
+        return state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden (B, T, H)`` -> draft-vocabulary logits ``(B, T, N_d)``."""
@@ -416,7 +449,7 @@ def save_eagle3(head: Eagle3Draft, tokenizer, out_dir: str | os.PathLike, meta: 
     from core.io import atomic_dir
 
     with atomic_dir(out_dir) as tmp:
-        state = {k: v.detach().to("cpu").contiguous().clone() for k, v in head.state_dict().items()}
+        state = head.export_state()
         save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(head.cfg.hf_config(), indent=2) + "\n")
         if tokenizer is not None:
@@ -455,7 +488,8 @@ def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch
                                   f"{target.config.hidden_size}")
         state.pop("embed_tokens.weight", None)
     missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "embed_tokens.weight" and target is not None)]
+    missing = [m for m in missing if not (m == "embed_tokens.weight" and target is not None)
+               and m != "feature_scale"]  # folded into fc.weight when saved
     if missing or unexpected:
         raise CheckpointError(f"{path}: tensors missing {missing} / unexpected {unexpected}")
     if target is not None:

@@ -147,3 +147,32 @@ def test_smoke_with_an_eagle3_head_end_to_end(tmp_path):
     assert llama[llama.index("--spec-type") + 1] == "draft-eagle3" and "convert_hf_to_gguf.py" in e["llama_cpp"]["export"]
     assert e["transformers"] is None
     assert "Held-out acceptance" in (run / "report.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["target", "random"])
+def test_feature_normalisation_keeps_the_function_and_folds_into_the_saved_fc(tmp_path, how):
+    """draft.eagle3.feature_norm=channel reparametrises fc (same fused feature, per-channel unit-RMS inputs); the
+    saved head reads raw features, as engines do, and loads back to the same logits."""
+    from models.eagle3 import load_eagle3, save_eagle3
+
+    target, head = _pair(how=how)
+    ids = _greedy_blocks(target, n=2)
+    from distill.eagle3 import target_outputs
+
+    feats, _ = target_outputs(target, ids, torch.ones_like(ids), head.cfg.target_layers)
+    feats = feats * torch.linspace(0.1, 50.0, feats.shape[-1])  # channels of very different scales
+    before = head.fuse(feats)
+    rms = head.normalize_features(feats)
+    assert torch.allclose(head.fuse(feats), before, rtol=1e-4, atol=1e-4)
+    assert torch.allclose((feats * head.feature_scale).pow(2).mean((0, 1)).sqrt(), torch.ones_like(rms), atol=1e-4)
+    with torch.no_grad():
+        head.fc.weight.add_(0.01 * torch.randn_like(head.fc.weight))  # a trained fc, as the optimiser leaves it
+    want = head.logits(head.unroll(ids[:, 1:], head.fuse(feats[:, :-1]), 2)[-1])
+    save_eagle3(head, None, tmp_path / "h")
+    from safetensors.torch import load_file
+
+    assert "feature_scale" not in load_file(str(tmp_path / "h" / "model.safetensors"))
+    back = load_eagle3(tmp_path / "h", target)
+    assert torch.equal(back.feature_scale, torch.ones_like(back.feature_scale))
+    got = back.logits(back.unroll(ids[:, 1:], back.fuse(feats[:, :-1]), 2)[-1])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4)

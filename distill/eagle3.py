@@ -144,7 +144,7 @@ class FeatureCache:
         self.dir = Path(root) / f"eagle3-{h.hexdigest()[:16]}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.blocks, self.batch = blocks, batch
-        self.computed = self.reused = 0
+        self.computed = self.reused = self.computed_rows = 0
         import time
 
         use = blocks.shape[0] if use is None else int(use)
@@ -188,6 +188,7 @@ class FeatureCache:
         save_file({"features": torch.cat(feats), "values": torch.cat(vals), "indices": torch.cat(idx)}, str(tmp))
         os.replace(tmp, path)  # a finished shard appears whole
         self.computed += 1
+        self.computed_rows += rows.shape[0]
 
     def get(self, block_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(features (B, T, 3 H_t) float32, values (B, T, K) float32, indices (B, T, K) int64)`` of blocks."""
@@ -209,6 +210,7 @@ class FeatureCache:
     def record(self) -> dict:
         return {"path": str(self.dir), "computed_shards": self.computed, "reused_shards": self.reused,
                 "scored_tokens": self.use * int(self.blocks.shape[1]),
+                "computed_tokens": self.computed_rows * int(self.blocks.shape[1]),  # what time_s was spent on
                 "time_s": round(self.time_s, 2), "top_k": self.k, "layers": list(self.layers)}
 
 

@@ -283,6 +283,9 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
                          vocab)
     info = {"path": str(store.root), **counts, "time_s": time.perf_counter() - t0, "top_k": k,
             "scored_tokens": use * blocks.size(1),
+            # what time_s was spent on: a resumed or longer run reuses the first shards and computes the rest
+            "computed_tokens": max(0, min(needed * shard_blocks, blocks.size(0))
+                                   - counts["reused"] * shard_blocks) * blocks.size(1),
             "bytes": sum(store.shard_path(i).stat().st_size for i in range(needed))}
     log.info("teacher top-%d cache %s: %d shards reused, %d computed (%d corrupt) in %.1f s", k, store.root,
              counts["reused"], counts["computed"], counts["corrupt"], info["time_s"])

@@ -49,12 +49,16 @@ def run_point(run: Path, domain: str, draft: str = "distilled") -> dict | None:
     tr = meta.get("train", {})
     cost = sum(float((meta.get(k) or {}).get("cost_s") or (meta.get(k) or {}).get("time_s") or 0)
                for k in ("teacher_cache", "teacher_data"))
+    cache = meta.get("teacher_cache") or {}
+    # the tokens the teacher passes' seconds scored: shards an earlier size wrote are reused, not rescored
+    computed = cache.get("computed_tokens", None if cache.get("reused_shards") else "unique")
     s, t = ho[name][domain], ho[name].get(f"train:{domain}")
     unique = tr.get("unique_tokens") or (meta.get("teacher_cache") or {}).get("scored_tokens")  # cached: the same
     reads = tr.get("max_reads_per_token") or (-(-int(tr["tokens_seen"]) // unique) if unique and "tokens_seen" in tr
                                               else None)
     return {"run": str(run), "kind": meta.get("init") or "draft", "unique_tokens": unique, "max_reads": reads,
             "steps": tr.get("steps"), "train_s": tr.get("train_time_s"), "teacher_cost_s": cost,
+            "teacher_scored_tokens": unique if computed == "unique" else computed,
             "alpha_1": s["alpha"][0], "alpha_1_ci": s["alpha_ci"][0], "tau_3": s["tau"].get("3", s["tau"].get(3)),
             "tau_3_ci": s["tau_ci"].get("3", s["tau_ci"].get(3)), "prompts": s["prompts"],
             "train_alpha_1": t["alpha"][0] if t else None,
@@ -75,7 +79,8 @@ def curve(points: list[dict], target: float, gpu_tokens_per_s: float) -> dict:
     a, b = fit_log_line(xs, ys)
     need = 10 ** ((target - a) / b) if b > 0 else None
     per_token_s = sum(p["teacher_cost_s"] or 0 for p in points) / max(1, sum(p["unique_tokens"] for p in points))
-    cpu_rate = max((p["unique_tokens"] / p["teacher_cost_s"] for p in points if p["teacher_cost_s"]), default=None)
+    cpu_rate = max((p["teacher_scored_tokens"] / p["teacher_cost_s"] for p in points
+                    if p["teacher_cost_s"] and p.get("teacher_scored_tokens")), default=None)
     return {"fit": {"a": a, "b_per_decade": b}, "target_alpha_1": target, "tokens_for_target": need,
             "projection": None if need is None else {
                 "cpu_hours_here": need / cpu_rate / 3600 if cpu_rate else None, "cpu_tokens_per_s": cpu_rate,

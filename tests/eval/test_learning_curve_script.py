@@ -65,3 +65,16 @@ def test_points_read_several_times_are_their_own_series(tmp_path):
     assert doc["fit"]["b_per_decade"] == pytest.approx(0.05)  # the one-read points alone
     assert set(doc["kinds"]) == {"draft", "draft, several reads"} and doc["kinds"]["draft, several reads"] is None
     assert "One token count: no fit." in (tmp_path / "learning_curve.md").read_text()
+
+
+def test_the_scoring_rate_counts_only_the_shards_a_run_computed(tmp_path):
+    """A larger size reuses the shards a smaller one wrote: its teacher seconds scored only the rest."""
+    for t, computed in ((10_000, 10_000), (100_000, 90_000), (1_000_000, 900_000)):
+        run = _run(tmp_path, t, 0.1 + 0.05 * math.log10(t), cost_s=computed / 500)
+        meta_path = run / "drafts" / "distilled" / "specdraft.json"
+        meta = json.loads(meta_path.read_text())
+        meta["teacher_cache"].update(reused_shards=1, computed_tokens=computed)
+        meta_path.write_text(json.dumps(meta))
+    assert lc.main([str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "learning_curve.json").read_text())
+    assert doc["projection"]["cpu_tokens_per_s"] == pytest.approx(500)

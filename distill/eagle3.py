@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -274,11 +274,13 @@ class Eagle3Recipe(Recipe):
 
         dc = rc.distill
         data_source = "teacher" if dc.uses_teacher_data else "dataset"
+        # all the blocks: the feature cache below keys one store on their epoch-0 order, so a run reading the first
+        # trainer.unique_blocks of them several times shares the store of a run reading more of them once
         _, _, blocks, passes, answer_counts, _ = teacher_signal_data(
             rc, opts, target=pair.target, tokenizer=pair.tokenizer, weights=pair.weights, blocks=pair.blocks,
             shared=pair.shared, cut=pair.cut, data_source=data_source if self.distilled else "dataset",
-            teacher_signal="online", max_prompts=dc.generation.max_prompts, tcfg=rc.trainer, run_dir=run_dir,
-            dist=pair.dist)
+            teacher_signal="online", max_prompts=dc.generation.max_prompts,
+            tcfg=replace(rc.trainer, unique_blocks=0), run_dir=run_dir, dist=pair.dist)
         counts, on = ((answer_counts, "target_answers") if answer_counts is not None else
                       (torch.bincount(blocks.flatten(), minlength=pair.shared).double(), "training_blocks"))
         head = pair.draft

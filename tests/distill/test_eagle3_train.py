@@ -149,6 +149,39 @@ def test_smoke_with_an_eagle3_head_end_to_end(tmp_path):
     assert "Held-out acceptance" in (run / "report.md").read_text()
 
 
+def test_several_reads_of_fewer_blocks_share_the_feature_store(tmp_path):
+    """trainer.unique_blocks reads a prefix of the block order that a one-read run scored: no shard is scored again,
+    with the channel-normalised fc and a frozen head (draft.eagle3.feature_norm, train_lm_head)."""
+    store = tmp_path / "features"
+    common = [sys.executable, "-m", "train", "+experiment=smoke", "draft=eagle3", "stages=[distill]",
+              "distill.teacher_signal=cached", f"distill.cache_dir={store}", "distill.cache_shard_blocks=4",
+              "draft.draft_vocab_size=512"]
+    metas = []
+    for i, extra in enumerate((["trainer.max_steps=6"],
+                               ["trainer.max_steps=8", "trainer.unique_blocks=6", "draft.eagle3.feature_norm=channel",
+                                "draft.eagle3.train_lm_head=false"])):
+        proc = subprocess.run(common + extra + [f"hydra.run.dir={tmp_path / str(i)}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        metas.append(json.loads((tmp_path / str(i) / "drafts" / "distilled" / "specdraft.json").read_text()))
+    assert len(list(store.glob("eagle3-*"))) == 1
+    first, again = metas[0]["teacher_cache"], metas[1]["teacher_cache"]
+    blocks = metas[0]["train"]["unique_tokens"] // 64  # 6 steps x the global batch
+    assert first["computed_shards"] == -(-blocks // 4) and first["computed_tokens"] == blocks * 64
+    assert again["computed_shards"] == 0 and again["reused_shards"] == 2 and again["computed_tokens"] == 0
+    assert metas[1]["train"]["unique_tokens"] == 6 * 64 and metas[1]["eagle3"]["feature_norm"] == "channel"
+    from safetensors.torch import load_file
+
+    from models.checkpoints import load_causal_lm
+
+    target = load_causal_lm(str(ROOT / "models" / "assets" / "reference_target"), role="target")[0]
+    w = [load_file(str(tmp_path / str(i) / "drafts" / "distilled" / "model.safetensors")) for i in (0, 1)]
+    rows = target.get_output_embeddings().weight.detach()[torch.arange(512) + w[1]["d2t"]]
+    assert torch.equal(w[1]["lm_head.weight"], rows)  # train_lm_head=false: the target's rows, as initialised
+    assert not torch.equal(w[0]["lm_head.weight"], rows)  # they train by default
+    assert "feature_scale" not in w[1]
+
+
 @pytest.mark.parametrize("how", ["target", "random"])
 def test_feature_normalisation_keeps_the_function_and_folds_into_the_saved_fc(tmp_path, how):
     """draft.eagle3.feature_norm=channel reparametrises fc (same fused feature, per-channel unit-RMS inputs); the

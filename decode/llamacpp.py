@@ -774,6 +774,12 @@ def export_eagle3_gguf(head_dir: str | os.PathLike, out_file: str | os.PathLike,
     if engine.converter is None:
         raise EngineNotInstalled(f"llama.cpp's converter is not installed beside {engine.server}: run "
                                  f"`{INSTALL_COMMAND}`")
+    import importlib.util
+
+    missing = [m for m in ("sentencepiece", "gguf") if importlib.util.find_spec(m) is None]
+    if missing:  # the converter imports them, and its traceback would not say how to get them
+        raise GGUFExportError(f"llama.cpp's converter needs {', '.join(missing)}, which this environment lacks: "
+                              f"pip install -c constraints.txt -e \".[engine]\"")
     head_dir, out = Path(head_dir), Path(out_file)
     newest = max((q.stat().st_mtime for q in head_dir.iterdir() if q.is_file()), default=0)
     if out.is_file() and out.stat().st_mtime >= newest:

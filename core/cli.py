@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NoReturn
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.errors import DeviceError
 
@@ -373,6 +373,31 @@ def _program() -> str:
     return script.parent.name if script.name == "__main__.py" and script.parent.name else "train"
 
 
+def _deleted_section(arg: str, config_dir: Path) -> str | None:
+    """The error for ``~name`` (or ``~name=value``) deleting a whole section or config group of conf/config.yaml
+    (``~draft``, ``~trainer``): Hydra drops it and the typed config fills in built-in defaults that no config file
+    shows, so the run would go on with settings nobody chose. None for any other argument (``~a.b`` resets one key)."""
+    import re
+
+    import yaml
+
+    m = re.fullmatch(r"~([A-Za-z_]\w*)(?:=.*)?", arg, re.S)
+    if m is None:
+        return None
+    name = m.group(1)
+    try:
+        doc = yaml.safe_load((config_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        doc = {}
+    folder = config_dir / name
+    if name not in doc and name not in _selected_groups(config_dir):
+        return None  # not a section (~experiment, a typo): Hydra's own error says it does not exist
+    options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    pick = f"pick an option ({name}=NAME with NAME one of {', '.join(options)}) or " if options else ""
+    return (f"{arg} deletes the {name} section, and the run would go on with built-in defaults that no config file "
+            f"shows: {pick}set its keys instead ({name}.<key>=<value>; docs/configuration.md)")
+
+
 def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
     """The one-line error for an override that names a folder of ``conf/`` the way Hydra cannot take it, or None.
 
@@ -385,6 +410,10 @@ def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
     import re
 
     config_dir = Path(config_dir)
+    for arg in typed:
+        deleted = _deleted_section(arg, config_dir)
+        if deleted is not None:
+            return f"invalid config: {deleted}"
     for i, arg in enumerate(typed):
         m = re.fullmatch(r"(\+{0,2})([A-Za-z_]\w*)=(.*)", arg, re.S)
         if m and (config_dir / m.group(2)).is_dir():
@@ -478,6 +507,20 @@ def _shaped(cfg, schema, key: str, value: str) -> str:
     return value
 
 
+def _merge_shape_message(e: BaseException) -> str | None:
+    """Hydra's "Error merging override k=[a]" for a key that holds a mapping (or ``k={a: 1}`` for a list) names
+    neither the key's shape nor the fix; its cause (OmegaConf's ``ConfigTypeError``) carries the key."""
+    cause = e.__cause__
+    text = str(cause).split("\n")[0] if cause is not None else ""
+    key = getattr(cause, "full_key", None)
+    if not (str(e).startswith("Error merging override") and key and text.startswith("Cannot merge")):
+        return None
+    if text.startswith("Cannot merge DictConfig"):
+        return (f"invalid config: {key} is a mapping, not a list: set its keys ({key}.<key>=<value>) or give a "
+                f"mapping: {key}='{{name: value}}' (quoted for the shell)")
+    return f"invalid config: {key} is a list, not a mapping: {key}='[a, b]' (quoted for the shell)"
+
+
 def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[Any, Path], None],
               schema=None, typed: list[str] | None = None) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
@@ -504,6 +547,9 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
         if known is None:
             raise
         code, msg = known
+        shape = _merge_shape_message(e)
+        if shape is not None:
+            fail(EXIT_BAD_INPUT, shape)
         key = _unknown_override_key(str(e))
         if key is not None and not _split_by_shell(typed):
             msg = unknown_key_message(key, argv, config_dir, schema)
@@ -702,6 +748,31 @@ class PathsConfig:
     general_draft: str = "models/assets/general_draft"  # the committed general draft lora_med / adapt_domains adapt
 
 
+def _container_mismatch(schema_cfg: DictConfig, cfg: Any, prefix: str = "") -> tuple[str | None, str | None]:
+    """The first dotted key where ``cfg`` gives a list and ``schema_cfg`` a mapping (``"dict"``), or the other way
+    round (``"list"``); ``(None, None)`` if there is none. OmegaConf's "Cannot merge DictConfig with ListConfig" names
+    no key."""
+    if not isinstance(cfg, (DictConfig, dict)):
+        return None, None
+    for k, v in (cfg.items_ex(resolve=False) if isinstance(cfg, DictConfig) else cfg.items()):
+        node = schema_cfg._get_node(k) if isinstance(schema_cfg, DictConfig) and k in schema_cfg else None
+        if node is None:
+            continue
+        ref = str(getattr(node._metadata, "ref_type", ""))
+        is_dict = isinstance(node, DictConfig) or ref.startswith(("typing.Dict", "dict"))
+        is_list = isinstance(node, ListConfig) or ref.startswith(("typing.List", "list"))
+        full = f"{prefix}{k}"
+        if is_dict and isinstance(v, (ListConfig, list)):
+            return full, "dict"
+        if is_list and isinstance(v, (DictConfig, dict)):
+            return full, "list"
+        if isinstance(node, DictConfig) and not node._is_none() and isinstance(v, (DictConfig, dict)):
+            found = _container_mismatch(node, v, full + ".")
+            if found[0]:
+                return found
+    return None, None
+
+
 def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: Iterable[str] | None = None):
     """Merge ``cfg`` (only ``keys`` of it, when given) onto dataclass ``schema`` and return the typed object.
 
@@ -718,6 +789,10 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
 
         msg = str(e).split("\n")[0]
         key = getattr(e, "full_key", None)  # OmegaConf errors (unknown key, wrong type) carry the dotted key
+        if not key and msg.startswith("Cannot merge") and "Config with" in msg:  # names no key: find it
+            key, wants = _container_mismatch(OmegaConf.structured(schema), cfg)
+            if key:
+                msg = "got a list, which is not a DictConfig" if wants == "dict" else "got a mapping, which is not a ListConfig"
         if key and key not in msg:
             msg = f"{key}: {msg}"
         if key and isinstance(e, (ConfigKeyError, ConfigAttributeError)) and " not in " in msg:

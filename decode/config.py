@@ -56,6 +56,17 @@ class LookupConfig:
                           max_store_tokens=self.max_store_tokens, max_occurrences=self.max_occurrences)
 
 
+def ignored_sampling_keys(do_sample: bool, settings: dict) -> dict:
+    """The sampling settings among ``settings`` (``temperature``, ``top_k``, ``top_p``) that greedy decoding would
+    ignore: ``{}`` when ``do_sample``, else those set away from their no-op values (temperature 1 or 0, top-k 0,
+    top-p 1). Transformers' ``GenerationConfig`` warns about the same; here it is an error, since a run decoded
+    greedily in place of the sampled one it was asked for measures the wrong thing."""
+    if do_sample:
+        return {}
+    neutral = {"temperature": (0.0, 1.0), "top_k": (0,), "top_p": (1.0,)}
+    return {k: v for k, v in settings.items() if k in neutral and v is not None and float(v) not in neutral[k]}
+
+
 @dataclass
 class DecodeConfig:
     num_draft_tokens: int = 4  # gamma: tokens the draft proposes per verify step (adaptive: the starting length)
@@ -93,6 +104,13 @@ class DecodeConfig:
             raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"decode.top_k must be >= 0 (0 disables it), got {self.top_k}")
+        unused = ignored_sampling_keys(self.do_sample, {"temperature": self.temperature, "top_k": self.top_k,
+                                                        "top_p": self.top_p})
+        if unused:
+            one = len(unused) == 1
+            raise ValueError(f"{', '.join(f'decode.{k}={v}' for k, v in unused.items())} only act{'s' if one else ''} "
+                             "when sampling, and decode.do_sample=false decodes greedily: add decode.do_sample=true, or "
+                             f"leave {'it' if one else 'them'} unset")
         if self.draft_routing is not None and not str(self.draft_routing).strip():
             raise ValueError("decode.draft_routing must be null or the path of a routing.json")
         if self.min_draft_tokens < 1:

@@ -290,9 +290,18 @@ class EvalConfig:
         ``domain_sampling`` entry (``{}``: greedy).
 
         Raises:
-            ValueError: the merged settings are ones the decoder refuses (names the entry)."""
-        kw = {**self._DECODE_DEFAULTS, **default, **(self.domain_sampling or {}).get(domain, {})}
+            ValueError: the merged settings are ones the decoder refuses, or the entry sets temperature, top_k or
+                top_p for a domain decoded greedily (names the entry)."""
+        entry = (self.domain_sampling or {}).get(domain, {})
+        kw = {**self._DECODE_DEFAULTS, **default, **entry}
         if not kw["do_sample"]:
+            from decode.config import ignored_sampling_keys
+
+            unused = ignored_sampling_keys(False, {k: v for k, v in entry.items() if k != "do_sample"})
+            if unused:
+                raise ValueError(f"eval.domain_sampling.{domain} sets {', '.join(unused)}, which only act{'s' if len(unused) == 1 else ''} when "
+                                 f"sampling, and {domain} decodes greedily: add do_sample: true to its entry "
+                                 f"(eval.domain_sampling='{{{domain}: {{do_sample: true, ...}}}}')")
             return {}
         from decode.sampling import validate_sampling_args
 

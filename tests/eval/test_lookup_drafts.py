@@ -236,3 +236,24 @@ def test_sampling_for_merges_the_domain_entry_over_decode():
     assert cfg.sampling_for("chat", {"do_sample": True, "temperature": 1.0, "top_k": 5, "top_p": 0.9})["top_k"] == 5
     greedy_chat = EvalConfig(domains=["chat"], domain_sampling={"chat": {"do_sample": False}})
     assert greedy_chat.sampling_for("chat", {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}) == {}
+
+
+@pytest.mark.parametrize("entry,default,refused", [
+    ({"temperature": 0.7}, {}, "temperature"),                                    # greedy decode, no do_sample
+    ({"do_sample": False, "top_p": 0.9}, {"do_sample": True, "temperature": 1.0}, "top_p"),
+    ({"top_k": 5}, {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0}, None),  # decode samples
+    ({"temperature": 1.0}, {}, None),                                             # the no-op value
+])
+def test_a_sampling_setting_for_a_greedy_domain_is_refused_not_ignored(entry, default, refused):
+    """A domain entry that sets temperature / top_k / top_p while the domain decodes greedily (neither it nor decode
+    samples) would be decoded greedily in silence; it is refused, naming the entry and the fix."""
+    from eval.config import EvalConfig
+
+    cfg = EvalConfig(domains=["chat"], domain_sampling={"chat": entry})
+    if refused is None:
+        cfg.sampling_for("chat", default)
+        return
+    with pytest.raises(ValueError) as ei:
+        cfg.sampling_for("chat", default)
+    msg = str(ei.value)
+    assert msg.startswith("eval.domain_sampling.chat sets ") and refused in msg and "do_sample: true" in msg, msg

@@ -201,6 +201,20 @@ def test_validate_rejects_bad_values_naming_the_key(override, key):
     assert "\n" not in msg  # one clear line
 
 
+@pytest.mark.parametrize("overrides,named", [
+    (["decode.temperature=0.7"], "decode.temperature=0.7"),
+    (["decode.top_k=50", "decode.top_p=0.9"], "decode.top_k=50, decode.top_p=0.9"),
+])
+def test_a_sampling_setting_without_do_sample_is_refused(overrides, named):
+    """decode.temperature / top_k / top_p away from their no-op values while decode.do_sample=false would decode
+    greedily in silence (transformers only warns): refused, naming the keys and the fix."""
+    with pytest.raises(ValueError) as ei:
+        validate(compose_cfg(overrides))
+    msg = str(ei.value)
+    assert named in msg and "add decode.do_sample=true" in msg, msg
+    validate(compose_cfg(["decode.do_sample=true", *overrides]))  # the same settings, sampling: accepted
+
+
 def test_validate_accepts_edge_values():
     for overrides in (["decode.top_p=1.0", "decode.temperature=0"], ["decode.do_sample=true", "decode.top_p=0.01"],
                       ["decode.num_draft_tokens=1", "trainer.max_steps=1", "stages=[eval]"],

@@ -530,6 +530,52 @@ def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any
         yield Example(f"{domain}/{source.name}/{rid}", prompt, completion, messages)
 
 
+def _where_to_read(dom: Domain, source: Source, opts: DataOptions, root: Path | None) -> tuple[str, Path | None]:
+    """``("hub", None)`` or ``("file", path)``: where ``source`` of ``dom`` is read from under ``opts``.
+
+    Raises:
+        DataSourceError: the file is missing (or the data root is wrong) and no hub copy may be read."""
+    if not Path(source.file).is_absolute():  # user files (absolute paths) need no data root
+        check_data_root(opts.root, opts.source)
+    path = _source_path(source, root)
+    if source.format == "hub":  # a declared hub-only source: read only when asked for
+        if opts.source != "hub":
+            raise DataSourceError(
+                f"domain {dom.name!r} file {source.file} is a hub dataset; it is read only with data.source=hub "
+                f"(or give a local copy as a file of the domain).")
+        return "hub", None
+    if opts.source == "hub" and source.hub is None and path is not None and path.exists():
+        return "file", path
+    if opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
+        if source.hub is None:
+            raise _missing_file_error(source, root, dom.name, dom.description)
+        return "hub", None
+    if path is None or not path.exists():
+        raise _missing_file_error(source, root, dom.name, dom.description)
+    return "file", path
+
+
+def check_domain_files(domain: Domain | str, opts: DataOptions = DataOptions()) -> None:
+    """Before any model loads: every source of ``domain`` can be read under ``opts`` (its file exists, or a hub copy
+    is allowed), without reading it.
+
+    Raises:
+        DataSourceError: as :func:`iter_examples` would, naming the file and both ways to supply it.
+        UnknownDomainError: an unknown domain name."""
+    for _ in _sources(domain, opts):
+        pass
+
+
+def _sources(domain: Domain | str, opts: DataOptions) -> Iterable[tuple[Domain, Source, str, Path | None]]:
+    """``(domain, source, "hub" | "file", path)`` for every source of ``domain``, checked (:func:`_where_to_read`)."""
+    dom = get_domain(domain) if isinstance(domain, str) else domain
+    if opts.source not in SOURCE_MODES:
+        raise ValueError(f"data.source must be one of {SOURCE_MODES}, got {opts.source!r}")
+    root = resolve_data_root(opts.root)
+    for source in dom.sources:
+        yield (dom, source, *_where_to_read(dom, source, opts, root))
+
+
 def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> Iterable[tuple[Example, str]]:
     """Yield ``(example, split)`` for every record of every source of ``domain``.
 
@@ -537,28 +583,9 @@ def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> It
         DataSourceError: a file is missing (message names the file and both ways to supply it).
         DataFormatError: a file cannot be parsed or lacks a field (message names file and line).
     """
-    dom = get_domain(domain) if isinstance(domain, str) else domain
-    if opts.source not in SOURCE_MODES:
-        raise ValueError(f"data.source must be one of {SOURCE_MODES}, got {opts.source!r}")
-    root = resolve_data_root(opts.root)
-    for source in dom.sources:
-        if not Path(source.file).is_absolute():  # user files (absolute paths) need no data root
-            check_data_root(opts.root, opts.source)
-        path = _source_path(source, root)
-        if source.format == "hub":  # a declared hub-only source: read only when asked for
-            if opts.source != "hub":
-                raise DataSourceError(
-                    f"domain {dom.name!r} file {source.file} is a hub dataset; it is read only with data.source=hub "
-                    f"(or give a local copy as a file of the domain).")
+    for dom, source, where, path in _sources(domain, opts):
+        if where == "hub":
             records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
-        elif opts.source == "hub" and source.hub is None and path is not None and path.exists():
-            records, origin = _records_from_file(source, path), str(path)
-        elif opts.source == "hub" or (opts.source == "auto" and (path is None or not path.exists()) and source.hub):
-            if source.hub is None:
-                raise _missing_file_error(source, root, dom.name, dom.description)
-            records, origin = _records_from_hub(source), f"hub:{source.hub.path}"
-        elif path is None or not path.exists():
-            raise _missing_file_error(source, root, dom.name, dom.description)
         else:
             records, origin = _records_from_file(source, path), str(path)
         for ex in format_records(dom.name, source, records, origin):

@@ -263,6 +263,25 @@ def _check_engine(rc: RootConfig) -> None:
         find_engine()
 
 
+def _check_data_files(rc: RootConfig) -> None:
+    """The files of the domains the run reads (``data.domain`` or ``data.mixture`` for its training stages,
+    ``eval.domains`` for an ``eval`` stage) exist, or may come from the hub: before any model loads or converts, and
+    before stage ``draft_init`` builds a draft.
+
+    Raises:
+        DataSourceError: naming the file and both ways to supply it."""
+    from data.loading import UnknownDomainError, check_domain_files, get_domain
+
+    names = list(rc.data.training_domains()) if any(s != "eval" for s in rc.stages) else []
+    names += [d for d in (rc.eval.domains if "eval" in rc.stages else []) if d not in names]
+    for name in names:
+        try:
+            domain = get_domain(name)
+        except UnknownDomainError:
+            continue  # an eval.extra_domains file: the eval inputs check reads it
+        check_domain_files(domain, rc.data.options())
+
+
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:
     """Every check that needs no model weights, in the order a user would fix them: the typed config, cross-section
     settings, the target path, the run-directory policy and resume consistency, and (with an eval stage) the eval
@@ -281,6 +300,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
     _check_launch_env(rc)
     check_draft_config(rc)
     _check_engine(rc)
+    _check_data_files(rc)
     if "eval" in rc.stages:
         from eval.pipeline import check_planned_drafts
 

@@ -414,6 +414,8 @@ def test_a_suggested_key_gets_the_value_in_the_shape_it_takes(key, value, sugges
     ("eval.domains=medical", "eval.domains takes a list: eval.domains='[medical]'"),
     ("eval.num_draft_tokens=4", "eval.num_draft_tokens takes a list: eval.num_draft_tokens='[4]'"),
     ("eval.drafts=x", "eval.drafts takes a mapping: eval.drafts='{name: value}'"),
+    ("eval.domain_sampling=[chat]", "eval.domain_sampling takes a mapping: eval.domain_sampling='{name: value}'"),
+    ("eval.num_draft_tokens={a: 1}", "eval.num_draft_tokens takes a list"),
     ("eval.max_prompts=-1", "eval.max_prompts must be >= 1, got -1"),
     ("eval.max_prompt_tokens=1", "eval.max_prompt_tokens must be >= 2, got 1"),
 ])
@@ -426,6 +428,47 @@ def test_a_value_of_the_wrong_shape_or_range_names_the_key_and_the_fix(override,
     with pytest.raises(ValueError) as e:
         validate(compose_config([override]))
     assert str(e.value).startswith("invalid config: ") and expected in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("distill.generation=[a]", "distill.generation is a mapping, not a list: set its keys (distill.generation.<key>"),
+    ("eval.engine=[a]", "eval.engine is a mapping, not a list"),
+])
+def test_a_list_given_to_a_section_names_the_key_and_the_fix(override, expected):
+    """Hydra refuses to merge a list onto a section of conf/config.yaml with "Error merging override", naming neither
+    the shape nor the fix; the command line says both, exit 2, before any work."""
+    proc = subprocess.run([sys.executable, "-m", "train", override], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert_clean_error(proc, 2, expected)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("~draft", "~draft deletes the draft section, and the run would go on with built-in defaults that no config file "
+               "shows: pick an option (draft=NAME with NAME one of eagle3, layer_pruned"),
+    ("~trainer", "trainer=NAME with NAME one of ddp"),
+    ("~eval", "~eval deletes the eval section"),
+])
+def test_deleting_a_whole_section_is_refused_before_any_work(override, expected, tmp_path):
+    """`~draft` (Hydra's delete) would drop the section and its config group, and the typed config would fill in
+    built-in defaults no config file shows: refused with the fix, exit 2, no run folder."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "train", override, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert_clean_error(proc, 2, expected)
+    assert not run_dir.exists()
+
+
+def test_a_data_root_without_the_domain_files_is_refused_before_any_stage(tmp_path):
+    """A data root that exists but lacks the training domain's files stops the command before any model loads and
+    before stage draft_init builds a draft (no run folder), naming the file and both ways to supply it."""
+    empty = tmp_path / "data"
+    empty.mkdir()
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", f"data.root={empty}",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert_clean_error(proc, 2, "missing data file for domain", f"looked in data root {empty}", "data.source=hub")
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize("case", ["teacher_engine", "eval_engine"])

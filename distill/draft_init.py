@@ -221,7 +221,7 @@ def run_draft_init(rc, opts, run_dir: Path, events=None) -> dict:
     Raises:
         ValueError: ``draft.init=config`` (a fresh random draft is not worth evaluating; use the distill stage).
     """
-    from core.cli import torch_threads
+    from core.runtime import torch_threads
     from data.loading import files_fingerprint
     from distill.drafts import count_parameters
     from distill.trainer import evaluate_loss

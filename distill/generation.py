@@ -115,7 +115,7 @@ def generate_teacher_sequences(
     Each returned sequence is ``prompt + generated tokens``, ending with ``eos_token_id`` (appended when the
     generation stopped at ``max_new_tokens``). Prompts are processed sorted by length (less left padding), and the
     result keeps that order. ``vocab_size`` restricts sampling to the ids shared with the draft. ``precision``:
-    the run's ``trainer.mixed_precision``; the target generates in it (:func:`core.cli.run_precision`; part of
+    the run's ``trainer.mixed_precision``; the target generates in it (:func:`core.runtime.run_precision`; part of
     the cache key unless ``no``). ``follow_free_cores`` (``trainer.follow_free_cores``): the torch threads follow the
     free cores between shards; False keeps the caller's count (the answers then do not depend on the machine's load).
 
@@ -129,7 +129,7 @@ def generate_teacher_sequences(
         if target_path is None:
             raise ValueError("distill.generation.engine=llama_cpp needs the target's folder (target_path)")
         return generate_teacher_sequences_engine(target_path, prompts, gen, root, seed=seed, eos_token_id=eos_token_id)
-    from core.cli import run_precision
+    from core.runtime import run_precision
     from decode import autoregressive_generate
     from decode.fast_settings import following_free_cores
     from distill.teacher import model_fingerprint

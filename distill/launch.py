@@ -194,7 +194,7 @@ class Run:
         """The teacher runs in the run's precision under every strategy: accelerate autocasts on one process / DDP;
         under DeepSpeed it does not (the student's engine holds bf16 weights, the teacher would run in fp32), so the
         step runs in torch.autocast there."""
-        from core.cli import run_precision
+        from core.runtime import run_precision
 
         if not uses_deepspeed(self.accelerator) or mixed_precision == "no":
             return self.accelerator.autocast()

@@ -328,7 +328,7 @@ def draft_meta(rc, opts: DataOptions, name: str, pair: Pair, signal: Signal, sta
     """``specdraft.json`` of a trained draft: how it was made (source, loss, data, budget), the selected step and
     its score, and the validation cross-entropy of draft and target (nats per token, in the run's precision;
     ``draft_val_loss``: the draft's own validation loss, measured by the caller, e.g. an EAGLE-3 head's)."""
-    from core.cli import run_precision
+    from core.runtime import run_precision
     from data.text import Renderer
     from distill.generation import selection_meta
 
@@ -466,7 +466,7 @@ def train_and_save(rc, opts: DataOptions, run_dir: Path, name: str, events, reci
         ValueError: inconsistent config (``recipe.check``, e.g. :func:`check_draft_config`), a domain without text
             or prompts.
     """
-    from core.cli import torch_threads
+    from core.runtime import torch_threads
 
     out = run_dir / "drafts" / name
     if rc.trainer.resume and recipe.complete(run_dir, name):

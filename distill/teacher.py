@@ -228,7 +228,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
         vocab_size: top-k only over ids ``< vocab_size`` (the ids shared with the draft; default: all logits).
         batch_size: blocks per teacher forward.
         precision: the run's ``trainer.mixed_precision`` (``no``, ``bf16``, ``fp16``): the teacher forward runs in
-            it (:func:`core.cli.run_precision`; part of the cache key unless ``no``); values are stored fp32.
+            it (:func:`core.runtime.run_precision`; part of the cache key unless ``no``); values are stored fp32.
         use: blocks needed (the first ``use``; None: all).
         follow_free_cores: the torch threads follow the free cores between batches (``trainer.follow_free_cores``);
             False keeps the caller's count (the stored logits then do not depend on the machine's load).
@@ -239,7 +239,7 @@ def build_teacher_cache(teacher: torch.nn.Module, blocks: torch.Tensor, root: st
     Raises:
         ValueError: ``k`` outside ``[1, vocab_size]`` or ``use`` outside ``[1, N]``.
     """
-    from core.cli import run_precision
+    from core.runtime import run_precision
     from decode.common import output_vocab_size
     from decode.fast_settings import BlockThreads, following_free_cores
 

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from core.cli import torch_threads
+from core.runtime import torch_threads
 from core.io import atomic_dir, write_json_atomic
 from distill.config import STRATEGIES, TrainerConfig, cosine_with_warmup, zero_stage
 from distill.launch import (

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from tqdm.auto import tqdm
 
-from core.cli import runtime_record, torch_threads
+from core.runtime import runtime_record, torch_threads
 from core.errors import BenchError
 from decode import AcceptanceStats, autoregressive_generate, expected_speedup, frozen_weights, speculative_generate
 from decode.common import output_vocab_size
@@ -227,7 +227,7 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
     Raises:
         BenchError: an unavailable GPU or an unknown name (the message names the flag).
     """
-    from core.cli import resolve_device, resolve_dtype
+    from core.runtime import resolve_device, resolve_dtype
     from core.errors import DeviceError
 
     try:

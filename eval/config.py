@@ -244,10 +244,10 @@ class EvalConfig:
                 get_domain(d)  # UnknownDomainError (a ValueError) listing the known names
 
     def torch_device(self):
-        """``eval.device`` resolved on this machine (:func:`core.cli.resolve_device`; raises DeviceError)."""
+        """``eval.device`` resolved on this machine (:func:`core.runtime.resolve_device`; raises DeviceError)."""
         import os
 
-        from core.cli import resolve_device
+        from core.runtime import resolve_device
 
         try:
             return resolve_device(self.device, "eval.device")
@@ -258,8 +258,8 @@ class EvalConfig:
             raise
 
     def torch_dtype(self):
-        """``eval.dtype`` resolved for :meth:`torch_device` (:func:`core.cli.resolve_dtype`)."""
-        from core.cli import resolve_dtype
+        """``eval.dtype`` resolved for :meth:`torch_device` (:func:`core.runtime.resolve_dtype`)."""
+        from core.runtime import resolve_dtype
 
         return resolve_dtype(self.dtype, self.torch_device(), "eval.dtype")
 

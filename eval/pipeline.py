@@ -31,7 +31,7 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from core.cli import torch_threads
+from core.runtime import torch_threads
 from core.errors import PromptTooLongError
 from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
@@ -602,7 +602,7 @@ def _add_lookups(rc, drafts: dict, meta: dict, device) -> dict[str, str]:
 def _measure(rc, target, tokenizer, drafts: dict, prompts: dict, routed: dict | None, device, dtype, ev) -> tuple:
     """Decode every prompt target-only and with every draft at every gamma, draft-length policy and token tree
     (with routing: each domain with its routed draft only, or the target alone). Returns ``(results, runtime)``."""
-    from core.cli import runtime_record
+    from core.runtime import runtime_record
     from decode.fast_settings import resolved_block_threads
 
     gammas = rc.eval.sweep(rc.decode.num_draft_tokens)

@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from core.cli import describe_runtime
+from core.runtime import describe_runtime
 from core.io import fmt, fmt_interval, write_json_atomic, write_text_atomic
 from eval.decision import (
     COMPONENTS_FORMULA,

@@ -371,7 +371,7 @@ def check_finite_weights(model, name_or_path: str | os.PathLike, role: str = "mo
 def load_causal_lm(name_or_path: str | os.PathLike, role: str = "model", dtype: torch.dtype = torch.float32,
                    device: torch.device | str | None = None, key: str | None = None, need_tokenizer: bool = True):
     """Load ``(model, tokenizer)`` from a Hugging Face directory or hub id, in eval mode, with weights in ``dtype``
-    on ``device`` (``None``: CPU; resolve a config value with :func:`core.cli.resolve_device` first). ``key``
+    on ``device`` (``None``: CPU; resolve a config value with :func:`core.runtime.resolve_device` first). ``key``
     and ``need_tokenizer`` as in :func:`check_checkpoint_dir`; without tokenizer files (allowed only when
     ``need_tokenizer=False``) the tokenizer returned is ``None``.
 

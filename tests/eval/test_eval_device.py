@@ -93,7 +93,7 @@ def test_unavailable_cuda_is_refused_with_one_line_and_exit_2(pair, tmp_path):
 
 def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
     """Faked: one visible GPU; cuda:1 names a device that is not there (cuda:0 and null resolve)."""
-    from core.cli import resolve_device, resolve_dtype
+    from core.runtime import resolve_device, resolve_dtype
     from core.errors import DeviceError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -116,7 +116,7 @@ def test_bad_device_or_dtype_names_are_config_errors(device, dtype, match):
 
 
 def test_defaults_follow_the_machine(monkeypatch):
-    from core.cli import resolve_device, resolve_dtype
+    from core.runtime import resolve_device, resolve_dtype
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device(None) == torch.device("cpu") == resolve_device("auto")

@@ -380,8 +380,8 @@ def _deleted_section(arg: str, config_dir: Path) -> str | None:
     except (OSError, yaml.YAMLError):
         doc = {}
     folder = config_dir / name
-    if name not in doc and name not in _selected_groups(config_dir):
-        return None  # not a section (~experiment, a typo): Hydra's own error says it does not exist
+    if name not in _selected_groups(config_dir) and not isinstance(doc.get(name), dict):
+        return None  # not a section (~seed, ~experiment, a typo): a single key resets, or Hydra names the miss
     options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
     pick = f"pick an option ({name}=NAME with NAME one of {', '.join(options)}) or " if options else ""
     return (f"{arg} deletes the {name} section, and the run would go on with built-in defaults that no config file "
@@ -505,7 +505,10 @@ def _merge_shape_message(e: BaseException) -> str | None:
     key = getattr(cause, "full_key", None)
     if not (str(e).startswith("Error merging override") and key and text.startswith("Cannot merge")):
         return None
-    if text.startswith("Cannot merge DictConfig"):
+    value = str(e).split("=", 1)[1].strip() if "=" in str(e) else ""
+    if value.startswith("{"):  # a mapping given: the key takes a list (OmegaConf words both cases alike)
+        return f"invalid config: {key} is a list, not a mapping: {key}='[a, b]' (quoted for the shell)"
+    if value.startswith("[") or text.startswith("Cannot merge DictConfig"):
         return (f"invalid config: {key} is a mapping, not a list: set its keys ({key}.<key>=<value>) or give a "
                 f"mapping: {key}='{{name: value}}' (quoted for the shell)")
     return f"invalid config: {key} is a list, not a mapping: {key}='[a, b]' (quoted for the shell)"

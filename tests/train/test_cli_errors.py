@@ -433,6 +433,7 @@ def test_a_value_of_the_wrong_shape_or_range_names_the_key_and_the_fix(override,
 @pytest.mark.parametrize("override,expected", [
     ("distill.generation=[a]", "distill.generation is a mapping, not a list: set its keys (distill.generation.<key>"),
     ("eval.engine=[a]", "eval.engine is a mapping, not a list"),
+    ("eval.domains={a: 1}", "eval.domains is a list, not a mapping: eval.domains='[a, b]'"),
 ])
 def test_a_list_given_to_a_section_names_the_key_and_the_fix(override, expected):
     """Hydra refuses to merge a list onto a section of conf/config.yaml with "Error merging override", naming neither

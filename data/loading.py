@@ -555,15 +555,19 @@ def _where_to_read(dom: Domain, source: Source, opts: DataOptions, root: Path | 
     return "file", path
 
 
-def check_domain_files(domain: Domain | str, opts: DataOptions = DataOptions()) -> None:
+def check_domain_files(domain: Domain | str, opts: DataOptions = DataOptions(), parse: bool = False) -> None:
     """Before any model loads: every source of ``domain`` can be read under ``opts`` (its file exists, or a hub copy
-    is allowed), without reading it.
+    is allowed), without reading it; with ``parse``, every local file is also parsed whole (hub copies are not
+    fetched).
 
     Raises:
         DataSourceError: as :func:`iter_examples` would, naming the file and both ways to supply it.
+        DataFormatError: (``parse``) a file that cannot be parsed or lacks a field, naming the file and line.
         UnknownDomainError: an unknown domain name."""
-    for _ in _sources(domain, opts):
-        pass
+    for dom, source, where, path in _sources(domain, opts):
+        if parse and where == "file":
+            for _ in format_records(dom.name, source, _records_from_file(source, path), str(path)):
+                pass
 
 
 def _sources(domain: Domain | str, opts: DataOptions) -> Iterable[tuple[Domain, Source, str, Path | None]]:

@@ -24,6 +24,7 @@ the loader only needs ``path`` (and ``draft``, the name shown in reports).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -98,8 +99,9 @@ class DecodeConfig:
     def __post_init__(self):
         if self.num_draft_tokens < 1:
             raise ValueError(f"decode.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.temperature < 0 or (self.do_sample and self.temperature == 0):
-            raise ValueError(f"decode.temperature must be > 0 when sampling (>= 0 otherwise), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0) or (self.do_sample and self.temperature == 0):
+            raise ValueError(f"decode.temperature must be a finite number > 0 when sampling (>= 0 otherwise), got "
+                             f"{self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"decode.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

@@ -648,7 +648,8 @@ def load_draft(path: str | os.PathLike, role: str = "draft", dtype: torch.dtype 
     from models.eagle3 import is_eagle3_dir, load_eagle3
 
     if is_eagle3_dir(path):  # an EAGLE-3 head (models/eagle3.py): its own weights, the target's tokenizer
-        return load_eagle3(path, dtype=dtype, device=device), load_tokenizer(path, role), read_specdraft_meta(path)
+        return (load_eagle3(path, dtype=dtype, device=device, role=role), load_tokenizer(path, role),
+                read_specdraft_meta(path))
     mode = check_quantize_device(path, device or "cpu", dtype, role)
     meta = read_specdraft_meta(path)
     model, tok = load_causal_lm(path, role=role, dtype=dtype, device=device)

@@ -17,12 +17,12 @@ __all__ = ['validate_sampling_args', 'process_logits', 'greedy_tokens', 'sample_
 def validate_sampling_args(*, do_sample: bool, temperature: float, top_k: int, top_p: float) -> None:
     """Check sampling arguments; raise ``ValueError`` naming the argument and its valid range.
 
-    - ``temperature``: float >= 0; 0 is only allowed for greedy decoding (``do_sample=False``).
+    - ``temperature``: finite float >= 0; 0 is only allowed for greedy decoding (``do_sample=False``).
     - ``top_k``: int >= 0 (0 disables top-k).
     - ``top_p``: float in (0, 1] (1 disables nucleus filtering).
     """
-    if not isinstance(temperature, (int, float)) or math.isnan(float(temperature)) or temperature < 0:
-        raise ValueError(f"temperature must be a float >= 0 (got {temperature!r}).")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(float(temperature)) or temperature < 0:
+        raise ValueError(f"temperature must be a finite float >= 0 (got {temperature!r}).")
     if do_sample and temperature == 0:
         raise ValueError(
             "temperature=0 with do_sample=True is undefined; use greedy decoding (do_sample=False) instead, "

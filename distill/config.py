@@ -107,8 +107,9 @@ class GenerationConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"distill.generation.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:
-            raise ValueError(f"distill.generation.temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"distill.generation.temperature must be a finite number >= 0 (0 = greedy), got "
+                             f"{self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"distill.generation.top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
@@ -207,8 +208,8 @@ class DistillConfig:
 
         if self.loss not in LOSSES:
             raise ValueError(f"unknown distill.loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
-        if not self.temperature > 0:
-            raise ValueError(f"distill.temperature must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"distill.temperature must be a finite number > 0, got {self.temperature}")
         if not 0 <= self.beta <= 1 or not 0 <= self.skew <= 1:
             raise ValueError("distill.beta and distill.skew must be in [0, 1]")
         if self.data_source not in DATA_SOURCES:

@@ -347,9 +347,12 @@ def _read_tokenizer(name_or_path: str | os.PathLike, role: str):
     try:
         return AutoTokenizer.from_pretrained(src)
     except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0].rstrip(":. ")  # transformers' messages run to 6 lines
+        gone = _looks_local(name_or_path) and not (Path(src) / "tokenizer.json").is_file()
+        why = "tokenizer.json is missing" if gone else f"{type(e).__name__}: {first}"
         raise CheckpointError(
-            f"could not load the {role} tokenizer from {name_or_path}: {type(e).__name__}: {e}. Check that the "
-            f"directory holds complete tokenizer files (tokenizer.json, tokenizer_config.json)."
+            f"could not load the {role} tokenizer from {name_or_path}: {why}. Check that the directory holds complete "
+            f"tokenizer files (tokenizer.json, tokenizer_config.json): copy them from the checkpoint it was trained from."
         ) from e
 
 

@@ -99,7 +99,8 @@ class Eagle3Config:
         bad = [i for i in layers if not 1 <= int(i) <= n - 1]
         if bad:
             raise ValueError(f"draft.eagle3.target_layers {list(layers)}: {bad} outside [1, {n - 1}] (hidden_states "
-                             f"indices of a {n}-layer target: the input of that layer)")
+                             f"indices of a {n}-layer target: the input of that layer); name three in that range, or null "
+                             f"for {list(default_target_layers(n))}")
         heads = int(c.num_attention_heads)
         head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
         rope = getattr(c, "rope_parameters", None) or {}
@@ -130,8 +131,16 @@ class Eagle3Config:
     @classmethod
     def from_hf_config(cls, doc: dict) -> "Eagle3Config":
         own = doc.get("specdraft_eagle3", {})
-        layers = (own.get("target_layers") or doc.get("eagle_aux_hidden_state_layer_ids")
-                  or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))  # vLLM's reading
+        engine = doc.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and llama.cpp's reading
+        ours = own.get("target_layers")
+        if ours is not None and engine is not None and [int(i) for i in ours] != [int(i) for i in engine]:
+            raise ValueError(f"specdraft_eagle3.target_layers {list(ours)} and eagle_aux_hidden_state_layer_ids "
+                             f"{list(engine)} disagree, so engines would feed the head other layers than ours")
+        if int(doc.get("num_hidden_layers", 1)) != 1:
+            raise ValueError(f"num_hidden_layers is {doc['num_hidden_layers']}; an EAGLE-3 head here has one layer")
+        layers = ours or engine or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if layers is None:
+            raise ValueError("config.json names no feature layers (eagle_aux_hidden_state_layer_ids)")
         return cls(vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"],
                    hidden_size=doc["hidden_size"], target_hidden_size=doc.get("target_hidden_size", doc["hidden_size"]),
                    num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
@@ -461,37 +470,57 @@ def save_eagle3(head: Eagle3Draft, tokenizer, out_dir: str | os.PathLike, meta: 
     return Path(out_dir)
 
 
-def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None) -> Eagle3Draft:
+def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None,
+                role: str = "draft") -> Eagle3Draft:
     """An EAGLE-3 head saved by :func:`save_eagle3` (or any vLLM ``eagle3`` folder with these names). With
     ``target``, the embedding is the target's own tensor (a folder without ``embed_tokens.weight`` needs it).
+    ``role`` names the head in errors (``draft 'distilled'``).
 
     Raises:
-        CheckpointError: no ``config.json`` / weights, a missing or misshapen tensor, a head whose vocabulary or
-            width does not match ``target``.
+        CheckpointError: no ``config.json`` / weights, a ``config.json`` that is not a one-layer head's or whose two
+            layer lists disagree, an unreadable (e.g. truncated) weights file, a missing, unexpected or misshapen
+            tensor (a ``config.json`` that disagrees with the weights), NaN/inf weights, a head whose vocabulary or
+            width does not match ``target``. The message starts ``could not load <role> from <path>``.
     """
     from safetensors.torch import load_file
 
+    from models.checkpoints import check_finite_weights
+
     path = Path(path)
+    where = f"could not load {role} from {path}"
     try:
         doc = json.loads((path / "config.json").read_text())
         cfg = Eagle3Config.from_hf_config(doc)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path} is not an EAGLE-3 head ({e}): train one with draft=eagle3") from e
+        raise CheckpointError(f"{where}: its config.json is not an EAGLE-3 head's ({type(e).__name__}: {e}); train "
+                              f"one with draft=eagle3") from e
     if not (path / WEIGHTS).is_file():
-        raise CheckpointError(f"{path / WEIGHTS} is missing: the head was not saved completely; train it again")
+        raise CheckpointError(f"{where}: {WEIGHTS} is missing, so the head was not saved completely; train it again")
     head = Eagle3Draft(cfg)
-    state = load_file(str(path / WEIGHTS))
+    try:
+        state = load_file(str(path / WEIGHTS))
+    except Exception as e:  # safetensors' SafetensorError (a truncated or foreign file) or an OSError
+        raise CheckpointError(f"{where}: {WEIGHTS} cannot be read ({type(e).__name__}: {e}); it is damaged or "
+                              f"incomplete (a killed copy?): copy it again whole, or train the head again") from e
     if target is not None:
         if int(target.config.vocab_size) != cfg.vocab_size or int(target.config.hidden_size) != cfg.target_hidden_size:
-            raise CheckpointError(f"{path} was trained for a target of vocabulary {cfg.vocab_size} and width "
+            raise CheckpointError(f"{where}: it was trained for a target of vocabulary {cfg.vocab_size} and width "
                                   f"{cfg.target_hidden_size}; this target has {target.config.vocab_size} and "
                                   f"{target.config.hidden_size}")
         state.pop("embed_tokens.weight", None)
+    want = head.state_dict()
+    misshapen = [f"{k} {tuple(v.shape)} (config.json: {tuple(want[k].shape)})" for k, v in state.items()
+                 if k in want and tuple(v.shape) != tuple(want[k].shape)]
+    if misshapen:
+        raise CheckpointError(f"{where}: config.json disagrees with the weights: {'; '.join(misshapen[:3])}. Restore "
+                              f"the config.json saved with these weights, or train the head again")
     missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "embed_tokens.weight" and target is not None)
                and m != "feature_scale"]  # folded into fc.weight when saved
     if missing or unexpected:
-        raise CheckpointError(f"{path}: tensors missing {missing} / unexpected {unexpected}")
+        raise CheckpointError(f"{where}: tensors missing {missing} / unexpected {unexpected}; it is not a complete "
+                              f"head saved by draft=eagle3: train it again")
+    check_finite_weights(head, path, role)
     if target is not None:
         head.embed_tokens.weight = target.get_input_embeddings().weight
     head.requires_grad_(False)

@@ -240,10 +240,42 @@ def check_draft_source(rc: RootConfig) -> None:
                 resolve_layers(rc.draft.layers, n)
     elif rc.draft.init == "layer_pruned" and rc.draft.layers.k < 1:
         raise ValueError(f"draft.layers.k must be >= 1, got {rc.draft.layers.k}")
+    if rc.draft.init == "eagle3":
+        _check_eagle3_fits_target(rc)
     if rc.draft.init == "pretrained" and rc.draft.name_or_path:
         from models.checkpoints import check_checkpoint_dir
 
         check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
+
+
+def _check_eagle3_fits_target(rc: RootConfig) -> None:
+    """An EAGLE-3 head's shape against the target's ``config.json``: ``draft.eagle3.target_layers`` inside its
+    depth, ``draft.draft_vocab_size`` inside its vocabulary, a Llama-family target of >= 4 layers.
+
+    Raises:
+        ValueError: :meth:`models.eagle3.Eagle3Config.from_target`'s messages, naming the key and the fix.
+    """
+    import json as _json
+    from types import SimpleNamespace
+
+    from models.eagle3 import Eagle3Config
+
+    try:
+        doc = _json.loads((Path(rc.target.name_or_path).expanduser() / "config.json").read_text())
+        target = SimpleNamespace(**doc)
+        vocab = int(target.vocab_size)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return  # no readable config: the checkpoint check reports it in its own words
+    size = rc.draft.draft_vocab_size or vocab
+    if not 0 < size <= vocab:
+        raise ValueError(f"draft.draft_vocab_size={size} is outside [1, {vocab}], the target's vocabulary: give a "
+                         f"size in that range, or null for the whole vocabulary")
+    try:
+        Eagle3Config.from_target(target, size, list(rc.draft.eagle3.target_layers or []) or None)
+    except (AttributeError, KeyError, TypeError):
+        return  # a config without Llama's keys: the draft builder reports the target kind
+    except ValueError as e:
+        raise ValueError(str(e)) from None
 
 
 def _check_engine(rc: RootConfig) -> None:
@@ -268,18 +300,23 @@ def _check_data_files(rc: RootConfig) -> None:
     ``eval.domains`` for an ``eval`` stage) exist, or may come from the hub: before any model loads or converts, and
     before stage ``draft_init`` builds a draft.
 
+    An evaluation domain that the training stages do not read is also parsed whole (a few MB, about a second): a
+    damaged file would otherwise be found only after the drafts have trained.
+
     Raises:
-        DataSourceError: naming the file and both ways to supply it."""
+        DataSourceError: naming the file and both ways to supply it.
+        DataFormatError: a file that cannot be parsed, naming the file and line."""
     from data.loading import UnknownDomainError, check_domain_files, get_domain
 
-    names = list(rc.data.training_domains()) if any(s != "eval" for s in rc.stages) else []
-    names += [d for d in (rc.eval.domains if "eval" in rc.stages else []) if d not in names]
-    for name in names:
+    trains = any(s != "eval" for s in rc.stages)
+    names = list(rc.data.training_domains()) if trains else []
+    later = [d for d in (rc.eval.domains if "eval" in rc.stages else []) if d not in names]
+    for name in names + later:
         try:
             domain = get_domain(name)
         except UnknownDomainError:
             continue  # an eval.extra_domains file: the eval inputs check reads it
-        check_domain_files(domain, rc.data.options())
+        check_domain_files(domain, rc.data.options(), parse=trains and name in later)  # read after training
 
 
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:

@@ -110,6 +110,10 @@ TRAIN_CASES = {
                                         "draft.layers.indices=[0,99]"], "draft.layers.indices [99] out of range"),
     "self_draft_keeps_every_layer": (["overwrite=true", "draft=layer_pruned", "draft.layers.k=99"],
                                      "draft.layers.k=99 would keep every layer"),
+    "eagle3_layers_past_the_target": (["overwrite=true", "draft=eagle3", "draft.eagle3.target_layers=[1,2,9]"],
+                                      "draft.eagle3.target_layers [1, 2, 9]: [9] outside [1, 5]", "or null for"),
+    "eagle3_vocab_past_the_target": (["overwrite=true", "draft=eagle3", "draft.draft_vocab_size=5000"],
+                                     "draft.draft_vocab_size=5000 is outside [1, 4096]"),
     "pretrained_draft_missing": (["overwrite=true", "draft=pretrained", "draft.name_or_path=/nonexistent/draft",
                                   "stages=[draft_init,distill]"], "/nonexistent/draft does not exist",
                                  "draft.name_or_path"),
@@ -469,6 +473,30 @@ def test_a_data_root_without_the_domain_files_is_refused_before_any_stage(tmp_pa
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                           timeout=120)
     assert_clean_error(proc, 2, "missing data file for domain", f"looked in data root {empty}", "data.source=hub")
+    assert not run_dir.exists()
+
+
+def test_a_damaged_evaluation_file_is_refused_before_any_stage(tmp_path):
+    """An evaluation domain that the training stages never read (smoke evaluates code, trains on medical) with a
+    line that is not JSON: refused before any model loads, naming the file and line, not after the drafts train."""
+    import shutil
+
+    from data.loading import default_data_root
+
+    src, root = default_data_root(), tmp_path / "data"
+    root.mkdir()
+    for folder in src.iterdir():
+        if folder.is_dir() and folder.name != "code":
+            (root / folder.name).symlink_to(folder)
+    shutil.copytree(src / "code", root / "code")
+    damaged = sorted((root / "code").glob("*.jsonl"))[0]
+    lines = damaged.read_text().splitlines()
+    damaged.write_text("\n".join(lines[:2] + ['{"task_id": "cut here'] + lines[3:]) + "\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", f"data.root={root}",
+                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert_clean_error(proc, 2, f"{damaged}:3: not valid JSON")
     assert not run_dir.exists()
 
 

@@ -163,6 +163,12 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
     [
         ("decode.num_draft_tokens=0", "decode.num_draft_tokens"),
         ("decode.temperature=-1", "decode.temperature"),
+        ("decode.do_sample=true decode.temperature=nan", "decode.temperature must be a finite number"),
+        ("decode.do_sample=true decode.temperature=inf", "decode.temperature must be a finite number"),
+        ("eval.domain_sampling={medical:{do_sample:true,temperature:inf}} eval.domains=[medical]",
+         "eval.domain_sampling.medical: temperature must be a finite float"),
+        ("distill.temperature=inf", "distill.temperature must be a finite number"),
+        ("distill.generation.temperature=nan", "distill.generation.temperature must be a finite number"),
         ("decode.top_p=0", "decode.top_p"),
         ("decode.top_p=1.5", "decode.top_p"),
         ("decode.top_k=-1", "decode.top_k"),

@@ -653,6 +653,28 @@ def _container_mismatch(schema_cfg: DictConfig, cfg: Any, prefix: str = "") -> t
     return None, None
 
 
+def _section_path(schema: type, class_name: str) -> str:
+    """The dotted key of the section of ``schema`` typed ``class_name`` (``LookupConfig`` -> ``decode.lookup``);
+    else the class name without ``Config``, lowercased."""
+    import typing
+
+    def find(cls, prefix: str) -> str | None:
+        try:
+            hints = typing.get_type_hints(cls)
+        except Exception:  # noqa: BLE001  (annotations that do not resolve: search no deeper)
+            return None
+        for f in dataclasses.fields(cls):
+            kind = hints.get(f.name)
+            if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+                hit = prefix + f.name if kind.__name__ == class_name else find(kind, f"{prefix}{f.name}.")
+                if hit:
+                    return hit
+        return None
+
+    return (find(schema, "") if dataclasses.is_dataclass(schema) else None) or \
+        class_name.removesuffix("Config").lower()
+
+
 def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: Iterable[str] | None = None):
     """Merge ``cfg`` (only ``keys`` of it, when given) onto dataclass ``schema`` and return the typed object.
 
@@ -697,7 +719,7 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
         elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
             msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
         elif "is not a subclass of" in msg and "value:" in msg:  # `distill=forward_kl`: a section set to a word
-            section = key or msg.split(" is not a subclass of ")[1].split(".")[0].removesuffix("Config").lower()
+            section = key or _section_path(schema, msg.split(" is not a subclass of ")[1].split(".")[0])
             msg += (f"; '{section}' is a section of conf/config.yaml, not a config group with options: set its keys "
                     f"instead ({section}.<key>=<value>; the keys: docs/configuration.md)")
         raise ValueError(f"invalid config: {msg}") from None

@@ -39,12 +39,15 @@ class DataConfig:
         for name, spec in (self.declared_domains or {}).items():
             declare(name, spec)  # DataFormatError (a ValueError) naming data.declared_domains.<name> and the key
         if self.mixture is not None:
-            if not self.mixture or any(not (w > 0) for w in self.mixture.values()):
-                raise ValueError(f"data.mixture must map domains to weights > 0, got {dict(self.mixture)}")
+            weights = dict(self.mixture)
+            if not weights or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0
+                                  for w in weights.values()):
+                raise ValueError(f"data.mixture must map domains to weights > 0 (numbers), got {weights}: e.g. "
+                                 f"data.mixture='{{medical: 3, chat: 1}}'")
             from data.loading import get_domain
 
-            for d in self.mixture:
-                get_domain(d)  # UnknownDomainError listing the known names
+            for d in weights:
+                get_domain(d, key="data.mixture")  # UnknownDomainError listing the known names
 
     def training_domains(self) -> dict[str, float]:
         """domain -> weight of the draft's training data: ``mixture``, else ``{domain: 1.0}``."""

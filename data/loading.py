@@ -333,7 +333,8 @@ def extra_domain(name: str, path: str | os.PathLike, text_field: str, prompt_fie
     return dom
 
 
-def unknown_domain_error(name: str) -> UnknownDomainError:
+def unknown_domain_error(name: str, key: str = "eval.domains / data.domain") -> UnknownDomainError:
+    """The error for an unknown domain ``name`` given under the config key ``key``: the known names and the fix."""
     from data.registry import DOMAINS
 
     dirs = " or ".join(str(d) for d in domain_dirs())
@@ -341,25 +342,26 @@ def unknown_domain_error(name: str) -> UnknownDomainError:
     return UnknownDomainError(
         f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}"
         + (f"; declared: {', '.join(declared_names())}" if declared_names() else "")
-        + (f". Fix eval.domains / data.domain, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, "
+        + (f". Fix {key}, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, "
            f"\"Train a draft for your own traffic\")." if usable else
-           ". Fix eval.domains / data.domain (a domain name is letters, digits and _ . + -, no spaces).")
+           f". Fix {key} (a domain name is letters, digits and _ . + -, no spaces).")
     )
 
 
-def get_domain(name: str) -> Domain:
+def get_domain(name: str, key: str = "eval.domains / data.domain") -> Domain:
     """Look up a domain: a built-in one, else one declared in configuration (:mod:`data.loading`:
     ``data.declared_domains.<name>`` or ``conf/domain/<name>.yaml``).
 
     Raises:
-        UnknownDomainError: ``name`` is neither; the message lists the known names and how to declare one.
+        UnknownDomainError: ``name`` is neither; the message names ``key``, lists the known names and how to
+            declare one.
         DataFormatError: the declaration of ``name`` is invalid (names its file and the key).
     """
     if name in DOMAINS:
         return DOMAINS[name]
     dom = find_declared(name)
     if dom is None:
-        raise unknown_domain_error(name) from None
+        raise unknown_domain_error(name, key) from None
     return dom
 
 

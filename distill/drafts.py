@@ -136,6 +136,9 @@ class LayerSearchConfig:
         return 1 if self.strategy == "greedy" else self.beam_width
 
 
+_WARNED: set = set()
+
+
 @dataclass
 class LayerChoice:
     """``draft.layers``: which target layers a ``draft.init=layer_pruned`` self-draft keeps."""
@@ -156,6 +159,10 @@ class LayerChoice:
                 raise ValueError("draft.layers.method=list needs draft.layers.indices, e.g. '[0,2,5]'")
             if any(i < 0 for i in self.indices) or len(set(self.indices)) != len(self.indices):
                 raise ValueError(f"draft.layers.indices must be distinct indices >= 0, got {self.indices}")
+        if self.method != "list" and self.indices and (self.method, tuple(self.indices)) not in _WARNED:
+            _WARNED.add((self.method, tuple(self.indices)))  # once per process: the config is validated more than once
+            log.warning("draft.layers.indices %s is not read: draft.layers.method=%s chooses the layers; add "
+                        "draft.layers.method=list to keep exactly those layers", list(self.indices), self.method)
         if self.method == "search":
             need = search_evaluations_needed(None, self.k, self.search.width)
             if need is not None and need > self.search.max_evaluations:

@@ -168,6 +168,9 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("eval.domain_sampling={medical:{do_sample:true,temperature:inf}} eval.domains=[medical]",
          "eval.domain_sampling.medical: temperature must be a finite float"),
         ("distill.temperature=inf", "distill.temperature must be a finite number"),
+        ("decode.lookup=5", "set its keys instead (decode.lookup.<key>=<value>"),
+        ("data.mixture={medical:[1]}", "data.mixture must map domains to weights > 0"),
+        ("data.mixture={nope:1}", "Fix data.mixture, or declare it"),
         ("distill.generation.temperature=nan", "distill.generation.temperature must be a finite number"),
         ("decode.top_p=0", "decode.top_p"),
         ("decode.top_p=1.5", "decode.top_p"),
@@ -373,3 +376,20 @@ def test_int8_eval_drafts_without_quantize_are_refused_before_the_target_is_conv
     monkeypatch.setattr(models.target, "resolve_target", no_conversion)
     with pytest.raises(ValueError, match="drafts/distilled_int8, which this run writes only with draft.quantize=int8"):
         check_before_run(compose_cfg(["+experiment=distill_med", "draft.quantize=none"]), tmp_path / "run")
+
+
+def test_self_draft_indices_without_method_list_are_named_not_silently_ignored(caplog):
+    """draft.layers.indices only acts with draft.layers.method=list: given with another method, a warning names the
+    key, the method that chooses instead, and the fix (once per process, though the config is validated twice)."""
+    import logging
+
+    from distill import drafts
+
+    drafts._WARNED.clear()
+    with caplog.at_level(logging.WARNING, logger="distill.drafts"):
+        validate(compose_cfg(["draft=layer_pruned", "draft.layers.indices=[0,3]"]))
+        validate(compose_cfg(["draft=layer_pruned", "draft.layers.indices=[0,3]"]))
+        validate(compose_cfg(["draft=layer_pruned", "draft.layers.method=list", "draft.layers.indices=[0,4]"]))
+    said = [r.getMessage() for r in caplog.records if "is not read" in r.getMessage()]
+    assert said == ["draft.layers.indices [0, 3] is not read: draft.layers.method=first_k chooses the layers; add "
+                    "draft.layers.method=list to keep exactly those layers"], said

@@ -540,6 +540,7 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
         if known is None:
             raise
         code, msg = known
+        msg = _option_hint(msg)
         shape = _merge_shape_message(e)
         if shape is not None:
             fail(EXIT_BAD_INPUT, shape)
@@ -552,6 +553,21 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
             hint = quoting_hint(typed)
             msg = msg.rstrip(".") + hint if hint else msg
         fail(code, msg)
+
+
+def _option_hint(msg: str) -> str:
+    """Hydra's ``Could not find 'experiment/smok'. Available options in 'experiment': a, b`` with the closest
+    option(s) appended (``; did you mean +experiment=smoke?``); other messages as they are."""
+    import difflib
+    import re
+
+    m = re.search(r"Could not find '([\w.-]+)/([^']+)'\. Available options in '[\w.-]+': (.+)", msg)
+    if m is None:
+        return msg
+    group, name, options = m.group(1), m.group(2), [o.strip() for o in m.group(3).split(",")]
+    close = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
+    plus = "+" if group == "experiment" else ""
+    return msg.rstrip(".") + f"; did you mean {' or '.join(f'{plus}{group}={c}' for c in close)}?" if close else msg
 
 
 def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:

@@ -379,8 +379,11 @@ def _sort_settings(cands: list[dict], min_mean_accepted_length: float | str,
         below = (f"tau {tau:.2f} < {floor:.2f}, its break-even at its measured c and v"
                  if min_mean_accepted_length == BREAK_EVEN and not math.isnan(num(c.get("expected_speedup_components")))
                  else f"tau {tau:.2f} < {floor:g}")
+        also = ""  # a low tau measured faster than it allows: the timing is disturbed too (the flag RE-MEASURE)
+        if why == "low_tau" and not math.isnan(bound) and not math.isnan(s) and s > IMPLAUSIBLE_OVER_TAU * bound:
+            also = f"; measured {s:.2f}x, above the {bound:.2f}x it allows: disturbed timing, re-measure"
         dropped.append({"no_tau": f"{name} (no measured tau)",
-                        "low_tau": f"{name} ({below})",
+                        "low_tau": f"{name} ({below}{also})",
                         "disturbed": f"{name} (measured {s:.2f}x above what its tau {tau:.2f} allows, {bound:.2f}x: "
                                      f"disturbed timing, re-measure)"}[why])
     return kept, dropped, reasons

@@ -182,7 +182,10 @@ def draft_tokens_per_s(entry: dict) -> float | None:
 
 
 def _describe(m: SpecdraftMeta, decoder_forward: str | None) -> dict:
-    return {"init": m.init_kind, "layers": m.layers, "pretrained_from": m.pretrained_from,
+    head = m.extra.get("eagle3") if isinstance(m.extra.get("eagle3"), dict) else {}  # an EAGLE-3 head's settings
+    vocab = head.get("draft_vocab_size") or (m.draft_vocab or {}).get("size")
+    return {"init": m.init_kind, "layers": m.layers, "target_layers": head.get("target_layers"),
+            "draft_vocab_size": vocab, "pretrained_from": m.pretrained_from,
             "distilled": m.is_distilled, "training": m.loss, "steps": m.steps_trained, "quantize": m.quantize_mode,
             "fp32_draft": m.fp32_draft, "draft_parameters": m.draft_parameters, "decoder_forward": decoder_forward}
 
@@ -214,18 +217,21 @@ def draft_sources_section(meta: dict[str, tuple[SpecdraftMeta, str | None]]):
 
 
 def _sources_lines(names: list[str], src: dict) -> list[str]:
-    """The "Draft sources" table: init, kept layers, distilled, quantization, parameters per draft."""
-    lines = ["## Draft sources", "", "| draft | init | layers kept | distilled | quantize | parameters |",
-             "|---|---|---|---|---|---|"]
+    """The "Draft sources" table: init, kept layers (an EAGLE-3 head: the target layers it reads), output
+    vocabulary, distilled, quantization, parameters per draft."""
+    lines = ["## Draft sources", "", "| draft | init | layers kept | vocabulary | distilled | quantize | parameters |",
+             "|---|---|---|---|---|---|---|"]
     for n in names:
         s = src[n]
         init = (s["init"] or "n/a") + (f" (`{s['pretrained_from']}`)" if s["pretrained_from"] else "")
-        layers = "-" if s["layers"] is None else str(s["layers"])
+        layers = ("-" if s["layers"] is None else str(s["layers"])) if not s.get("target_layers") else \
+            f"reads target layers {s['target_layers']}"
+        vocab = f"{s['draft_vocab_size']:,} ids" if s.get("draft_vocab_size") else "full"
         distilled = {True: "yes", False: "no"}.get(s["distilled"], "n/a")
         if s["distilled"] and s["steps"]:
             distilled += f" ({s['steps']} steps)"
         params = f"{s['draft_parameters']:,}" if s["draft_parameters"] else "n/a"
-        lines.append(f"| {n} | {init} | {layers} | {distilled} | {s['quantize']} | {params} |")
+        lines.append(f"| {n} | {init} | {layers} | {vocab} | {distilled} | {s['quantize']} | {params} |")
     return lines
 
 

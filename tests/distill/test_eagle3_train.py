@@ -146,7 +146,10 @@ def test_smoke_with_an_eagle3_head_end_to_end(tmp_path):
     llama = e["llama_cpp"]["args"]
     assert llama[llama.index("--spec-type") + 1] == "draft-eagle3" and "convert_hf_to_gguf.py" in e["llama_cpp"]["export"]
     assert e["transformers"] is None
-    assert "Held-out acceptance" in (run / "report.md").read_text()
+    report = (run / "report.md").read_text()
+    assert "Held-out acceptance" in report
+    assert "| distilled | eagle3 | reads target layers [1, 3, 5] | 512 ids | yes" in report  # Draft sources
+    assert m["draft_sources"]["distilled"]["target_layers"] == [1, 3, 5]
 
 
 def test_several_reads_of_fewer_blocks_share_the_feature_store(tmp_path):

@@ -584,6 +584,29 @@ def test_a_speedup_its_tau_cannot_explain_is_never_deployed_and_the_verdict_asks
     assert "RE-MEASURE" in flags(doc, "medical") and "RE-MEASURE" in verdict_line(doc, "medical")
 
 
+def test_an_impossible_speedup_at_a_low_tau_also_asks_to_re_measure():
+    """A loaded machine: gamma 3 measured 1.84x at tau 1.04 (below the floor, and above the 1.1 tau it allows): set
+    aside for its tau, and the phrase and the verdict also say the timing was disturbed (RE-MEASURE); 1.0x at tau
+    1.04 is only low."""
+    from eval.report import add_decisions, flags
+
+    def doc(speedup):
+        e = {"num_draft_tokens": 3, "measured_speedup": speedup, "measured_speedup_ci": [speedup - 0.1, speedup + 0.1],
+             "expected_speedup": 0.9, "expected_speedup_components": 0.9, "mean_accepted_length": 1.04,
+             "lossless": True}
+        d = {"context": {}, "alert_mean_accepted_length": 1.0, "drafts": {"d": {"medical": {
+            "sweep": {"3": e}, "mean_accepted_length": 1.04}}}}
+        add_decisions(d)
+        return d
+
+    loaded, quiet = doc(1.84), doc(1.0)
+    r = loaded["recommendation"]["medical"]
+    assert r["action"] != "speculate" and "tau 1.04 < 1.5" in r["set_aside"][0], r
+    assert "disturbed timing, re-measure" in r["set_aside"][0] and "RE-MEASURE" in flags(loaded, "medical")
+    assert "disturbed" not in quiet["recommendation"]["medical"]["set_aside"][0]
+    assert "RE-MEASURE" not in flags(quiet, "medical")
+
+
 def test_min_tau_zero_lets_every_draft_in_and_an_unknown_tau_never_pays():
     from eval.report import add_decisions
 

@@ -102,6 +102,8 @@ def make_finished_run(tmp_path: Path) -> Path:
 TRAIN_CASES = {
     "unknown_loss": (["distill.loss=bogus"], "distill.loss"),
     "unknown_experiment": (["+experiment=does_not_exist"], "experiment/does_not_exist", "smoke"),
+    "misspelt_experiment": (["+experiment=smok"], "did you mean +experiment=smoke?"),
+    "misspelt_group_option": (["draft=eagle"], "did you mean draft=eagle3?"),
     "missing_target": (["target.name_or_path=/nonexistent/target"], "target path /nonexistent/target does not exist"),
     "missing_data_root": (["data.root=/nonexistent/data"], "data root /nonexistent/data (data.root) does not exist"),
     "existing_run_without_resume": ([], "already holds a run", "trainer.resume=true", "overwrite=true"),

@@ -378,7 +378,10 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
                              "(ngram:<kind>+<draft dir>) must be a local checkpoint folder")
     check_draft_names(rc, paths)
     for d in rc.eval.domain_sampling or {}:  # decode's settings merged with the domain's
-        rc.eval.sampling_for(d, rc.decode.sampling_kwargs())
+        try:
+            rc.eval.sampling_for(d, rc.decode.sampling_kwargs())
+        except ValueError as e:  # a config mistake, worded as the typed config's are
+            raise ValueError(f"invalid config: {e}") from None
     for n, path in {**paths, **hybrids}.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder

@@ -582,6 +582,27 @@ def _sources(domain: Domain | str, opts: DataOptions) -> Iterable[tuple[Domain, 
         yield (dom, source, *_where_to_read(dom, source, opts, root))
 
 
+def has_prompts(domain: Domain | str, split: str, opts: DataOptions = DataOptions()) -> bool | None:
+    """Whether ``split`` of ``domain`` holds a record with a non-empty prompt, reading its local files only as far
+    as the first one (a plain-text corpus is read whole, about a second for 13 MB); None when a source would
+    come from the hub (not fetched here).
+
+    Raises:
+        DataSourceError, DataFormatError: as :func:`iter_examples`."""
+    found = False
+    for dom, source, where, path in _sources(domain, opts):
+        if where == "hub":
+            return None
+        if found:
+            continue
+        for ex in format_records(dom.name, source, _records_from_file(source, path), str(path)):
+            if ex.prompt.strip() and assign_split(ex.id, opts.validation_fraction, opts.test_fraction,
+                                                  source.split_policy) == split:
+                found = True
+                break
+    return found
+
+
 def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> Iterable[tuple[Example, str]]:
     """Yield ``(example, split)`` for every record of every source of ``domain``.
 

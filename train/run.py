@@ -317,6 +317,33 @@ def _check_data_files(rc: RootConfig) -> None:
         except UnknownDomainError:
             continue  # an eval.extra_domains file: the eval inputs check reads it
         check_domain_files(domain, rc.data.options(), parse=trains and name in later)  # read after training
+    _check_training_prompts(rc, names)
+
+
+def _check_training_prompts(rc: RootConfig, names: list[str]) -> None:
+    """The training domains hold the prompts the distillation stages ask for: train-split prompts for teacher or
+    on-policy data (``distill.data_source``), validation-split prompts for checkpoint selection
+    (``distill.eval_every > 0``); with a mixture, one domain that has them is enough (as the stages read it).
+
+    Raises:
+        ValueError: no training domain has them (a plain-text corpus), naming the key and the fix."""
+    from data.loading import has_prompts
+
+    dc = rc.distill
+    if not names or not any(s in rc.stages for s in ("distill", "baseline", "distill_small")):
+        return
+    need = {}
+    if "distill" in rc.stages and dc.data_source in ("teacher", "on_policy"):
+        need["train"] = (f"distill.data_source={dc.data_source} generates answers to them: use "
+                         f"distill.data_source=dataset")
+    if dc.eval_every:
+        need["validation"] = "distill.eval_every > 0 selects checkpoints on them: set distill.eval_every=0"
+    for split, fix in need.items():
+        found = [has_prompts(n, split, rc.data.options()) for n in names]
+        if not any(f is None or f for f in found):
+            key = "data.mixture" if rc.data.mixture else "data.domain"
+            raise ValueError(f"{key} {', '.join(names)}: its {split} split has no prompts (plain text only), but "
+                             f"{fix}, or train on a domain with prompts")
 
 
 def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> RootConfig:

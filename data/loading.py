@@ -589,18 +589,9 @@ def has_prompts(domain: Domain | str, split: str, opts: DataOptions = DataOption
 
     Raises:
         DataSourceError, DataFormatError: as :func:`iter_examples`."""
-    found = False
-    for dom, source, where, path in _sources(domain, opts):
-        if where == "hub":
-            return None
-        if found:
-            continue
-        for ex in format_records(dom.name, source, _records_from_file(source, path), str(path)):
-            if ex.prompt.strip() and assign_split(ex.id, opts.validation_fraction, opts.test_fraction,
-                                                  source.split_policy) == split:
-                found = True
-                break
-    return found
+    if any(where == "hub" for _, _, where, _ in _sources(domain, opts)):
+        return None
+    return any(s == split and ex.prompt.strip() for ex, s in iter_examples(domain, opts))
 
 
 def iter_examples(domain: Domain | str, opts: DataOptions = DataOptions()) -> Iterable[tuple[Example, str]]:

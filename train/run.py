@@ -223,21 +223,17 @@ def check_draft_source(rc: RootConfig) -> None:
     Raises:
         ValueError: naming the bad key and the fix.
     """
-    import json as _json
-
     if "draft_init" not in rc.stages and rc.draft.init == "config":
         return
     if rc.draft.init == "layer_pruned" and rc.draft.layers.method != "search":
         from distill.drafts import resolve_layers
 
-        cfg_path = Path(rc.target.name_or_path).expanduser() / "config.json"
-        if cfg_path.is_file():
-            try:
-                n = int(_json.loads(cfg_path.read_text()).get("num_hidden_layers", 0))
-            except (ValueError, TypeError):
-                return  # an unreadable config is reported by the checkpoint check with its own message
-            if n:
-                resolve_layers(rc.draft.layers, n)
+        try:
+            n = int((_target_config(rc) or {}).get("num_hidden_layers", 0))
+        except (ValueError, TypeError):
+            n = 0  # an odd config is reported by the checkpoint check with its own message
+        if n:
+            resolve_layers(rc.draft.layers, n)
     elif rc.draft.init == "layer_pruned" and rc.draft.layers.k < 1:
         raise ValueError(f"draft.layers.k must be >= 1, got {rc.draft.layers.k}")
     if rc.draft.init == "eagle3":
@@ -248,6 +244,16 @@ def check_draft_source(rc: RootConfig) -> None:
         check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
 
 
+def _target_config(rc: RootConfig) -> dict | None:
+    """The target's ``config.json`` as a mapping; None when it is missing or unreadable (the checkpoint check
+    reports that in its own words)."""
+    try:
+        doc = json.loads((Path(rc.target.name_or_path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _check_eagle3_fits_target(rc: RootConfig) -> None:
     """An EAGLE-3 head's shape against the target's ``config.json``: ``draft.eagle3.target_layers`` inside its
     depth, ``draft.draft_vocab_size`` inside its vocabulary, a Llama-family target of >= 4 layers.
@@ -255,16 +261,15 @@ def _check_eagle3_fits_target(rc: RootConfig) -> None:
     Raises:
         ValueError: :meth:`models.eagle3.Eagle3Config.from_target`'s messages, naming the key and the fix.
     """
-    import json as _json
     from types import SimpleNamespace
 
     from models.eagle3 import Eagle3Config
 
+    doc = _target_config(rc)
     try:
-        doc = _json.loads((Path(rc.target.name_or_path).expanduser() / "config.json").read_text())
         target = SimpleNamespace(**doc)
         vocab = int(target.vocab_size)
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (TypeError, ValueError, AttributeError):
         return  # no readable config: the checkpoint check reports it in its own words
     size = rc.draft.draft_vocab_size or vocab
     if not 0 < size <= vocab:
@@ -274,8 +279,6 @@ def _check_eagle3_fits_target(rc: RootConfig) -> None:
         Eagle3Config.from_target(target, size, list(rc.draft.eagle3.target_layers or []) or None)
     except (AttributeError, KeyError, TypeError):
         return  # a config without Llama's keys: the draft builder reports the target kind
-    except ValueError as e:
-        raise ValueError(str(e)) from None
 
 
 def _check_engine(rc: RootConfig) -> None:

@@ -482,6 +482,11 @@ def _records_from_file(source: Source, path: Path) -> Iterable[tuple[Any, Any]]:
     except UnicodeDecodeError as e:
         raise DataFormatError(f"{path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at byte offset {e.start}); "
                               f"re-save the file as UTF-8.") from None
+    except OSError as e:  # a folder where the file belongs, no read permission, an I/O error
+        what, fix = (("a folder, not a file", "Replace the folder with") if path.is_dir() else
+                     (f"cannot be read ({e.strerror or e})", "Make it readable, or replace it with"))
+        raise DataFormatError(f"{path}: {what}. {fix} the published {path.name} (source {source.name!r}), or "
+                              f"point data.root / ${ENV_DATA_ROOT} at a data root that has it.") from None
 
 
 def _records_from_hub(source: Source) -> Iterable[tuple[Any, Any]]:

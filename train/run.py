@@ -303,8 +303,9 @@ def _check_data_files(rc: RootConfig) -> None:
     ``eval.domains`` for an ``eval`` stage) exist, or may come from the hub: before any model loads or converts, and
     before stage ``draft_init`` builds a draft.
 
-    An evaluation domain that the training stages do not read is also parsed whole (a few MB, about a second): a
-    damaged file would otherwise be found only after the drafts have trained.
+    Local files are also parsed whole (a few MB, about a second per domain): a damaged file of a training domain would
+    otherwise be found after Hydra has written the run folder, one of an evaluation domain after the drafts have
+    trained. (An eval-only run's domains are parsed by the eval inputs check.)
 
     Raises:
         DataSourceError: naming the file and both ways to supply it.
@@ -319,7 +320,7 @@ def _check_data_files(rc: RootConfig) -> None:
             domain = get_domain(name)
         except UnknownDomainError:
             continue  # an eval.extra_domains file: the eval inputs check reads it
-        check_domain_files(domain, rc.data.options(), parse=trains and name in later)  # read after training
+        check_domain_files(domain, rc.data.options(), parse=trains)
     _check_training_prompts(rc, names)
 
 

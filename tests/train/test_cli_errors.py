@@ -484,9 +484,31 @@ def test_a_data_root_without_the_domain_files_is_refused_before_any_stage(tmp_pa
     assert not run_dir.exists()
 
 
-def test_a_damaged_evaluation_file_is_refused_before_any_stage(tmp_path):
-    """An evaluation domain that the training stages never read (smoke evaluates code, trains on medical) with a
-    line that is not JSON: refused before any model loads, naming the file and line, not after the drafts train."""
+def _damage(case: str, root):
+    """Damage one file of a copy of the data root; returns the text the error must hold."""
+    if case == "eval_domain_line_not_json":  # smoke evaluates code but trains on medical
+        damaged = sorted((root / "code").glob("*.jsonl"))[0]
+        lines = damaged.read_text().splitlines()
+        damaged.write_text("\n".join(lines[:2] + ['{"task_id": "cut here'] + lines[3:]) + "\n")
+        return f"{damaged}:3: not valid JSON"
+    if case == "training_csv_row_missing_a_field":
+        damaged = root / "medical" / "mtsdialog_MTS-Dialog-TrainingSet.csv"
+        lines = damaged.read_text().splitlines(keepends=True)
+        header = lines[0].rstrip("\n").split(",")
+        damaged.write_text(",".join(header[:1] + header[2:]) + "\n" + "".join(lines[1:]))
+        return str(damaged)
+    damaged = root / "medical" / "meqsum.jsonl"  # training_file_is_a_folder
+    damaged.unlink()
+    damaged.mkdir()
+    return f"{damaged}: a folder, not a file"
+
+
+@pytest.mark.parametrize("case", ["eval_domain_line_not_json", "training_csv_row_missing_a_field",
+                                  "training_file_is_a_folder"])
+def test_a_damaged_data_file_is_refused_before_any_stage(case, tmp_path):
+    """A data file that exists but cannot be read as its domain's records, of a training domain (medical) or of an
+    evaluation domain the training stages never read (code): refused before Hydra writes the run folder and before
+    any model loads, naming the file (and line), not after the drafts train."""
     import shutil
 
     from data.loading import default_data_root
@@ -494,17 +516,19 @@ def test_a_damaged_evaluation_file_is_refused_before_any_stage(tmp_path):
     src, root = default_data_root(), tmp_path / "data"
     root.mkdir()
     for folder in src.iterdir():
-        if folder.is_dir() and folder.name != "code":
+        if folder.is_dir() and folder.name not in ("code", "medical"):
             (root / folder.name).symlink_to(folder)
-    shutil.copytree(src / "code", root / "code")
-    damaged = sorted((root / "code").glob("*.jsonl"))[0]
-    lines = damaged.read_text().splitlines()
-    damaged.write_text("\n".join(lines[:2] + ['{"task_id": "cut here'] + lines[3:]) + "\n")
+    for name in ("code", "medical"):
+        shutil.copytree(src / name, root / name)
+        (root / name).chmod(0o755)  # the shared data root is read-only
+        for f in (root / name).iterdir():
+            f.chmod(0o644)
+    needle = _damage(case, root)
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", f"data.root={root}",
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                           timeout=120)
-    assert_clean_error(proc, 2, f"{damaged}:3: not valid JSON")
+    assert_clean_error(proc, 2, needle)
     assert not run_dir.exists()
 
 

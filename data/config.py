@@ -2,6 +2,7 @@
 records are split and packed."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,8 +42,8 @@ class DataConfig:
         if self.mixture is not None:
             weights = dict(self.mixture)
             if not weights or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0
-                                  for w in weights.values()):
-                raise ValueError(f"data.mixture must map domains to weights > 0 (numbers), got {weights}: e.g. "
+                                  or not math.isfinite(w) for w in weights.values()):
+                raise ValueError(f"data.mixture must map domains to finite weights > 0 (numbers), got {weights}: e.g. "
                                  f"data.mixture='{{medical: 3, chat: 1}}'")
             from data.loading import get_domain
 

@@ -14,6 +14,9 @@ from distill.drafts import LayerChoice, LlamaArch
 DRAFT_INITS = ("config", "layer_pruned", "pretrained", "eagle3")
 
 
+MAX_TTT_STEPS = 16  # training-time test steps: time and activation memory grow linearly with them
+
+
 @dataclass
 class Eagle3Options:
     """``draft.eagle3``: an EAGLE-3 head (draft.init=eagle3; models/eagle3.py, distill/eagle3.py)."""
@@ -26,8 +29,11 @@ class Eagle3Options:
     train_lm_head: bool = True  # false: the head's output rows stay as initialised (the target's rows under init=target)
 
     def __post_init__(self):
-        if isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int) or self.ttt_steps < 1:
-            raise ValueError(f"draft.eagle3.ttt_steps must be an int >= 1, got {self.ttt_steps!r}")
+        if (isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int)
+                or not 1 <= self.ttt_steps <= MAX_TTT_STEPS):
+            raise ValueError(f"draft.eagle3.ttt_steps must be an int in [1, {MAX_TTT_STEPS}] (each step is one more "
+                             f"forward and backward of the head per position; SpecForge's ttt_length is 7), got "
+                             f"{self.ttt_steps!r}")
         if not 0 < float(self.step_weight) <= 1:
             raise ValueError(f"draft.eagle3.step_weight must be in (0, 1], got {self.step_weight!r}")
         if self.init not in ("target", "random"):

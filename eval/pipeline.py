@@ -353,10 +353,12 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         made by earlier stages) returns ``{}`` for the drafts when there are none yet.
 
     Raises:
-        ValueError: no drafts; ``CheckpointError`` (missing / partial / unreadable checkpoint);
+        ValueError: no drafts; ``CheckpointError`` (missing / partial / unreadable checkpoint, an EAGLE-3 head whose
+            config.json is damaged or disagrees with its weights);
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
     from models.checkpoints import check_checkpoint_dir, load_tokenizer
+    from models.eagle3 import check_eagle3_dir, is_eagle3_dir
     from models.target import resolve_target
     from models.vocab import check_tokenizers_compatible
 
@@ -384,6 +386,8 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             raise ValueError(f"invalid config: {e}") from None
     for n, path in {**paths, **hybrids}.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")
+        if is_eagle3_dir(path):  # its config.json against its weights' header, before a tokenizer hides the fault
+            check_eagle3_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
     tokenizer = load_tokenizer(rc.target.name_or_path, role="target")

@@ -322,10 +322,14 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
                 raise CheckpointError(f"{role} checkpoint file {p / n} is not readable ({e.strerror}); fix its "
                                       f"permissions or point {key} elsewhere.") from None
     try:  # a damaged config.json would otherwise surface later as a tokenizer or model error
-        json.loads((p / "config.json").read_text(encoding="utf-8"))
+        doc = json.loads((p / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{role} checkpoint {p}: config.json is not valid JSON ({e}); it may be a partial or "
                               f"damaged save: re-run the stage that produced it or point {key} elsewhere.") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{role} checkpoint {p}: config.json holds a JSON {type(doc).__name__}, not the object "
+                              f"of a model's settings; restore the config.json saved with the weights, re-run the "
+                              f"stage that produced it, or point {key} elsewhere.")
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model", key: str | None = None):

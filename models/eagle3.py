@@ -57,6 +57,10 @@ def default_target_layers(num_layers: int) -> tuple[int, int, int]:
     return layers if len(set(layers)) == 3 else (1, num_layers // 2, num_layers - 1)
 
 
+_SIZES = ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "intermediate_size", "max_position_embeddings")
+
+
 @dataclass
 class Eagle3Config:
     """The head's shape. Sizes follow the target (``from_target``); ``target_layers`` are ``hidden_states`` indices."""
@@ -77,14 +81,38 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        self.target_layers = tuple(int(i) for i in self.target_layers)
-        if len(self.target_layers) != 3 or len(set(self.target_layers)) != 3:
-            raise ValueError(f"draft.eagle3.target_layers must name three different target layers (got "
-                             f"{list(self.target_layers)})")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
+        """Every field has a type and range the head can be built with.
+
+        Raises:
+            ValueError: naming the ``config.json`` key and the value: a size that is not a positive integer, a norm
+                eps or RoPE base that is not a positive finite number, an activation other than ``silu``, feature
+                layers that are not three different integers >= 1, a draft vocabulary larger than the target's,
+                attention heads not a multiple of the KV heads."""
+        for key in _SIZES:
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{key} must be a positive integer (got {v!r})")
+        for key in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{key} must be a positive finite number (got {v!r})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"hidden_act {self.hidden_act!r}: the head's MLP computes SiLU (Llama's), the only "
+                             f"activation it has")
+        layers = self.target_layers
+        if (not isinstance(layers, (list, tuple)) or len(layers) != 3
+                or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)
+                or len(set(layers)) != 3 or min(layers) < 1):
+            raise ValueError(f"draft.eagle3.target_layers (config.json: eagle_aux_hidden_state_layer_ids) must name "
+                             f"three different target layers, integers >= 1 (got {layers!r})")
+        self.target_layers = tuple(layers)
+        if self.draft_vocab_size > self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (got {self.draft_vocab_size})")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"specdraft_eagle3 must be a JSON object (got {self.extra!r})")
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, target_layers=None) -> "Eagle3Config":
@@ -95,8 +123,8 @@ class Eagle3Config:
         """
         c = target_config
         n = int(c.num_hidden_layers)
-        layers = tuple(target_layers) if target_layers else default_target_layers(n)
-        bad = [i for i in layers if not 1 <= int(i) <= n - 1]
+        layers = tuple(int(i) for i in target_layers) if target_layers else default_target_layers(n)
+        bad = [i for i in layers if not 1 <= i <= n - 1]
         if bad:
             raise ValueError(f"draft.eagle3.target_layers {list(layers)}: {bad} outside [1, {n - 1}] (hidden_states "
                              f"indices of a {n}-layer target: the input of that layer); name three in that range, or null "
@@ -130,22 +158,41 @@ class Eagle3Config:
 
     @classmethod
     def from_hf_config(cls, doc: dict) -> "Eagle3Config":
+        """The head a ``config.json`` describes.
+
+        Raises:
+            ValueError: not a JSON object, an ``architectures`` without ``LlamaForCausalLMEagle3``, a missing key, the
+                two feature-layer lists disagreeing, more than one layer, or a value :meth:`__post_init__` refuses."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"config.json holds a JSON {type(doc).__name__}, not an object")
+        arch = doc.get("architectures")
+        if not isinstance(arch, list) or ARCHITECTURE not in arch:
+            raise ValueError(f"architectures is {arch!r}, not [{ARCHITECTURE!r}]")
         own = doc.get("specdraft_eagle3", {})
+        if not isinstance(own, dict):
+            raise ValueError(f"specdraft_eagle3 must be a JSON object (got {own!r})")
         engine = doc.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and llama.cpp's reading
         ours = own.get("target_layers")
-        if ours is not None and engine is not None and [int(i) for i in ours] != [int(i) for i in engine]:
+        if ours is not None and engine is not None and ours != engine:
             raise ValueError(f"specdraft_eagle3.target_layers {list(ours)} and eagle_aux_hidden_state_layer_ids "
                              f"{list(engine)} disagree, so engines would feed the head other layers than ours")
-        if int(doc.get("num_hidden_layers", 1)) != 1:
+        if doc.get("num_hidden_layers", 1) != 1:
             raise ValueError(f"num_hidden_layers is {doc['num_hidden_layers']}; an EAGLE-3 head here has one layer")
         layers = ours or engine or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if layers is None:
             raise ValueError("config.json names no feature layers (eagle_aux_hidden_state_layer_ids)")
+        missing = [k for k in ("vocab_size", "draft_vocab_size", "hidden_size", "num_attention_heads",
+                               "num_key_value_heads", "intermediate_size") if k not in doc]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}")
+        size, heads = doc["hidden_size"], doc["num_attention_heads"]
+        head_dim = doc.get("head_dim") or (size // heads if isinstance(size, int) and isinstance(heads, int)
+                                           and heads > 0 else None)
         return cls(vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"],
                    hidden_size=doc["hidden_size"], target_hidden_size=doc.get("target_hidden_size", doc["hidden_size"]),
                    num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
-                   head_dim=doc.get("head_dim") or doc["hidden_size"] // doc["num_attention_heads"],
-                   intermediate_size=doc["intermediate_size"], target_layers=tuple(layers),
+                   head_dim=head_dim,
+                   intermediate_size=doc["intermediate_size"], target_layers=layers,
                    rms_norm_eps=doc.get("rms_norm_eps", 1e-5), rope_theta=doc.get("rope_theta", 10000.0),
                    max_position_embeddings=doc.get("max_position_embeddings", 8192),
                    hidden_act=doc.get("hidden_act", "silu"),
@@ -442,12 +489,18 @@ def is_eagle3(model) -> bool:
 
 
 def is_eagle3_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds an EAGLE-3 head (its ``config.json`` names ``LlamaForCausalLMEagle3``)."""
-    cfg = Path(path) / "config.json"
+    """Whether ``path`` holds an EAGLE-3 head: its ``config.json`` names ``LlamaForCausalLMEagle3``, or has a key
+    only a head's has (``draft_vocab_size``, ``eagle_aux_hidden_state_layer_ids``, ``specdraft_eagle3``), so that a
+    damaged head is refused as one (:func:`check_eagle3_dir`) rather than loaded as a plain model."""
     try:
-        return ARCHITECTURE in json.loads(cfg.read_text()).get("architectures", [])
+        doc = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(doc, dict):
+        return False
+    arch = doc.get("architectures")
+    return ((isinstance(arch, list) and ARCHITECTURE in arch) or arch == ARCHITECTURE
+            or any(k in doc for k in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids", "specdraft_eagle3")))
 
 
 def save_eagle3(head: Eagle3Draft, tokenizer, out_dir: str | os.PathLike, meta: dict | None = None) -> Path:
@@ -470,17 +523,84 @@ def save_eagle3(head: Eagle3Draft, tokenizer, out_dir: str | os.PathLike, meta: 
     return Path(out_dir)
 
 
-def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None,
-                role: str = "draft") -> Eagle3Draft:
-    """An EAGLE-3 head saved by :func:`save_eagle3` (or any vLLM ``eagle3`` folder with these names). With
-    ``target``, the embedding is the target's own tensor (a folder without ``embed_tokens.weight`` needs it).
-    ``role`` names the head in errors (``draft 'distilled'``).
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+
+
+def check_eagle3_dir(path: str | os.PathLike, role: str = "draft") -> Eagle3Config:
+    """Without reading the weights: ``config.json`` describes a head this code builds (:meth:`Eagle3Config.from_hf_config`)
+    and the header of ``model.safetensors`` holds its tensors, each of the shape that config gives, floating-point
+    weights and integer ``d2t`` (``embed_tokens.weight`` may be absent: the target's is used). Cheap (the header is a
+    few KB), so the eval inputs check runs it before any tokenizer or model loads. Returns the config.
 
     Raises:
-        CheckpointError: no ``config.json`` / weights, a ``config.json`` that is not a one-layer head's or whose two
-            layer lists disagree, an unreadable (e.g. truncated) weights file, a missing, unexpected or misshapen
-            tensor (a ``config.json`` that disagrees with the weights), NaN/inf weights, a head whose vocabulary or
-            width does not match ``target``. The message starts ``could not load <role> from <path>``.
+        CheckpointError: starting ``could not load <role> from <path>``: a ``config.json`` that is not a JSON object,
+            lacks a key, or holds a value of the wrong type or range (named); missing or unreadable weights; a
+            missing, unexpected, misshapen tensor or one of the wrong dtype (a ``config.json`` that disagrees with its
+            weights)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    where = f"could not load {role} from {path}"
+    try:
+        cfg = Eagle3Config.from_hf_config(json.loads((path / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: its config.json is not an EAGLE-3 head's ({type(e).__name__}: {e}); restore "
+                              f"the config.json saved with the weights, or train a head with draft=eagle3") from e
+    if not (path / WEIGHTS).is_file():
+        raise CheckpointError(f"{where}: {WEIGHTS} is missing, so the head was not saved completely; train it again")
+    try:
+        with safe_open(str(path / WEIGHTS), framework="pt") as f:
+            header = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as e:  # safetensors' SafetensorError (a truncated or foreign header) or an OSError
+        raise CheckpointError(f"{where}: {WEIGHTS} cannot be read ({type(e).__name__}: {e}); it is damaged or "
+                              f"incomplete (a killed copy?): copy it again whole, or train the head again") from e
+    with torch.device("meta"):  # shapes only: nothing is allocated, whatever the sizes in config.json
+        want = {k: tuple(v.shape) for k, v in Eagle3Draft(cfg).state_dict().items() if k != "feature_scale"}
+    misshapen = [f"{k} {shape} (config.json: {want[k]})" for k, (shape, _) in header.items()
+                 if k in want and shape != want[k]]
+    if misshapen:
+        raise CheckpointError(f"{where}: config.json disagrees with the weights: {'; '.join(misshapen[:3])}. Restore "
+                              f"the config.json saved with these weights, or train the head again")
+    missing = sorted(set(want) - set(header) - {"embed_tokens.weight", "t2d"})
+    unexpected = sorted(set(header) - set(want))
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: tensors missing {missing} / unexpected {unexpected}; it is not a complete "
+                              f"head saved by draft=eagle3: train it again")
+    kinds = {"d2t": ("I64", "I32"), "t2d": ("BOOL", "U8", "I64", "I32")}
+    wrong = [f"{k} {dtype}" for k, (_, dtype) in header.items() if dtype not in kinds.get(k, _FLOAT_DTYPES)]
+    if wrong:
+        raise CheckpointError(f"{where}: tensors of the wrong dtype: {', '.join(wrong[:3])} (weights are floating "
+                              f"point, d2t integer): it was not saved by draft=eagle3; train the head again")
+    return cfg
+
+
+def _check_d2t(head: Eagle3Draft, where: str) -> None:
+    """``d2t`` maps the draft ids to distinct target ids inside the vocabulary; ``t2d`` is rebuilt from it.
+
+    Raises:
+        CheckpointError: a target id outside ``[0, V)`` or one reached twice (a damaged vocabulary map)."""
+    ids = head.draft_to_target
+    bad = int(((ids < 0) | (ids >= head.cfg.vocab_size)).sum())
+    if bad or ids.unique().numel() != ids.numel():
+        problem = (f"{bad} draft ids map outside the target vocabulary [0, {head.cfg.vocab_size})" if bad else
+                   f"{ids.numel() - ids.unique().numel()} target ids are reached by two draft ids")
+        raise CheckpointError(f"{where}: its d2t is damaged: {problem}. Restore the {WEIGHTS} saved with the head, "
+                              f"or train it again")
+    head.t2d.zero_()
+    head.t2d[ids] = True
+
+
+def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None,
+                role: str = "draft") -> Eagle3Draft:
+    """An EAGLE-3 head saved by :func:`save_eagle3` (or any vLLM ``eagle3`` folder with these names), after
+    :func:`check_eagle3_dir`. With ``target``, the embedding is the target's own tensor (a folder without
+    ``embed_tokens.weight`` needs it). ``role`` names the head in errors (``draft 'distilled'``).
+
+    Raises:
+        CheckpointError: anything :func:`check_eagle3_dir` refuses, an unreadable (e.g. truncated) weights file, a
+            ``d2t`` that maps outside the vocabulary or twice to one id, NaN/inf weights, a head whose vocabulary or
+            width does not match ``target``, no embedding and no ``target``. The message starts
+            ``could not load <role> from <path>``.
     """
     from safetensors.torch import load_file
 
@@ -488,15 +608,7 @@ def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch
 
     path = Path(path)
     where = f"could not load {role} from {path}"
-    try:
-        doc = json.loads((path / "config.json").read_text())
-        cfg = Eagle3Config.from_hf_config(doc)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where}: its config.json is not an EAGLE-3 head's ({type(e).__name__}: {e}); train "
-                              f"one with draft=eagle3") from e
-    if not (path / WEIGHTS).is_file():
-        raise CheckpointError(f"{where}: {WEIGHTS} is missing, so the head was not saved completely; train it again")
-    head = Eagle3Draft(cfg)
+    cfg = check_eagle3_dir(path, role)
     try:
         state = load_file(str(path / WEIGHTS))
     except Exception as e:  # safetensors' SafetensorError (a truncated or foreign file) or an OSError
@@ -508,18 +620,12 @@ def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch
                                   f"{cfg.target_hidden_size}; this target has {target.config.vocab_size} and "
                                   f"{target.config.hidden_size}")
         state.pop("embed_tokens.weight", None)
-    want = head.state_dict()
-    misshapen = [f"{k} {tuple(v.shape)} (config.json: {tuple(want[k].shape)})" for k, v in state.items()
-                 if k in want and tuple(v.shape) != tuple(want[k].shape)]
-    if misshapen:
-        raise CheckpointError(f"{where}: config.json disagrees with the weights: {'; '.join(misshapen[:3])}. Restore "
-                              f"the config.json saved with these weights, or train the head again")
-    missing, unexpected = head.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not (m == "embed_tokens.weight" and target is not None)
-               and m != "feature_scale"]  # folded into fc.weight when saved
-    if missing or unexpected:
-        raise CheckpointError(f"{where}: tensors missing {missing} / unexpected {unexpected}; it is not a complete "
-                              f"head saved by draft=eagle3: train it again")
+    elif "embed_tokens.weight" not in state:
+        raise CheckpointError(f"{where}: it has no embed_tokens.weight (it uses the target's), and no target was "
+                              f"given to take it from")
+    head = Eagle3Draft(cfg)
+    head.load_state_dict(state, strict=False)  # names and shapes checked above; values cast to the head's dtypes
+    _check_d2t(head, where)
     check_finite_weights(head, path, role)
     if target is not None:
         head.embed_tokens.weight = target.get_input_embeddings().weight

@@ -47,7 +47,56 @@ def _damage(src, dst, how: str):
         save_file(state, str(weights))
     elif how == "no_tokenizer":  # tokenizer_config.json stays: transformers then fails in six lines
         (dst / "tokenizer.json").unlink()
+    elif how in CONFIG_EDITS:
+        key, value = CONFIG_EDITS[how]
+        if key is None:
+            doc = value
+        elif key == "layers":
+            doc["eagle_aux_hidden_state_layer_ids"] = doc["specdraft_eagle3"]["target_layers"] = value
+        else:
+            doc[key] = value
+    elif how in TENSOR_EDITS:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(weights))
+        TENSOR_EDITS[how](state)
+        save_file(state, str(weights))
     cfg.write_text(json.dumps(doc))
+
+
+# config.json values of the wrong type or range: each would otherwise be a traceback, a silently different head, or
+# (checked after the tokenizer) a tokenizer error
+CONFIG_EDITS = {
+    "architectures_null": ("architectures", None),
+    "kv_heads_0": ("num_key_value_heads", 0),
+    "intermediate_huge": ("intermediate_size", 10 ** 12),
+    "own_section_not_an_object": ("specdraft_eagle3", "x"),
+    "rope_theta_string": ("rope_theta", "10000"),
+    "layer_negative": ("layers", [-1, 2, 4]),
+    "layer_zero": ("layers", [0, 2, 4]),
+    "layer_float": ("layers", [1.5, 2, 4]),
+    "layers_not_a_list": ("layers", 3),
+    "eps_nan": ("rms_norm_eps", float("nan")),
+    "eps_negative": ("rms_norm_eps", -1e-5),
+    "act_bogus": ("hidden_act", "bogus"),
+    "vocab_size_string": ("vocab_size", "120"),
+    "config_a_list": (None, [1, 2]),
+}
+
+
+def _shift_d2t(state):
+    state["d2t"][0] -= 5  # draft id 0 -> target id -5
+
+
+def _repeat_d2t(state):
+    state["d2t"][1] -= 1  # draft ids 0 and 1 -> target id 0
+
+
+def _int_weights(state):
+    state["fc.weight"] = state["fc.weight"].to(torch.int32)
+
+
+TENSOR_EDITS = {"d2t_below_0": _shift_d2t, "d2t_repeated": _repeat_d2t, "int32_weights": _int_weights}
 
 
 @pytest.mark.parametrize("how, says", [
@@ -57,6 +106,23 @@ def _damage(src, dst, how: str):
     ("two_layers", "num_hidden_layers is 2"),
     ("nan", "non-finite"),
     ("no_tokenizer", "tokenizer.json is missing"),
+    ("architectures_null", "architectures is None"),
+    ("kv_heads_0", "num_key_value_heads must be a positive integer (got 0)"),
+    ("intermediate_huge", "config.json disagrees with the weights"),
+    ("own_section_not_an_object", "specdraft_eagle3 must be a JSON object"),
+    ("rope_theta_string", "rope_theta must be a positive finite number (got '10000')"),
+    ("layer_negative", "integers >= 1 (got [-1, 2, 4])"),
+    ("layer_zero", "integers >= 1"),
+    ("layer_float", "integers >= 1"),
+    ("layers_not_a_list", "integers >= 1 (got 3)"),
+    ("eps_nan", "rms_norm_eps must be a positive finite number (got nan)"),
+    ("eps_negative", "rms_norm_eps must be a positive finite number"),
+    ("act_bogus", "hidden_act 'bogus'"),
+    ("vocab_size_string", "vocab_size must be a positive integer (got '120')"),
+    ("config_a_list", "config.json holds a JSON list"),
+    ("d2t_below_0", "1 draft ids map outside the target vocabulary"),
+    ("d2t_repeated", "1 target ids are reached by two draft ids"),
+    ("int32_weights", "fc.weight I32"),
 ])
 def test_a_damaged_head_is_one_clear_error(head_dir, tmp_path, how, says):
     from decode.fast_settings import load_draft
@@ -77,3 +143,33 @@ def test_the_intact_head_loads(head_dir, tmp_path):
     shutil.copytree(head_dir, tmp_path / "ok")
     head, tok, meta = load_draft(tmp_path / "ok", role="draft 'h'")
     assert head.cfg.draft_vocab_size == 32 and tok is not None and meta.init == "eagle3"
+
+
+@pytest.mark.parametrize("how, says", [("vocab_size_string", "vocab_size must be a positive integer"),
+                                       ("config_a_list", "config.json holds a JSON list"),
+                                       ("intermediate_huge", "config.json disagrees with the weights")])
+def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, tmp_path, how, says):
+    """``python -m eval`` with a head whose config.json is damaged: the eval inputs check names the fault (before the
+    target's tokenizer is compared with the head's), exit 2, no traceback, no report."""
+    import subprocess
+    import sys
+
+    from pathlib import Path
+
+    from clierrors import assert_clean_error, cli_env
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(head_dir))
+    target_dir = tmp_path / "target"
+    tiny_llama(vocab_size=len(tok), num_layers=6, seed=3).save_pretrained(str(target_dir))  # the head's target
+    tok.save_pretrained(str(target_dir))
+    bad = tmp_path / how
+    _damage(head_dir, bad, how)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "eval", f"target.name_or_path={target_dir}",
+                           f"eval.drafts={{h: {bad}}}", "eval.domains=[chat]", "eval.max_prompts=1",
+                           f"hydra.run.dir={run_dir}"], cwd=Path(__file__).resolve().parents[2], env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
+    err = assert_clean_error(proc, 2, says, str(bad))
+    assert "tokenizer" not in err.lower(), err
+    assert not (run_dir / "report.md").exists()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from clierrors import assert_clean_error, cli_env
 from tinymodels import tiny_llama
 
 pytestmark = pytest.mark.slow  # whole python -m train / eval runs: outside the fast lane (pytest -m "not slow")
@@ -27,29 +28,9 @@ TEXT = ["Question: What is diabetes?\nAnswer: A disease of blood sugar.", "def a
         "User: hello there\nAssistant: hi, how can I help?"] * 20
 
 
-def cli_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    env.update(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TQDM_DISABLE="1")
-    return env
-
-
 def cli(module: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(), capture_output=True,
                           text=True, timeout=timeout)
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    """Exit ``code``; stderr ends with our ``error: ...`` message (one line, or a few for a tokenizer mismatch that
-    lists each difference) holding every needle; no traceback anywhere. Returns the message."""
-    assert proc.returncode == code, (proc.returncode, proc.stderr[-3000:])
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    start = proc.stderr.rfind("\nerror: ") + 1 if not proc.stderr.startswith("error: ") else 0
-    message = proc.stderr[start:].strip()
-    assert message.startswith("error: "), proc.stderr[-3000:]
-    assert len(message.splitlines()) <= 12, message  # a message, not a dump
-    for n in needles:
-        assert n in message, (n, message)
-    return message
 
 
 def snapshot(folder: Path) -> dict[str, bytes | None]:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from core.errors import closest_names, did_you_mean
 
 EXIT_BAD_INPUT = 2
 EXIT_WRITE_FAULT = 3
@@ -408,9 +409,34 @@ def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
         m = re.fullmatch(r"(\+{0,2})([A-Za-z_]\w*)=(.*)", arg, re.S)
         if m and (config_dir / m.group(2)).is_dir():
             msg = _misused_group(*m.groups(), typed[:i] + typed[i + 1:], config_dir)
-            if msg is not None:
-                return f"invalid config: {msg}"
+        else:
+            msg = _misspelt_group(*m.groups(), config_dir) if m else None
+        if msg is not None:
+            return f"invalid config: {msg}"
     return None
+
+
+def _misspelt_group(plus: str, key: str, option: str, config_dir: Path) -> str | None:
+    """``+experimnt=smoke``: a root override whose name is closer to a selectable config group of ``conf/`` than to
+    any root key of ``conf/config.yaml``; the message names the override that selects the group's option."""
+    import yaml
+
+    groups = sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name not in ("accelerate", "domain"))
+    try:
+        roots = [k for k in (yaml.safe_load((config_dir / "config.yaml").read_text()) or {}) if k != "defaults"]
+    except (OSError, yaml.YAMLError):
+        roots = []
+    if key in groups or key in roots:
+        return None
+    best = closest_names(key, [*groups, *(k for k in roots if k not in groups)], 1)
+    if not best or best[0] not in groups:
+        return None
+    group = best[0]
+    options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
+    chosen = option if option in options else next(iter(closest_names(option, options, 1)), None)
+    fix = f"{'' if group in _selected_groups(config_dir) else '+'}{group}={chosen or option}"
+    listed = "" if chosen else f" ({group} options: {', '.join(options)})"
+    return f"'{plus}{key}' is no config key or config group; did you mean {fix}?{listed}"
 
 
 def _misused_group(plus: str, group: str, option: str, rest: list[str], config_dir: Path) -> str | None:
@@ -483,6 +509,20 @@ def _key_kind(cfg, schema, key: str) -> str | None:
         return "dict"
     value = OmegaConf.select(cfg, key, throw_on_missing=False)
     return "list" if isinstance(value, ListConfig) else "dict" if isinstance(value, DictConfig) else None
+
+
+def field_example(schema, key: str) -> str | None:
+    """The ``example`` metadata of the typed config field at dotted ``key`` of ``schema`` (a dataclass), e.g.
+    ``draft.eagle3.target_layers``: ``[2, 15, 27]`` (three layers: a one-item list built from the user's value
+    would be wrong as written); None when the field gives none."""
+    owner = schema
+    for part in key.split("."):
+        f = next((f for f in dataclasses.fields(owner) if f.name == part), None) if dataclasses.is_dataclass(owner) \
+            else None
+        if f is None:
+            return None
+        owner, last = (f.default_factory if f.default_factory is not dataclasses.MISSING else f.type), f
+    return last.metadata.get("example")
 
 
 def _shaped(cfg, schema, key: str, value: str) -> str:
@@ -558,16 +598,15 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
 def _option_hint(msg: str) -> str:
     """Hydra's ``Could not find 'experiment/smok'. Available options in 'experiment': a, b`` with the closest
     option(s) appended (``; did you mean +experiment=smoke?``); other messages as they are."""
-    import difflib
     import re
 
     m = re.search(r"Could not find '([\w.-]+)/([^']+)'\. Available options in '[\w.-]+': (.+)", msg)
     if m is None:
         return msg
     group, name, options = m.group(1), m.group(2), [o.strip() for o in m.group(3).split(",")]
-    close = difflib.get_close_matches(name, options, n=2, cutoff=0.6)
     plus = "+" if group == "experiment" else ""
-    return msg.rstrip(".") + f"; did you mean {' or '.join(f'{plus}{group}={c}' for c in close)}?" if close else msg
+    hint = did_you_mean(name, options, lambda c: f"{plus}{group}={c}")
+    return f"{msg.rstrip('.')}; {hint}" if hint else msg
 
 
 def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:
@@ -620,20 +659,8 @@ def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
     tree whose last part is close (difflib ratio >= 0.6)."""
     keys = _dotted_keys(cfg)
     parent, _, leaf = key.rpartition(".")
-    close = closest_leaves(leaf, [k for k in keys if k.rpartition(".")[0] == parent], n)
-    return close or closest_leaves(leaf, keys, n)
-
-
-def closest_leaves(leaf: str, keys: list[str], n: int) -> list[str]:
-    """``keys`` whose last part is within difflib ratio 0.6 of ``leaf`` and within 0.1 of the best match, best
-    first (so a clear winner is named alone)."""
-    import difflib
-
-    scored = sorted(((difflib.SequenceMatcher(None, leaf, k.rpartition(".")[2]).ratio(), k) for k in keys),
-                    key=lambda t: (-t[0], t[1].count("."), t[1]))
-    if not scored or scored[0][0] < 0.6:
-        return []
-    return [k for r, k in scored if r >= max(0.6, scored[0][0] - 0.1)][:n]
+    close = closest_names(leaf, [k for k in keys if k.rpartition(".")[0] == parent], n, leaf=True)
+    return close or closest_names(leaf, keys, n, leaf=True)
 
 
 @dataclass
@@ -719,7 +746,7 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
                 # a key inside a list item (eval.extra_domains[i]): OmegaConf names only the item's class, so the
                 # suggestion comes from that class's own fields
                 fields = [f.name for f in dataclasses.fields(owner)]
-                close = closest_leaves(str(key), fields, 3)
+                close = closest_names(str(key), fields, 3)
                 msg += f" (its keys: {', '.join(fields)})"
             else:
                 close = closest_keys(OmegaConf.structured(schema), key)
@@ -731,7 +758,8 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
             except Exception:  # noqa: BLE001  (only for the example)
                 value = None
             example = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "a, b"
-            msg += f"; {key} takes a list: {key}='[{example}]' (quoted for the shell)"
+            shown = field_example(schema, str(key)) or f"[{example}]"  # a list of fixed length: its own example
+            msg += f"; {key} takes a list: {key}='{shown}' (quoted for the shell)"
         elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
             msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
         elif "is not a subclass of" in msg and "value:" in msg:  # `distill=forward_kl`: a section set to a word

@@ -91,3 +91,24 @@ class PromptTooLongError(SpecdraftError, ValueError):
 
 class RunDirInUseError(SpecdraftError, ValueError):
     """The run directory already holds another run's artifacts and neither resume nor overwrite was asked for."""
+
+
+def closest_names(name: str, options, n: int = 2, leaf: bool = False) -> list[str]:
+    """The ``options`` within difflib ratio 0.6 of ``name`` and within 0.1 of the best match, best first (so a clear
+    winner is named alone); ``leaf``: compare ``name`` with the last dotted part of each option (config keys)."""
+    import difflib
+
+    part = (lambda k: k.rpartition(".")[2]) if leaf else (lambda k: k)
+    scored = sorted(((difflib.SequenceMatcher(None, name, part(k)).ratio(), k) for k in options),
+                    key=lambda t: (-t[0], t[1].count("."), t[1]))
+    if not scored or scored[0][0] < 0.6:
+        return []
+    return [k for r, k in scored if r >= max(0.6, scored[0][0] - 0.1)][:n]
+
+
+def did_you_mean(name: str, options, render=str, n: int = 2) -> str:
+    """``"did you mean X?"`` (or ``X or Y``) for the options closest to a misspelt ``name`` (:func:`closest_names`),
+    each written by ``render`` (e.g. as the override that selects it); ``""`` when none is close."""
+    close = closest_names(name, options, n)
+    return f"did you mean {' or '.join(render(c) for c in close)}?" if close else ""
+

@@ -58,7 +58,7 @@ from typing import Any, Iterable
 
 import datasets
 
-from core.errors import DataFormatError, DataSourceError, UnknownDomainError
+from core.errors import DataFormatError, DataSourceError, UnknownDomainError, did_you_mean
 from core.io import PROJECT_ROOT
 from data.registry import (
     DOMAINS,  # noqa: F401  (re-exported: the name rule of domains)
@@ -339,8 +339,10 @@ def unknown_domain_error(name: str, key: str = "eval.domains / data.domain") -> 
 
     dirs = " or ".join(str(d) for d in domain_dirs())
     usable = usable_name(name)
+    hint = did_you_mean(name, [*DOMAINS, *declared_names()])
     return UnknownDomainError(
-        f"unknown domain {name!r}; known domains: {', '.join(sorted(DOMAINS))}"
+        f"unknown domain {name!r}{f' ({hint})' if hint else ''}; known domains: "
+        f"{', '.join(sorted(DOMAINS))}"
         + (f"; declared: {', '.join(declared_names())}" if declared_names() else "")
         + (f". Fix {key}, or declare it in {name}.yaml under {dirs} (see docs/own-traffic.md, "
            f"\"Train a draft for your own traffic\")." if usable else

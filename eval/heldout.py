@@ -34,15 +34,18 @@ bootstrap over prompts (:func:`eval.metrics.bootstrap_ratio_ci`).
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from core.io import fmt, fmt_interval
 from eval.metrics import _cell_seed, bootstrap_ratio_ci
 
+log = logging.getLogger(__name__)
 _WORD = re.compile(r"\w+")
 
 
@@ -429,14 +432,25 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
     eos = default_eos(target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (
         eos if isinstance(eos, int) else (eos or [0])[0])
+    total = sum(len(ts) for ts in texts.values())
+    log.info("held-out acceptance: the target's greedy answers (up to %d tokens) to %d prompts (%s), each draft of %d "
+             "replayed on them; sizes: eval.heldout.max_prompts=%d, eval.heldout.train_prompts=%d, "
+             "eval.heldout.max_new_tokens=%d; eval.heldout.enabled=false skips it", cfg.max_new_tokens, total,
+             ", ".join(f"{d} {len(ts)}" for d, ts in texts.items()), len(drafts), cfg.max_prompts, cfg.train_prompts,
+             cfg.max_new_tokens)
+    bar = tqdm(total=len(texts) * (1 + len(drafts)), desc="held-out replay", unit="pass", dynamic_ncols=True,
+               disable=not total)  # per prompt set: the target's answers, then each draft's replay
     record = {"max_gamma": cfg.max_gamma, "max_new_tokens": cfg.max_new_tokens, "max_prompts": cfg.max_prompts,
               "near_duplicate_jaccard": cfg.near_duplicate_jaccard, "near_duplicates_removed": removed,
               "skipped_domains": skipped, "prompts": {}, "drafts": {n: {} for n in drafts}}
     for d, ts in texts.items():
         prompts = [encode_prompt(tokenizer, t, max_prompt_tokens)[0][0].tolist() for t in ts]
+        bar.set_postfix_str(f"{d}: target answers")
         answers = greedy_answers(target, prompts, cfg.max_new_tokens, eos, pad, cfg.batch_size)
+        bar.update()
         record["prompts"][d] = len(prompts)
         for name, draft in drafts.items():
+            bar.set_postfix_str(f"{d}: {name}")
             if getattr(draft, "is_hybrid", False):  # a lookup in front of a model: each position's proposer
                 draft.clear_store(d)
                 draft.use_domain(d)
@@ -457,4 +471,6 @@ def measure_heldout(target, tokenizer, drafts: dict, domains: list[str], train_d
                            draft_matches(draft, prompts, answers, vocab, cfg.batch_size)]
             record["drafts"][name][d] = summarize_replays(replays, cfg.max_gamma, samples=samples,
                                                           confidence=confidence, seed=seed, key=(name, d))
+            bar.update()
+    bar.close()
     return record

@@ -357,10 +357,9 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             config.json is damaged or disagrees with its weights);
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
-    from models.checkpoints import check_checkpoint_dir, load_tokenizer
+    from models.checkpoints import check_checkpoint_dir, check_draft_tokenizer, load_tokenizer
     from models.eagle3 import check_eagle3_dir, is_eagle3_dir
     from models.target import resolve_target
-    from models.vocab import check_tokenizers_compatible
 
     try:
         paths = draft_paths(rc, run_dir)
@@ -392,7 +391,7 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
     check_checkpoint_dir(rc.target.name_or_path, role="target")
     tokenizer = load_tokenizer(rc.target.name_or_path, role="target")
     for n, path in {**paths, **hybrids}.items():
-        check_tokenizers_compatible(tokenizer, load_tokenizer(path, role=f"draft {n!r}"), draft_name=f"draft {n!r}")
+        check_draft_tokenizer(tokenizer, path, n, rc.target.name_or_path)
     return paths, domains, tokenizer
 
 

@@ -55,8 +55,8 @@ from typing import Any, Optional
 
 import torch
 
-from core.errors import CheckpointError, SpecdraftMetaError
-from core.io import atomic_dir
+from core.errors import CheckpointError, SpecdraftMetaError, TokenizerMismatchError
+from core.io import PROJECT_ROOT, atomic_dir
 
 
 FILENAME = "specdraft.json"
@@ -498,3 +498,48 @@ def save_hf_atomic(model, tokenizer, out_dir: str | os.PathLike, extra: Any = No
         if meta is not None:
             meta.write(tmp)
     return Path(out_dir)
+
+
+def check_draft_tokenizer(tokenizer, draft_path, name: str, target: str) -> None:
+    """:func:`check_tokenizers_compatible` of the target's ``tokenizer`` and the tokenizer in ``draft_path`` (draft
+    ``name`` of an evaluation whose target is ``target``). When they differ and the draft's ``specdraft.json`` names
+    another target, the error says so and names the target option that evaluates it, instead of advice to replace
+    the draft's tokenizer (which would leave a draft of the other target, proposing ids this target does not mean).
+
+    Raises:
+        TokenizerMismatchError: every difference, with the fix; CheckpointError: an unreadable tokenizer."""
+    from models.vocab import check_tokenizers_compatible
+
+    try:
+        check_tokenizers_compatible(tokenizer, load_tokenizer(draft_path, role=f"draft {name!r}"),
+                                    draft_name=f"draft {name!r}")
+    except TokenizerMismatchError as e:
+        raise _other_target(e, name, draft_path, target) from None
+
+
+def _other_target(error, name: str, path, target: str) -> TokenizerMismatchError:
+    """A tokenizer mismatch of a draft whose ``specdraft.json`` names another target than this evaluation's: the
+    error says so, with the command that evaluates it with its own target, instead of advice to replace the draft's
+    tokenizer (which would leave a draft of the other target, mapping ids this target does not mean). Otherwise the
+    error as it is."""
+    try:
+        own = read_specdraft_meta(path).target
+    except ValueError:  # a damaged specdraft.json: the mismatch as it is
+        return error
+    if not own or _same_path(own, target):
+        return error
+    option = next((p.stem for p in sorted((PROJECT_ROOT / "conf" / "target").glob("*.yaml"))
+                   if f"/{Path(own).name}\n" in p.read_text() + "\n"), None)
+    how = f"target={option} (or target.name_or_path={own})" if option else f"target.name_or_path={own}"
+    differences = str(error).split("\nFix:", 1)[0].split("\n", 1)[1] if "\n" in str(error) else ""
+    return TokenizerMismatchError(
+        f"draft {name!r} was trained for another target, {own} (its specdraft.json), not this evaluation's {target}: "
+        f"evaluate it with its own target ({how}); do not give it this target's tokenizer, which would not make it a "
+        f"draft of this target. The tokenizers differ:\n{differences}".rstrip())
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    except OSError:
+        return a == b

@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
-from core.errors import RunDirInUseError
+from core.errors import RunDirInUseError, closest_names
 from core.io import EventLog, write_json_atomic
 from core.cli import validate_structured
 from distill.config import DistillConfig, DraftConfig, TrainerConfig
@@ -69,7 +69,10 @@ class RootConfig(EvalRootConfig):
         super().__post_init__()
         bad = [s for s in self.stages if s not in KNOWN_STAGES]
         if bad:
-            raise ValueError(f"stages: unknown stage(s) {bad}; stages are {', '.join(KNOWN_STAGES)}")
+            close = {b: closest_names(b, KNOWN_STAGES, 1) for b in bad}
+            hint = (f" (did you mean stages='[{', '.join(close[s][0] if s in close else s for s in self.stages)}]'?)"
+                    if all(close.values()) else "")
+            raise ValueError(f"stages: unknown stage(s) {bad}{hint}; stages are {', '.join(KNOWN_STAGES)}")
         if not self.stages:
             raise ValueError("stages is empty; list at least one of " + ", ".join(KNOWN_STAGES))
         from data.loading import get_domain

@@ -124,7 +124,9 @@ class HeldoutConfig:
 class EvalConfig:
     domains: list[str] = field(default_factory=lambda: ["medical", "code", "chat", "math"])
     extra_domains: list[ExtraDomainConfig] = field(default_factory=list)  # user files, evaluated after domains
-    drafts: dict[str, str] | None = None  # name -> HF dir (or ngram:<kind>, ngram:<kind>+<dir>); null: the run directory's drafts/
+    # name -> HF dir (or ngram:<kind>, ngram:<kind>+<dir>); an entry set to null is left out (an experiment drops
+    # a draft its parent names); null: the run directory's drafts/
+    drafts: dict[str, str | None] | None = None
     # lookup drafts (decode/ngram.py, settings decode.lookup) evaluated beside the trained ones, each under its kind's
     # name: prompt_lookup | suffix; [] for none
     lookup_drafts: list[str] = field(default_factory=lambda: ["prompt_lookup", "suffix"])
@@ -176,6 +178,8 @@ class EvalConfig:
             raise ValueError(f"eval.cost_ratio_trials must be >= 1, got {self.cost_ratio_trials}")
         if not self.domains and not self.extra_domains:
             raise ValueError("eval.domains must list at least one domain (or give eval.extra_domains)")
+        if self.drafts:
+            self.drafts = {n: p for n, p in self.drafts.items() if p is not None}
         if self.drafts:
             from data.registry import check_report_name
 

@@ -109,6 +109,14 @@ def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
     return {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
 
 
+def planned_drafts(rc, run_dir: Path) -> dict[str, Path]:
+    """The ``eval.drafts`` entries of a training run that are its own ``drafts/<name>`` and do not exist yet: an
+    earlier stage must write them (``{}`` under ``decode.draft_routing``, which names its own drafts)."""
+    if not rc.eval.drafts or rc.decode.draft_routing:
+        return {}
+    return _later_drafts(draft_paths(rc, run_dir), run_dir)
+
+
 def check_planned_drafts(rc, run_dir: Path, later: dict[str, Path] | None = None) -> None:
     """Before a training run loads anything: every ``eval.drafts`` entry that its stages must still write can be
     written; ``drafts/<name>_int8`` only is under ``draft.quantize=int8``.
@@ -117,9 +125,7 @@ def check_planned_drafts(rc, run_dir: Path, later: dict[str, Path] | None = None
         ValueError: an ``_int8`` draft without ``draft.quantize=int8`` (names both fixes).
     """
     if later is None:
-        if not rc.eval.drafts or rc.decode.draft_routing:
-            return
-        later = _later_drafts(draft_paths(rc, run_dir), run_dir)
+        later = planned_drafts(rc, run_dir)
     quantize = getattr(getattr(rc, "draft", None), "quantize", "none")
     for n, p in later.items():  # <name>_int8 copies are written only under draft.quantize=int8
         if p.name.endswith("_int8") and quantize != "int8":

@@ -22,7 +22,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from core.cli import run_command  # noqa: F401 (re-exported: train.__main__ and tests import it from here)
-from core.errors import RunDirInUseError, closest_names
+from core.errors import RunDirInUseError, closest_names, did_you_mean
 from core.io import EventLog, write_json_atomic
 from core.cli import validate_structured
 from distill.config import DistillConfig, DraftConfig, TrainerConfig
@@ -219,6 +219,32 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
             load_routing(rc.decode.draft_routing)
 
 
+def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
+    """Every ``eval.drafts`` entry of this run's own ``drafts/`` that does not exist yet is written by a stage
+    before ``eval`` (``<name>_int8`` too under ``draft.quantize=int8``); not checked when an ``adapt`` stage runs
+    (it names its drafts per domain as it goes).
+
+    Raises:
+        ValueError: naming the entry, the drafts the stages write, the closest one, and the fixes."""
+    from eval.pipeline import planned_drafts
+
+    if "eval" not in rc.stages or "adapt" in rc.stages:
+        return
+    before = rc.stages[:rc.stages.index("eval")]
+    produced = {STAGES[s].draft(rc) for s in before if STAGES[s].draft is not None}
+    written = produced | ({f"{n}_int8" for n in produced} if rc.draft.quantize == "int8" else set())
+    for name, path in planned_drafts(rc, run_dir).items():
+        if path.name in written and path.parent.name == "drafts":
+            continue
+        rel = os.path.relpath(path, Path(run_dir).resolve())
+        hint = did_you_mean(path.name, sorted(written), lambda c: f"eval.drafts.{name}=drafts/{c}")
+        writes = (f"the stages before eval write {', '.join(f'drafts/{w}' for w in sorted(written))}" if written
+                  else "no stage before eval writes a draft")
+        raise ValueError(f"eval.drafts.{name} is {rel}, which does not exist in {run_dir} and no stage of this run "
+                         f"writes ({writes}): point it at a draft this run writes or at an existing draft folder, or "
+                         f"add the stage that trains it to stages{f'; {hint}' if hint else ''}")
+
+
 def check_draft_source(rc: RootConfig) -> None:
     """Draft-source settings that only need config files: a self-draft's layer choice against the target's layer
     count (its ``config.json``), a pretrained draft's folder and tokenizer files.
@@ -376,6 +402,7 @@ def check_before_run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> Root
         from eval.pipeline import check_planned_drafts
 
         check_planned_drafts(rc, run_dir)  # before the target is converted: a config mistake costs no minute
+        check_drafts_written_before_eval(rc, run_dir)
     builds_target = "reference_target" in rc.stages
     if not builds_target:
         resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder

@@ -84,10 +84,20 @@ def test_default_config_composes_and_validates():
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_every_experiment_composes_and_validates(name):
+def test_every_experiment_composes_and_validates(name, tmp_path):
+    from train.run import check_drafts_written_before_eval
+
     cfg = compose_cfg([f"+experiment={name}"])
     rc = _check(cfg)
     assert rc.experiment_name == name  # run directories are keyed by it
+    check_drafts_written_before_eval(rc, tmp_path / "run")  # each eval.drafts entry of its own is written before eval
+
+
+def test_an_eval_drafts_entry_set_to_null_is_left_out():
+    """An experiment (or the command line) drops a draft its parent names by setting the entry to null."""
+    rc = _check(compose_cfg(["+experiment=distill_med", "eval.drafts.baseline=null"]))
+    assert rc.eval.drafts == {"distilled": "drafts/distilled_int8"}
+    assert "baseline" not in _check(compose_cfg(["+experiment=selfdraft_med"])).eval.drafts
 
 
 @pytest.mark.parametrize("override", GROUP_OPTIONS)

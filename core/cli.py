@@ -61,12 +61,16 @@ def quiet_libraries() -> None:
       run; with no CUDA device we name its accelerator ourselves (``DS_ACCELERATOR=cpu``, unless the user set one).
     * accelerate warns "Removed shared tensor {'lm_head.weight'} while saving" at every checkpoint of a draft with
       tied embeddings: safetensors stores the tied matrix once and ``from_pretrained`` re-ties it, as intended.
+    * gguf warns "Unknown separator token '<s>' in TemplateProcessing<pair>" at every GGUF export of a draft whose
+      tokenizer's sentence-pair template puts BOS between the two texts: that template only sets llama.cpp's
+      ``add_sep`` for pair inputs (embeddings, reranking), never used in generation.
     """
     import torch
 
     if "DS_ACCELERATOR" not in os.environ and torch.cuda.device_count() == 0:
         os.environ["DS_ACCELERATOR"] = "cpu"
     logging.getLogger("accelerate.utils.other").addFilter(_DropMessages("Removed shared tensor"))
+    logging.getLogger("gguf.vocab").addFilter(_DropMessages("Unknown separator token"))
 
 
 def classify(e: BaseException) -> tuple[int, str] | None:
@@ -399,6 +403,7 @@ def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
     ``data.domain`` or ``eval.domains`` names the domain), so the typed config rejects them as root keys. Each
     message names the command that works: the user's other arguments with the override as it must be written."""
     import re
+    import shlex
 
     config_dir = Path(config_dir)
     for arg in typed:
@@ -407,7 +412,11 @@ def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
             return f"invalid config: {deleted}"
     for i, arg in enumerate(typed):
         m = re.fullmatch(r"(\+{0,2})([A-Za-z_]\w*)=(.*)", arg, re.S)
-        if m and (config_dir / m.group(2)).is_dir():
+        if m and (config_dir / m.group(2)).is_dir() and "," in m.group(3) and not m.group(3).startswith(("[", "{")) \
+                and not any(a in ("-m", "--multirun") for a in typed):
+            msg = (f"{arg} lists several {m.group(2)} options, a sweep: add -m to run each in turn "
+                   f"({shlex.join(['python', '-m', _program(), '-m', *typed])}), or pick one")
+        elif m and (config_dir / m.group(2)).is_dir():
             msg = _misused_group(*m.groups(), typed[:i] + typed[i + 1:], config_dir)
         else:
             msg = _misspelt_group(*m.groups(), config_dir) if m else None

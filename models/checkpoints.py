@@ -292,7 +292,7 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
                   "draft.name_or_path" if "draft.name_or_path" in role else "eval.drafts")
     if not p.exists():
         raise CheckpointError(
-            f"{role} path {p} does not exist. Point {key} at a Hugging Face model directory "
+            f"{role} path {p} does not exist{_siblings(p)}. Point {key} at a Hugging Face model directory "
             f"(config.json + *.safetensors + tokenizer files) or a hub id."
         )
     if not p.is_dir():
@@ -330,6 +330,21 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
         raise CheckpointError(f"{role} checkpoint {p}: config.json holds a JSON {type(doc).__name__}, not the object "
                               f"of a model's settings; restore the config.json saved with the weights, re-run the "
                               f"stage that produced it, or point {key} elsewhere.")
+
+
+def _siblings(p: Path) -> str:
+    """For a missing ``p`` whose folder exists: the model folders beside it, the closest first named (``; did you
+    mean``); ``""`` otherwise (a parent that is not there either says nothing useful)."""
+    from core.errors import did_you_mean
+
+    try:
+        near = sorted(q.name for q in p.parent.iterdir() if q.is_dir() and (q / "config.json").is_file())
+    except OSError:
+        return ""
+    if not near:
+        return ""
+    hint = did_you_mean(p.name, near, lambda c: str(p.parent / c))
+    return f" ({p.parent} holds {', '.join(near[:8])}{', ...' if len(near) > 8 else ''}{f'; {hint}' if hint else ''})"
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, role: str = "model", key: str | None = None):

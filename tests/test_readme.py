@@ -18,6 +18,8 @@ def test_ci_runs_the_readme_commands():
     assert setup in readme, f"README lacks the setup command {setup!r}"
     assert test in readme, f"README lacks the test command {test!r}"
     assert "torch==2.13.0" in setup
+    for doc in ("docs/devices.md", "scripts/device_check.sh"):  # the GPU machine's setup is the same command
+        assert setup in (ROOT / doc).read_text(), f"{doc} lacks the README setup command {setup!r}"
 
 
 def test_bad_input_table_rows_name_existing_tests():

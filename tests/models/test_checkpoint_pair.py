@@ -80,6 +80,22 @@ def test_errors_name_the_flag_and_the_fix(dirs, tmp_path, target, draft, error, 
     assert all(n in str(e.value) for n in needles), str(e.value)
 
 
+def test_a_missing_model_folder_names_the_folders_beside_it_and_the_closest(dirs):
+    """A mistyped draft folder (``drafts/distilled_int8`` where only ``drafts/distilled`` was written): the error lists
+    the model folders beside the missing one and names the closest; a folder with no models beside it says neither."""
+    from models.checkpoints import check_checkpoint_dir
+
+    parent = dirs["draft"].parent
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint_dir(parent / f"{dirs['draft'].name}_int8", role="draft 'd'")
+    msg = str(e.value)
+    assert f"{parent} holds " in msg and dirs["target"].name in msg, msg
+    assert "did you mean " in msg and f" {dirs['draft']}?" in msg, msg  # (draft_no_tok is as close)
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint_dir(dirs["draft"] / "nope" / "deeper", role="draft 'd'")
+    assert "holds" not in str(e.value) and "did you mean" not in str(e.value)
+
+
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"{name}_script", SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)

@@ -376,6 +376,8 @@ def test_every_group_help_lists_is_either_selectable_or_refused_with_the_command
               if (m := re.fullmatch(r"(\w+): (\w+(?:, \w+)*)", line.strip()))}
     assert {"accelerate", "domain", "draft", "experiment", "trainer"} <= set(groups), groups
     assert "conf/accelerate/NAME.yaml is a launch config" in help_out.stdout  # --help says how those are used
+    assert "python -m eval +experiment=NAME hydra.run.dir=RUN" in help_out.stdout  # what each entry point runs
+    assert "powered by Hydra" not in help_out.stdout
     selected = _selected_groups(ROOT / "conf")
     commands = [f"++{g}={o[0]}" if g == "experiment" else f"+{g}={o[0]}" for g, o in groups.items()]
     commands += [f"{g}={o[0]}" for g, o in groups.items() if g not in selected and g != "experiment"]

@@ -35,11 +35,12 @@ def smoke_run(tmp_path_factory):
 
 def test_a_run_shows_progress_and_what_matters_not_library_chatter(smoke_run):
     """No DeepSpeed accelerator-detection warning on a CPU machine, no accelerate "Removed shared tensor" at every
-    tied-embedding checkpoint, the prompt-truncation warning once (not once more per draft), and the progress bars
+    tied-embedding checkpoint, no gguf template warning at each GGUF export, the prompt-truncation warning once (not once more per draft), and the progress bars
     of training and evaluation are there."""
     out = (smoke_run.parent / "smoke_output.txt").read_text()
     assert "Setting accelerator to CPU" not in out
     assert "Removed shared tensor" not in out
+    assert "Unknown separator token" not in out  # gguf, at each GGUF export: a pair template, unused in generation
     assert out.count("truncated from the left") <= 1, out[-3000:]
     assert "distilled draft:" in out and "eval medical:" in out
 

@@ -635,10 +635,12 @@ def check_quantize_device(path: str | os.PathLike, device, dtype: torch.dtype = 
     return mode
 
 
-def load_draft(path: str | os.PathLike, role: str = "draft", dtype: torch.dtype = torch.float32, device=None):
+def load_draft(path: str | os.PathLike, role: str = "draft", dtype: torch.dtype = torch.float32, device=None,
+               target=None):
     """``(model, tokenizer, meta)`` of a draft directory: the Hugging Face checkpoint in ``dtype`` on ``device``
     (``None``: CPU), quantized at load time when its ``specdraft.json`` says ``"quantize": "int8"`` (see the module
-    doc); ``meta`` is that ``specdraft.json``.
+    doc); ``meta`` is that ``specdraft.json``. An EAGLE-3 head shares ``target``'s embedding when one is given (a
+    head saved without ``embed_tokens.weight`` needs it).
 
     Raises:
         models.checkpoints.CheckpointError: unreadable checkpoint or ``specdraft.json``, an unknown ``quantize``
@@ -648,8 +650,8 @@ def load_draft(path: str | os.PathLike, role: str = "draft", dtype: torch.dtype 
     from models.eagle3 import is_eagle3_dir, load_eagle3
 
     if is_eagle3_dir(path):  # an EAGLE-3 head (models/eagle3.py): its own weights, the target's tokenizer
-        return (load_eagle3(path, dtype=dtype, device=device, role=role), load_tokenizer(path, role),
-                read_specdraft_meta(path))
+        head = load_eagle3(path, target=target, dtype=dtype, device=device, role=role)
+        return head, load_tokenizer(path, role), read_specdraft_meta(path)
     mode = check_quantize_device(path, device or "cpu", dtype, role)
     meta = read_specdraft_meta(path)
     model, tok = load_causal_lm(path, role=role, dtype=dtype, device=device)

@@ -364,7 +364,8 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
     from models.checkpoints import check_checkpoint_dir, check_draft_tokenizer, load_tokenizer
-    from models.eagle3 import check_eagle3_dir, is_eagle3_dir
+    from models.checkpoints import read_specdraft_meta
+    from models.eagle3 import check_eagle3_dir, check_eagle3_fits, is_eagle3_dir
     from models.target import resolve_target
 
     try:
@@ -389,12 +390,21 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             rc.eval.sampling_for(d, rc.decode.sampling_kwargs())
         except ValueError as e:  # a config mistake, worded as the typed config's are
             raise ValueError(f"invalid config: {e}") from None
+    heads = {}
     for n, path in {**paths, **hybrids}.items():  # before a GGUF target's conversion: a typo costs no minute
         check_checkpoint_dir(path, role=f"draft {n!r}")
+        read_specdraft_meta(path)  # a damaged specdraft.json: named now, not after the models load
         if is_eagle3_dir(path):  # its config.json against its weights' header, before a tokenizer hides the fault
-            check_eagle3_dir(path, role=f"draft {n!r}")
+            heads[n] = check_eagle3_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
+    if heads and Path(rc.target.name_or_path).is_dir():  # a head's vocabulary, width and layers: the target's?
+        from types import SimpleNamespace
+
+        doc = json.loads((Path(rc.target.name_or_path) / "config.json").read_text())
+        if all(k in doc for k in ("vocab_size", "hidden_size", "num_hidden_layers")):  # else checked once loaded
+            for n, cfg in heads.items():
+                check_eagle3_fits(cfg, SimpleNamespace(**doc), f"draft {n!r} ({paths.get(n) or hybrids[n]})")
     tokenizer = load_tokenizer(rc.target.name_or_path, role="target")
     for n, path in {**paths, **hybrids}.items():
         check_draft_tokenizer(tokenizer, path, n, rc.target.name_or_path)
@@ -549,7 +559,8 @@ def _load_draft(rc, name: str, path, target, tokenizer, device, dtype) -> tuple:
     from models.eagle3 import check_eagle3_fits
 
     need, what, slots = _context_needs(rc)
-    model, _, saved = load_draft(path, role=f"draft {name!r}", dtype=dtype, device=device)  # int8: quantized
+    model, _, saved = load_draft(path, role=f"draft {name!r}", dtype=dtype, device=device,  # int8: quantized
+                                 target=target)
     if getattr(model, "is_eagle3", False):  # an EAGLE-3 head: the target's vocabulary and layers (decode/eagle3.py)
         check_eagle3_fits(model, target, f"draft {name!r}")
         return model, (saved, "eagle3")

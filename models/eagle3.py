@@ -90,8 +90,8 @@ class Eagle3Config:
                 attention heads not a multiple of the KV heads."""
         for key in _SIZES:
             v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key} must be a positive integer (got {v!r})")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2 ** 31:
+                raise ValueError(f"{key} must be a positive integer below 2**31 (got {v!r})")
         for key in ("rms_norm_eps", "rope_theta"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -176,9 +176,28 @@ class Eagle3Config:
         if ours is not None and engine is not None and ours != engine:
             raise ValueError(f"specdraft_eagle3.target_layers {list(ours)} and eagle_aux_hidden_state_layer_ids "
                              f"{list(engine)} disagree, so engines would feed the head other layers than ours")
-        if doc.get("num_hidden_layers", 1) != 1:
-            raise ValueError(f"num_hidden_layers is {doc['num_hidden_layers']}; an EAGLE-3 head here has one layer")
-        layers = ours or engine or (doc.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        n = doc.get("num_hidden_layers", 1)
+        if isinstance(n, bool) or n != 1:
+            raise ValueError(f"num_hidden_layers is {n!r}; an EAGLE-3 head here has one layer: it must be 1")
+        sglang = doc.get("eagle_config") or {}
+        if not isinstance(sglang, dict):
+            raise ValueError(f"eagle_config must be a JSON object (got {sglang!r})")
+        for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+            if doc.get(key, False) is not False:
+                raise ValueError(f"{key} is {doc[key]!r}: the head's layer has no biases and its own output rows "
+                                 f"(false)")
+        if doc.get("model_type", "llama") != "llama":
+            raise ValueError(f"model_type is {doc['model_type']!r}: an EAGLE-3 head here is a Llama layer ('llama')")
+        for key in ("rope_scaling", "rope_parameters"):
+            rope = doc.get(key)
+            kind = (rope.get("rope_type") or rope.get("type") or "default") if isinstance(rope, dict) else rope
+            if rope is not None and kind != "default":
+                raise ValueError(f"{key} {rope!r}: the head applies plain RoPE (rope_theta) only; scaled RoPE is not "
+                                 f"supported")
+        sg_layers = sglang.get("eagle_aux_hidden_state_layer_ids")
+        if isinstance(sg_layers, list):  # SGLang's ids are layer outputs: hidden_states index = id + 1
+            sg_layers = [i + 1 if isinstance(i, int) and not isinstance(i, bool) else i for i in sg_layers]
+        layers = ours or engine or sg_layers
         if layers is None:
             raise ValueError("config.json names no feature layers (eagle_aux_hidden_state_layer_ids)")
         missing = [k for k in ("vocab_size", "draft_vocab_size", "hidden_size", "num_attention_heads",
@@ -186,8 +205,8 @@ class Eagle3Config:
         if missing:
             raise ValueError(f"config.json lacks {', '.join(missing)}")
         size, heads = doc["hidden_size"], doc["num_attention_heads"]
-        head_dim = doc.get("head_dim") or (size // heads if isinstance(size, int) and isinstance(heads, int)
-                                           and heads > 0 else None)
+        head_dim = doc["head_dim"] if doc.get("head_dim") is not None else (
+            size // heads if isinstance(size, int) and isinstance(heads, int) and heads > 0 else None)
         return cls(vocab_size=doc["vocab_size"], draft_vocab_size=doc["draft_vocab_size"],
                    hidden_size=doc["hidden_size"], target_hidden_size=doc.get("target_hidden_size", doc["hidden_size"]),
                    num_attention_heads=doc["num_attention_heads"], num_key_value_heads=doc["num_key_value_heads"],
@@ -468,13 +487,15 @@ class Eagle3Draft(nn.Module):
         self.fc.weight[:, 2 * th:].copy_(torch.eye(h, th))
 
 
-def check_eagle3_fits(head: Eagle3Draft, target, role: str = "draft") -> None:
-    """The head was trained for this target: its vocabulary, width and feature layers.
+def check_eagle3_fits(head, target, role: str = "draft") -> None:
+    """The head was trained for this target: its vocabulary, width and feature layers. ``head``: an
+    :class:`Eagle3Draft` or its :class:`Eagle3Config`; ``target``: the model or its config (anything with
+    ``vocab_size``, ``hidden_size``, ``num_hidden_layers``, e.g. the target's ``config.json`` read before it loads).
 
     Raises:
         CheckpointError: a different vocabulary size or hidden size, or a feature layer past the target's depth.
     """
-    c, t = head.cfg, target.config
+    c, t = getattr(head, "cfg", head), getattr(target, "config", target)
     if c.vocab_size != int(t.vocab_size) or c.target_hidden_size != int(t.hidden_size):
         raise CheckpointError(f"{role} is an EAGLE-3 head for a target of vocabulary {c.vocab_size} and width "
                               f"{c.target_hidden_size}, but this target has {t.vocab_size} and {t.hidden_size}: train "
@@ -554,8 +575,12 @@ def check_eagle3_dir(path: str | os.PathLike, role: str = "draft") -> Eagle3Conf
     except Exception as e:  # safetensors' SafetensorError (a truncated or foreign header) or an OSError
         raise CheckpointError(f"{where}: {WEIGHTS} cannot be read ({type(e).__name__}: {e}); it is damaged or "
                               f"incomplete (a killed copy?): copy it again whole, or train the head again") from e
-    with torch.device("meta"):  # shapes only: nothing is allocated, whatever the sizes in config.json
-        want = {k: tuple(v.shape) for k, v in Eagle3Draft(cfg).state_dict().items() if k != "feature_scale"}
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated, whatever the sizes in config.json
+            want = {k: tuple(v.shape) for k, v in Eagle3Draft(cfg).state_dict().items() if k != "feature_scale"}
+    except (RuntimeError, TypeError, ValueError) as e:  # sizes whose products overflow a tensor's shape
+        raise CheckpointError(f"{where}: config.json gives sizes no head can have ({e}); restore the config.json "
+                              f"saved with the weights") from None
     misshapen = [f"{k} {shape} (config.json: {want[k]})" for k, (shape, _) in header.items()
                  if k in want and shape != want[k]]
     if misshapen:
@@ -571,23 +596,24 @@ def check_eagle3_dir(path: str | os.PathLike, role: str = "draft") -> Eagle3Conf
     if wrong:
         raise CheckpointError(f"{where}: tensors of the wrong dtype: {', '.join(wrong[:3])} (weights are floating "
                               f"point, d2t integer): it was not saved by draft=eagle3; train the head again")
+    with safe_open(str(path / WEIGHTS), framework="pt") as f:  # N_d integers: read now, not after the target loads
+        _check_d2t(f.get_tensor("d2t").long(), cfg.vocab_size, where)
     return cfg
 
 
-def _check_d2t(head: Eagle3Draft, where: str) -> None:
-    """``d2t`` maps the draft ids to distinct target ids inside the vocabulary; ``t2d`` is rebuilt from it.
+def _check_d2t(d2t: torch.Tensor, vocab_size: int, where: str) -> torch.Tensor:
+    """``d2t (N_d,)`` maps the draft ids to distinct target ids inside the vocabulary; returns those ids.
 
     Raises:
         CheckpointError: a target id outside ``[0, V)`` or one reached twice (a damaged vocabulary map)."""
-    ids = head.draft_to_target
-    bad = int(((ids < 0) | (ids >= head.cfg.vocab_size)).sum())
+    ids = torch.arange(d2t.numel()) + d2t.cpu()
+    bad = int(((ids < 0) | (ids >= vocab_size)).sum())
     if bad or ids.unique().numel() != ids.numel():
-        problem = (f"{bad} draft ids map outside the target vocabulary [0, {head.cfg.vocab_size})" if bad else
+        problem = (f"{bad} draft ids map outside the target vocabulary [0, {vocab_size})" if bad else
                    f"{ids.numel() - ids.unique().numel()} target ids are reached by two draft ids")
         raise CheckpointError(f"{where}: its d2t is damaged: {problem}. Restore the {WEIGHTS} saved with the head, "
                               f"or train it again")
-    head.t2d.zero_()
-    head.t2d[ids] = True
+    return ids
 
 
 def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch.float32, device=None,
@@ -625,7 +651,8 @@ def load_eagle3(path: str | os.PathLike, target=None, dtype: torch.dtype = torch
                               f"given to take it from")
     head = Eagle3Draft(cfg)
     head.load_state_dict(state, strict=False)  # names and shapes checked above; values cast to the head's dtypes
-    _check_d2t(head, where)
+    head.t2d.zero_()
+    head.t2d[_check_d2t(head.d2t, cfg.vocab_size, where)] = True  # rebuilt from d2t, whatever the file's t2d
     check_finite_weights(head, path, role)
     if target is not None:
         head.embed_tokens.weight = target.get_input_embeddings().weight

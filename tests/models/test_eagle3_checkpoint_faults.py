@@ -47,6 +47,8 @@ def _damage(src, dst, how: str):
         save_file(state, str(weights))
     elif how == "no_tokenizer":  # tokenizer_config.json stays: transformers then fails in six lines
         (dst / "tokenizer.json").unlink()
+    elif how == "meta_not_json":
+        (dst / "specdraft.json").write_text("{not json")
     elif how in CONFIG_EDITS:
         key, value = CONFIG_EDITS[how]
         if key is None:
@@ -69,7 +71,7 @@ def _damage(src, dst, how: str):
 CONFIG_EDITS = {
     "architectures_null": ("architectures", None),
     "kv_heads_0": ("num_key_value_heads", 0),
-    "intermediate_huge": ("intermediate_size", 10 ** 12),
+    "intermediate_huge": ("intermediate_size", 10 ** 9),  # below the bound: the weights header disagrees
     "own_section_not_an_object": ("specdraft_eagle3", "x"),
     "rope_theta_string": ("rope_theta", "10000"),
     "layer_negative": ("layers", [-1, 2, 4]),
@@ -81,6 +83,15 @@ CONFIG_EDITS = {
     "act_bogus": ("hidden_act", "bogus"),
     "vocab_size_string": ("vocab_size", "120"),
     "config_a_list": (None, [1, 2]),
+    "layers_past_target": ("layers", [1, 3, 9]),
+    "head_dim_huge": ("head_dim", 10 ** 20),
+    "head_dim_0": ("head_dim", 0),
+    "layers_string": ("num_hidden_layers", "1"),
+    "sglang_section_not_an_object": ("eagle_config", "x"),
+    "attention_bias": ("attention_bias", True),
+    "tied_output": ("tie_word_embeddings", True),
+    "model_type_gpt2": ("model_type", "gpt2"),
+    "scaled_rope": ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
 }
 
 
@@ -107,7 +118,7 @@ TENSOR_EDITS = {"d2t_below_0": _shift_d2t, "d2t_repeated": _repeat_d2t, "int32_w
     ("nan", "non-finite"),
     ("no_tokenizer", "tokenizer.json is missing"),
     ("architectures_null", "architectures is None"),
-    ("kv_heads_0", "num_key_value_heads must be a positive integer (got 0)"),
+    ("kv_heads_0", "num_key_value_heads must be a positive integer below 2**31 (got 0)"),
     ("intermediate_huge", "config.json disagrees with the weights"),
     ("own_section_not_an_object", "specdraft_eagle3 must be a JSON object"),
     ("rope_theta_string", "rope_theta must be a positive finite number (got '10000')"),
@@ -118,8 +129,16 @@ TENSOR_EDITS = {"d2t_below_0": _shift_d2t, "d2t_repeated": _repeat_d2t, "int32_w
     ("eps_nan", "rms_norm_eps must be a positive finite number (got nan)"),
     ("eps_negative", "rms_norm_eps must be a positive finite number"),
     ("act_bogus", "hidden_act 'bogus'"),
-    ("vocab_size_string", "vocab_size must be a positive integer (got '120')"),
+    ("vocab_size_string", "vocab_size must be a positive integer below 2**31 (got '120')"),
     ("config_a_list", "config.json holds a JSON list"),
+    ("head_dim_huge", "head_dim must be a positive integer below 2**31"),
+    ("head_dim_0", "head_dim must be a positive integer below 2**31 (got 0)"),
+    ("layers_string", "num_hidden_layers is '1'; an EAGLE-3 head here has one layer: it must be 1"),
+    ("sglang_section_not_an_object", "eagle_config must be a JSON object"),
+    ("attention_bias", "attention_bias is True"),
+    ("tied_output", "tie_word_embeddings is True"),
+    ("model_type_gpt2", "model_type is 'gpt2'"),
+    ("scaled_rope", "scaled RoPE is not supported"),
     ("d2t_below_0", "1 draft ids map outside the target vocabulary"),
     ("d2t_repeated", "1 target ids are reached by two draft ids"),
     ("int32_weights", "fc.weight I32"),
@@ -147,7 +166,18 @@ def test_the_intact_head_loads(head_dir, tmp_path):
 
 @pytest.mark.parametrize("how, says", [("vocab_size_string", "vocab_size must be a positive integer"),
                                        ("config_a_list", "config.json holds a JSON list"),
-                                       ("intermediate_huge", "config.json disagrees with the weights")])
+    ("head_dim_huge", "head_dim must be a positive integer below 2**31"),
+    ("head_dim_0", "head_dim must be a positive integer below 2**31 (got 0)"),
+    ("layers_string", "num_hidden_layers is '1'; an EAGLE-3 head here has one layer: it must be 1"),
+    ("sglang_section_not_an_object", "eagle_config must be a JSON object"),
+    ("attention_bias", "attention_bias is True"),
+    ("tied_output", "tie_word_embeddings is True"),
+    ("model_type_gpt2", "model_type is 'gpt2'"),
+    ("scaled_rope", "scaled RoPE is not supported"),
+                                       ("intermediate_huge", "config.json disagrees with the weights"),
+                                       ("d2t_below_0", "its d2t is damaged"),
+                                       ("layers_past_target", "reads target layers [1, 3, 9], past this target's 6"),
+                                       ("meta_not_json", "specdraft.json is not valid JSON")])
 def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, tmp_path, how, says):
     """``python -m eval`` with a head whose config.json is damaged: the eval inputs check names the fault (before the
     target's tokenizer is compared with the head's), exit 2, no traceback, no report."""
@@ -172,4 +202,4 @@ def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, 
                           timeout=300)
     err = assert_clean_error(proc, 2, says, str(bad))
     assert "tokenizer" not in err.lower(), err
-    assert not (run_dir / "report.md").exists()
+    assert not run_dir.exists()  # refused before Hydra writes anything

@@ -333,15 +333,51 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
         return (f"invalid config: '{key}' is a config group the default config does not select: add it with "
                 f"+{key}={value} (note the '+'); options: {', '.join(options)}")
     rest = [a for a in argv if _override_key(a) != key]
+    parent, _, entry = key.rpartition(".")
+    if parent and schema is not None and _schema_type(schema, parent) is not None \
+            and _key_kind(None, schema, parent) == "dict":  # eval.drafts.x=... while eval.drafts is null here
+        if value.strip() == "null":
+            return (f"invalid config: {parent} holds no mapping in this config (null), so there is no entry {entry!r} "
+                    f"to leave out; to keep only some entries, give them: {parent}='{{name: value, ...}}'")
+        return (f"invalid config: {parent} holds no mapping in this config (null), so it has no entry {entry!r} to "
+                f"change: add one with +{key}={value}, or give the whole mapping: {parent}='{{{entry}: {value}}}'")
     try:
         composed = compose(rest, config_dir)
     except Exception:  # noqa: BLE001  (another bad override: suggest from the defaults alone)
         composed = compose([a for a in rest if a.startswith("+experiment=")], config_dir)
     close = closest_keys(composed[0], key) if composed else []
-    hint = f"; did you mean {' or '.join(f'{k}={_shaped(composed[0], schema, k, value)}' for k in close)}?" if close else \
+    leaf = key.rpartition(".")[2]
+    others = _keys_of_other_options(config_dir, leaf)
+    elsewhere = [(o, k) for o, k in others if k == key] or (  # lora.name under lora=none: lora=default has it
+        [] if any(k.rpartition(".")[2] == leaf for k in close) else others)
+    hint = f"; did you mean {' or '.join(f'{o} {k}={value}' for o, k in elsewhere[:2])}?" if elsewhere else \
+        f"; did you mean {' or '.join(f'{k}={_shaped(composed[0], schema, k, value)}' for k in close)}?" if close else \
         "; see docs/configuration.md for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
             f"add the key, and the typed config would then reject it)")
+
+
+def _keys_of_other_options(config_dir: str | os.PathLike, leaf: str) -> list[tuple[str, str]]:
+    """``(group=option, dotted key)`` for each option file of a selectable config group (target, draft, trainer,
+    lora, logger) that has a key named ``leaf``: ``target_layers`` is ``draft.eagle3.target_layers`` under
+    ``draft=eagle3``, a key the composed config lacks because another option is selected."""
+    import yaml
+
+    def walk(node, prefix):
+        for k, v in (node.items() if isinstance(node, dict) else ()):
+            yield f"{prefix}{k}"
+            yield from walk(v, f"{prefix}{k}.")
+
+    out = []
+    for group in sorted(_selected_groups(config_dir)):
+        for f in sorted((Path(config_dir) / group).glob("*.yaml")):
+            try:
+                doc = yaml.safe_load(f.read_text()) or {}
+            except (OSError, yaml.YAMLError):
+                continue
+            out += [(f"{group}={f.stem}", f"{group}.{k}") for k in walk(doc, "") if k.rpartition(".")[2] == leaf
+                    and k != "defaults"]
+    return out
 
 
 def _selected_groups(config_dir: str | os.PathLike) -> dict[str, str]:
@@ -427,7 +463,8 @@ def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
 
 def _misspelt_group(plus: str, key: str, option: str, config_dir: Path) -> str | None:
     """``+experimnt=smoke``: a root override whose name is closer to a selectable config group of ``conf/`` than to
-    any root key of ``conf/config.yaml``; the message names the override that selects the group's option."""
+    any root key of ``conf/config.yaml``, and whose value is (close to) one of that group's options; the message
+    names the override that selects it. Anything else is left to the unknown-key message."""
     import yaml
 
     groups = sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name not in ("accelerate", "domain"))
@@ -443,9 +480,10 @@ def _misspelt_group(plus: str, key: str, option: str, config_dir: Path) -> str |
     group = best[0]
     options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
     chosen = option if option in options else next(iter(closest_names(option, options, 1)), None)
-    fix = f"{'' if group in _selected_groups(config_dir) else '+'}{group}={chosen or option}"
-    listed = "" if chosen else f" ({group} options: {', '.join(options)})"
-    return f"'{plus}{key}' is no config key or config group; did you mean {fix}?{listed}"
+    if chosen is None:  # target_layers=[1,2,3], lora_rank=8: a key meant elsewhere, not an option of the group
+        return None
+    fix = f"{'' if group in _selected_groups(config_dir) else '+'}{group}={chosen}"
+    return f"'{plus}{key}' is no config key or config group; did you mean {fix}?"
 
 
 def _misused_group(plus: str, group: str, option: str, rest: list[str], config_dir: Path) -> str | None:
@@ -667,6 +705,8 @@ def closest_keys(cfg: Any, key: str, n: int = 3) -> list[str]:
     ``max_steps`` -> ``trainer.max_steps``): first the siblings under the same parent, else keys anywhere in the
     tree whose last part is close (difflib ratio >= 0.6)."""
     keys = _dotted_keys(cfg)
+    sections = {k for k in keys if "." not in k and OmegaConf.is_dict(cfg._get_node(k))}
+    keys = [k for k in keys if k not in sections]  # target_layers -> not the target section: a key, not a group
     parent, _, leaf = key.rpartition(".")
     close = closest_names(leaf, [k for k in keys if k.rpartition(".")[0] == parent], n, leaf=True)
     return close or closest_names(leaf, keys, n, leaf=True)

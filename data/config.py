@@ -42,7 +42,8 @@ class DataConfig:
         if self.mixture is not None:
             weights = dict(self.mixture)
             if not weights or any(isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0
-                                  or not math.isfinite(w) for w in weights.values()):
+                                  or not math.isfinite(w) for w in weights.values()) \
+                    or not math.isfinite(sum(weights.values())):  # 1e308 + 1e308: each finite, the total not
                 raise ValueError(f"data.mixture must map domains to finite weights > 0 (numbers), got {weights}: e.g. "
                                  f"data.mixture='{{medical: 3, chat: 1}}'")
             from data.loading import get_domain

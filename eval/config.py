@@ -439,6 +439,22 @@ def hybrid_specs(rc) -> dict[str, tuple[str, Path]]:
     return {n: (h[0], Path(h[1]).expanduser()) for n, h in specs.items() if h is not None}
 
 
+def in_run(p, run_dir: Path) -> Path:
+    """A draft path as the evaluation reads it: ``drafts/<name>`` is the run directory's, unless only the working
+    directory has it."""
+    p = Path(p).expanduser()
+    if p.is_absolute() or p.parts[:1] != ("drafts",):
+        return p
+    in_run = Path(run_dir) / p
+    return in_run if in_run.exists() or not p.exists() else p
+
+
+def hybrid_paths(rc, run_dir: Path) -> dict[str, Path]:
+    """name -> the trained draft behind each hybrid named by path (``ngram:<kind>+<draft dir>``,
+    :func:`eval.config.hybrid_specs`), read as :func:`in_run` reads a draft path."""
+    return {n: in_run(p, run_dir) for n, (_, p) in hybrid_specs(rc).items()}
+
+
 def check_draft_names(rc, paths: dict[str, Path]) -> None:
     """Every draft the evaluation decodes has a name of its own: the checkpoints (``paths``), the lookups
     (:func:`lookup_specs`), the hybrids named by path (:func:`hybrid_specs`) and the ones ``eval.hybrid_lookups``

@@ -35,7 +35,8 @@ from core.runtime import torch_threads
 from core.errors import PromptTooLongError
 from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
-from eval.config import check_draft_names, hybrid_specs, lookup_specs  # noqa: F401  (lookup_specs: eval.pipeline's API)
+from eval.config import (check_draft_names, hybrid_paths, hybrid_specs, in_run,  # noqa: F401
+                         lookup_specs)  # (lookup_specs: eval.pipeline's API)
 from eval.decision import routing_section, write_routing
 from eval.evaluate import Prompt, evaluate_drafts
 from eval.report import render_markdown, setting_label, target_description, verdicts_section, write_report
@@ -84,14 +85,7 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     if rc.decode.draft_routing:  # the table decides (checked: it loads, every domain has a route)
         paths = routed_drafts(rc.decode.draft_routing, rc.eval.all_domains(), rc.eval.drafts)[0]
     elif rc.eval.drafts is not None:  # {}: no trained drafts (the lookup drafts alone)
-        def where(p) -> Path:  # drafts/<name>: the run's, unless only the working directory has it
-            p = Path(p).expanduser()
-            if p.is_absolute() or p.parts[:1] != ("drafts",):
-                return p
-            in_run = Path(run_dir) / p
-            return in_run if in_run.exists() or not p.exists() else p
-
-        paths = {n: where(p) for n, p in rc.eval.drafts.items()}
+        paths = {n: in_run(p, run_dir) for n, p in rc.eval.drafts.items()}
     else:
         paths = {p.name: p for p in sorted(drafts_dir.iterdir()) if p.is_dir() and not p.name.startswith(".")} \
             if drafts_dir.is_dir() else {}
@@ -379,7 +373,9 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         check_planned_drafts(rc, run_dir, later)
         paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
-    hybrids = {n: p for n, (_, p) in hybrid_specs(rc).items()}  # the trained drafts behind named hybrids
+    hybrids = hybrid_paths(rc, run_dir)  # the trained drafts behind named hybrids
+    if not need_drafts:  # ngram:suffix+drafts/distilled: written by an earlier stage of this run
+        hybrids = {n: p for n, p in hybrids.items() if n not in _later_drafts(hybrids, run_dir)}
     for n, path in hybrids.items():
         if not Path(path).is_dir():
             raise ValueError(f"draft {n!r}: {path} is not a directory; the trained draft behind a lookup "
@@ -459,7 +455,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     ev = events or (lambda *a, **k: None)
     paths, domains, tokenizer = check_eval_inputs(rc, run_dir)
     device, dtype = rc.eval.torch_device(), rc.eval.torch_dtype()
-    hybrids = {n: p for n, (_, p) in hybrid_specs(rc).items()}  # the trained drafts behind named hybrids
+    hybrids = hybrid_paths(rc, run_dir)  # the trained drafts behind named hybrids
     for n, path in {**paths, **hybrids}.items():  # an unknown "quantize", or int8 on a GPU / in bf16: before loading
         check_quantize_device(path, device, dtype, role=f"draft {n!r}")
     prompts = load_prompts(domains, opts, rc.eval.max_prompts, {e.name: e.max_prompts for e in rc.eval.extra_domains},
@@ -473,7 +469,7 @@ def evaluate_run(rc, opts: DataOptions, run_dir: Path, events=None,
     compile_s0 = compile_seconds()
     target, tokenizer, drafts, meta = _load_models(rc, paths, device, dtype)
     paths = {**paths, **_add_lookups(rc, drafts, meta, device)}
-    paths = {**paths, **_add_hybrids(rc, target, tokenizer, drafts, meta, paths, device, dtype)}
+    paths = {**paths, **_add_hybrids(rc, target, tokenizer, drafts, meta, paths, device, dtype, hybrids)}
     routed = None  # domain -> draft name, with decode.draft_routing
     if rc.decode.draft_routing:
         routed = routed_drafts(rc.decode.draft_routing, list(prompts), rc.eval.drafts)[1]
@@ -570,7 +566,8 @@ def _load_draft(rc, name: str, path, target, tokenizer, device, dtype) -> tuple:
     return model, (saved, "lean" if fast_path_supported(model) else "hugging_face")
 
 
-def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, device, dtype) -> dict[str, str]:
+def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, device, dtype,
+                 named: dict[str, Path]) -> dict[str, str]:
     """Add the hybrids (decode/hybrid.py; the lookup's settings ``decode.lookup``) to ``drafts`` / ``meta``: a lookup
     of each ``eval.hybrid_lookups`` kind in front of every trained token draft loaded (named ``<kind>+<draft>``),
     and the ones :func:`hybrid_specs` names (their trained draft loaded here, or shared when it is loaded already).
@@ -595,7 +592,8 @@ def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, d
             meta[name] = (meta[n][0], "hybrid")
             specs[name] = hybrid_spec(kind, Path(paths[n]).resolve())
     by_path = {str(Path(paths[n]).resolve()): n for n in trained}
-    for name, (kind, path) in hybrid_specs(rc).items():
+    for name, (kind, _) in hybrid_specs(rc).items():
+        path = named[name]  # the run's drafts/<name> when it has one (hybrid_paths)
         key = str(Path(path).resolve())
         if key in by_path:
             model, saved = drafts[by_path[key]], meta[by_path[key]][0]

@@ -226,10 +226,16 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
 
     Raises:
         ValueError: naming the entry, the drafts the stages write, the closest one, and the fixes."""
+    from eval.config import hybrid_specs, lookup_specs
     from eval.pipeline import planned_drafts
 
     if "eval" not in rc.stages or "adapt" in rc.stages:
         return
+    if rc.eval.drafts is not None and not rc.eval.drafts and not rc.decode.draft_routing \
+            and not lookup_specs(rc) and not hybrid_specs(rc):
+        raise ValueError("nothing to evaluate: eval.drafts names no draft (it is {} or every entry is null) and "
+                         "eval.lookup_drafts is []: name a draft (eval.drafts.distilled=drafts/distilled), set "
+                         "eval.drafts=null to evaluate every draft the run writes, or drop eval from stages")
     before = rc.stages[:rc.stages.index("eval")]
     produced = {STAGES[s].draft(rc) for s in before if STAGES[s].draft is not None}
     written = produced | ({f"{n}_int8" for n in produced} if rc.draft.quantize == "int8" else set())
@@ -241,8 +247,9 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
         writes = (f"the stages before eval write {', '.join(f'drafts/{w}' for w in sorted(written))}" if written
                   else "no stage before eval writes a draft")
         raise ValueError(f"eval.drafts.{name} is {rel}, which does not exist in {run_dir} and no stage of this run "
-                         f"writes ({writes}): point it at a draft this run writes or at an existing draft folder, or "
-                         f"add the stage that trains it to stages{f'; {hint}' if hint else ''}")
+                         f"writes ({writes}): point it at a draft this run writes or at an existing draft folder, "
+                         f"leave it out (eval.drafts.{name}=null), or add the stage that trains it to stages"
+                         f"{f'; {hint}' if hint else ''}")
 
 
 def check_draft_source(rc: RootConfig) -> None:

@@ -179,3 +179,22 @@ def test_domain_sampling_is_checked_against_decodes_settings_and_recorded_per_ro
     routes = routing_table(doc, {})["routes"]
     assert routes["chat"]["decoding"] == "sampling" and routes["chat"]["sampling"] == sampled
     assert "decoding" not in routes["medical"]  # decoded as the document's top-level decoding says
+
+
+def test_a_hybrid_named_by_a_runs_draft_path_reads_the_runs_draft(tmp_path, monkeypatch):
+    """``ngram:suffix+drafts/distilled`` names the run's own draft, as ``drafts/distilled`` does for a plain draft:
+    resolved against the run directory (not the working directory), and in a training run that has not written it
+    yet, left to the eval stage instead of refused as a missing folder."""
+    from eval.config import hybrid_paths, validate_eval
+    from eval.pipeline import check_eval_inputs
+    from tinymodels import compose_config
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    rc = validate_eval(compose_config(["eval.drafts={d: ngram:suffix+drafts/distilled}", "eval.domains=[chat]"]))
+    assert hybrid_paths(rc, run) == {"d": run / "drafts" / "distilled"}  # the run's, written or not
+    assert check_eval_inputs(rc, run, need_drafts=False)[0] == {}  # not written yet: checked when eval runs
+    with pytest.raises(ValueError, match="is not a directory"):  # an evaluation alone needs it now
+        check_eval_inputs(rc, run)
+    (tmp_path / "drafts" / "distilled").mkdir(parents=True)  # only the working directory has one: that one
+    assert hybrid_paths(rc, run) == {"d": Path("drafts/distilled")}

@@ -203,3 +203,24 @@ def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, 
     err = assert_clean_error(proc, 2, says, str(bad))
     assert "tokenizer" not in err.lower(), err
     assert not run_dir.exists()  # refused before Hydra writes anything
+
+
+def test_a_head_saved_without_its_embedding_takes_the_targets(head_dir, tmp_path):
+    """vLLM's heads often leave ``embed_tokens.weight`` out (it is the target's): loaded with the target, the head
+    shares the target's embedding tensor; without one, the error says what is missing."""
+    from safetensors.torch import load_file, save_file
+
+    from decode.fast_settings import load_draft
+    from models.checkpoints import CheckpointError
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "bare"
+    shutil.copytree(head_dir, bare)
+    state = load_file(str(bare / "model.safetensors"))
+    del state["embed_tokens.weight"]
+    save_file(state, str(bare / "model.safetensors"))
+    target = tiny_llama(vocab_size=len(AutoTokenizer.from_pretrained(str(head_dir))), num_layers=6, seed=3)
+    head, _, _ = load_draft(bare, role="draft 'h'", target=target)
+    assert head.embed_tokens.weight is target.get_input_embeddings().weight
+    with pytest.raises(CheckpointError, match="no embed_tokens.weight"):
+        load_draft(bare, role="draft 'h'")

@@ -181,6 +181,7 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("decode.lookup=5", "set its keys instead (decode.lookup.<key>=<value>"),
         ("data.mixture={medical:[1]}", "data.mixture must map domains to finite weights > 0"),
         ("data.mixture={medical:inf}", "data.mixture must map domains to finite weights > 0"),
+        ("data.mixture={medical:1e308,code:1e308}", "data.mixture must map domains to finite weights > 0"),
         ("draft=eagle3 draft.eagle3.ttt_steps=17", "draft.eagle3.ttt_steps must be an int in [1, 16]"),
         ("data.mixture={nope:1}", "Fix data.mixture, or declare it"),
         ("distill.generation.temperature=nan", "distill.generation.temperature must be a finite number"),

@@ -32,6 +32,8 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.errors import closest_names, did_you_mean
+from core.groups import (_keys_of_other_options, _override_key, _program, _selected_groups,  # noqa: F401
+                         group_misuse)  # (_selected_groups: the tests read the defaults through it)
 
 EXIT_BAD_INPUT = 2
 EXIT_WRITE_FAULT = 3
@@ -267,10 +269,6 @@ def probe_writable(run_dir: Path) -> None:
 _QUOTE_EXAMPLE = "'eval.extra_domains=[{name: mine, path: /data/mine.jsonl, text_field: text}]'"
 
 
-def _override_key(arg: str) -> str:
-    return arg.split("=", 1)[0].lstrip("+~")
-
-
 def _split_by_shell(argv: list[str]) -> bool:
     """Signs that the shell split or brace-expanded one override into several arguments: a key given twice, or an
     argument that is not ``KEY=VALUE`` at all (``x,`` / ``path:`` left over from ``[{name: x, path: ...}]``)."""
@@ -349,193 +347,12 @@ def unknown_key_message(key: str, argv: list[str], config_dir: str | os.PathLike
     leaf = key.rpartition(".")[2]
     others = _keys_of_other_options(config_dir, leaf)
     elsewhere = [(o, k) for o, k in others if k == key] or (  # lora.name under lora=none: lora=default has it
-        [] if any(k.rpartition(".")[2] == leaf for k in close) else others)
+        [] if "." in key or any(k.rpartition(".")[2] == leaf for k in close) else others)  # target_layers=...
     hint = f"; did you mean {' or '.join(f'{o} {k}={value}' for o, k in elsewhere[:2])}?" if elsewhere else \
         f"; did you mean {' or '.join(f'{k}={_shaped(composed[0], schema, k, value)}' for k in close)}?" if close else \
         "; see docs/configuration.md for the keys"
     return (f"invalid config: unknown key '{key}' (the config has no such key){hint} (Hydra's '+{key}=...' would "
             f"add the key, and the typed config would then reject it)")
-
-
-def _keys_of_other_options(config_dir: str | os.PathLike, leaf: str) -> list[tuple[str, str]]:
-    """``(group=option, dotted key)`` for each option file of a selectable config group (target, draft, trainer,
-    lora, logger) that has a key named ``leaf``: ``target_layers`` is ``draft.eagle3.target_layers`` under
-    ``draft=eagle3``, a key the composed config lacks because another option is selected."""
-    import yaml
-
-    def walk(node, prefix):
-        for k, v in (node.items() if isinstance(node, dict) else ()):
-            yield f"{prefix}{k}"
-            yield from walk(v, f"{prefix}{k}.")
-
-    out = []
-    for group in sorted(_selected_groups(config_dir)):
-        for f in sorted((Path(config_dir) / group).glob("*.yaml")):
-            try:
-                doc = yaml.safe_load(f.read_text()) or {}
-            except (OSError, yaml.YAMLError):
-                continue
-            out += [(f"{group}={f.stem}", f"{group}.{k}") for k in walk(doc, "") if k.rpartition(".")[2] == leaf
-                    and k != "defaults"]
-    return out
-
-
-def _selected_groups(config_dir: str | os.PathLike) -> dict[str, str]:
-    """``group -> option`` of the root config's defaults list (conf/config.yaml: target, draft, trainer, ...)."""
-    import yaml
-
-    try:
-        doc = yaml.safe_load((Path(config_dir) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
-    return {str(k): str(v) for d in doc.get("defaults") or [] if isinstance(d, dict) for k, v in d.items()}
-
-
-def _global_group(folder: Path) -> bool:
-    """Whether the options of config group ``folder`` are ``# @package _global_`` files (the experiments: added with
-    ``+experiment=NAME``, they set keys anywhere in the config)."""
-    first = next(iter(sorted(folder.glob("*.yaml"))), None)
-    return first is not None and "@package _global_" in "".join(first.read_text().splitlines(True)[:3])
-
-
-def _program() -> str:
-    """The entry point this process runs (``train`` / ``eval`` for ``python -m train`` / ``python -m eval``)."""
-    script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
-    return script.parent.name if script.name == "__main__.py" and script.parent.name else "train"
-
-
-def _deleted_section(arg: str, config_dir: Path) -> str | None:
-    """The error for ``~name`` (or ``~name=value``) deleting a whole section or config group of conf/config.yaml
-    (``~draft``, ``~trainer``): Hydra drops it and the typed config fills in built-in defaults that no config file
-    shows, so the run would go on with settings nobody chose. None for any other argument (``~a.b`` resets one key)."""
-    import re
-
-    import yaml
-
-    m = re.fullmatch(r"~([A-Za-z_]\w*)(?:=.*)?", arg, re.S)
-    if m is None:
-        return None
-    name = m.group(1)
-    try:
-        doc = yaml.safe_load((config_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        doc = {}
-    folder = config_dir / name
-    if name not in _selected_groups(config_dir) and not isinstance(doc.get(name), dict):
-        return None  # not a section (~seed, ~experiment, a typo): a single key resets, or Hydra names the miss
-    options = sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
-    pick = f"pick an option ({name}=NAME with NAME one of {', '.join(options)}) or " if options else ""
-    return (f"{arg} deletes the {name} section, and the run would go on with built-in defaults that no config file "
-            f"shows: {pick}set its keys instead ({name}.<key>=<value>; docs/configuration.md)")
-
-
-def group_misuse(typed: list[str], config_dir: str | os.PathLike) -> str | None:
-    """The one-line error for an override that names a folder of ``conf/`` the way Hydra cannot take it, or None.
-
-    ``+draft=small`` (a group the defaults already select: Hydra's "appears more than once"; ``draft=small`` replaces
-    the option), ``++experiment=NAME`` (Hydra cannot force-add a group; ``+experiment=NAME`` adds it), and any
-    override of ``accelerate`` or ``domain``: ``--help`` lists them as groups, but their files are read by name
-    elsewhere (``conf/accelerate/NAME.yaml`` by ``accelerate launch --config_file``, ``conf/domain/NAME.yaml`` when
-    ``data.domain`` or ``eval.domains`` names the domain), so the typed config rejects them as root keys. Each
-    message names the command that works: the user's other arguments with the override as it must be written."""
-    import re
-    import shlex
-
-    config_dir = Path(config_dir)
-    for arg in typed:
-        deleted = _deleted_section(arg, config_dir)
-        if deleted is not None:
-            return f"invalid config: {deleted}"
-    for i, arg in enumerate(typed):
-        m = re.fullmatch(r"(\+{0,2})([A-Za-z_]\w*)=(.*)", arg, re.S)
-        if m and (config_dir / m.group(2)).is_dir() and "," in m.group(3) and not m.group(3).startswith(("[", "{")) \
-                and not any(a in ("-m", "--multirun") for a in typed):
-            msg = (f"{arg} lists several {m.group(2)} options, a sweep: add -m to run each in turn "
-                   f"({shlex.join(['python', '-m', _program(), '-m', *typed])}), or pick one")
-        elif m and (config_dir / m.group(2)).is_dir():
-            msg = _misused_group(*m.groups(), typed[:i] + typed[i + 1:], config_dir)
-        else:
-            msg = _misspelt_group(*m.groups(), config_dir) if m else None
-        if msg is not None:
-            return f"invalid config: {msg}"
-    return None
-
-
-def _misspelt_group(plus: str, key: str, option: str, config_dir: Path) -> str | None:
-    """``+experimnt=smoke``: a root override whose name is closer to a selectable config group of ``conf/`` than to
-    any root key of ``conf/config.yaml``, and whose value is (close to) one of that group's options; the message
-    names the override that selects it. Anything else is left to the unknown-key message."""
-    import yaml
-
-    groups = sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name not in ("accelerate", "domain"))
-    try:
-        roots = [k for k in (yaml.safe_load((config_dir / "config.yaml").read_text()) or {}) if k != "defaults"]
-    except (OSError, yaml.YAMLError):
-        roots = []
-    if key in groups or key in roots:
-        return None
-    best = closest_names(key, [*groups, *(k for k in roots if k not in groups)], 1)
-    if not best or best[0] not in groups:
-        return None
-    group = best[0]
-    options = sorted(p.stem for p in (config_dir / group).glob("*.yaml"))
-    chosen = option if option in options else next(iter(closest_names(option, options, 1)), None)
-    if chosen is None:  # target_layers=[1,2,3], lora_rank=8: a key meant elsewhere, not an option of the group
-        return None
-    fix = f"{'' if group in _selected_groups(config_dir) else '+'}{group}={chosen}"
-    return f"'{plus}{key}' is no config key or config group; did you mean {fix}?"
-
-
-def _misused_group(plus: str, group: str, option: str, rest: list[str], config_dir: Path) -> str | None:
-    """:func:`group_misuse` for one override ``{plus}{group}={option}``; ``rest``: the other arguments."""
-    import shlex
-
-    folder, prog = config_dir / group, _program()
-    options = sorted(p.stem for p in folder.glob("*.yaml"))
-    selected = _selected_groups(config_dir)
-
-    def command(*extra: str, prefix: tuple[str, ...] = ("python", "-m", prog), args=rest) -> str:
-        return shlex.join([*prefix, *args, *extra])
-
-    known = option in options or "," in option  # a multirun sweep lists several
-    if group in selected:
-        if not plus:
-            return None  # group=option: Hydra's own message names the options of a wrong one
-        fix = f"{group}={option}" if known else f"{group}=NAME with NAME one of {', '.join(options)}"
-        return (f"use {fix} (no '{plus}'): the default config already selects a {group} option "
-                f"({group}={selected[group]}), and {group}=NAME replaces it" +
-                (f": {command(fix)}" if known else ""))
-    if _global_group(folder):
-        if plus != "++":
-            return None  # +experiment=NAME is right; experiment=NAME gets unknown_key_message's hint
-        return (f"use +{group}={option} (one '+'): Hydra cannot force-add a config group ('++'), and '+' adds the "
-                f"{group}: {command(f'+{group}={option}')}")
-    if group == "accelerate":
-        path = f"conf/accelerate/{option}.yaml"
-        what = f"{path} is a launch config of accelerate, not an option of the run's config ({plus}{group}= cannot " \
-               f"select it)"
-        if not known:
-            return (f"conf/accelerate/ holds the launch configs of accelerate ({', '.join(options)}), not options of "
-                    f"the run's config, and has no {option}.yaml: launch with accelerate launch --config_file "
-                    f"conf/accelerate/NAME.yaml -m train ... trainer=NAME")
-        if prog != "train":
-            return f"{what}: drop it; python -m {prog} runs in one process: {command()}"
-        if option == "single":
-            return f"{what}: drop it; one process is what plain python -m train runs: {command()}"
-        others = [a for a in rest if _override_key(a) != "trainer"]  # trainer= must match the launch config
-        launch = ("accelerate", "launch", "--config_file", path, "-m", prog)
-        return (f"{what}: launch the run with it and the trainer of the same name: "
-                f"{command(f'trainer={option}', prefix=launch, args=others)}")
-    if group == "domain":
-        if prog == "train":
-            return (f"'domain' is not a config group: a domain (conf/domain/NAME.yaml or a built-in one) is named by "
-                    f"data.domain (the draft's training domain) or eval.domains (the evaluated ones): "
-                    f"{command(f'data.domain={option}')}")
-        return (f"'domain' is not a config group: a domain (conf/domain/NAME.yaml or a built-in one) is named by "
-                f"eval.domains: {command(f'eval.domains=[{option}]')}")
-    groups = sorted(selected) + [d.name for d in sorted(config_dir.iterdir()) if d.is_dir() and _global_group(d)]
-    return (f"conf/{group}/ is not a config group of the run's config ({plus}{group}={option} cannot select "
-            f"{group}/{option}.yaml); the groups: {', '.join(groups)} (docs/configuration.md)")
 
 
 def _key_kind(cfg, schema, key: str) -> str | None:
@@ -554,6 +371,8 @@ def _key_kind(cfg, schema, key: str) -> str | None:
         return "list"
     if dict in origins:
         return "dict"
+    if cfg is None:  # the schema alone
+        return None
     value = OmegaConf.select(cfg, key, throw_on_missing=False)
     return "list" if isinstance(value, ListConfig) else "dict" if isinstance(value, DictConfig) else None
 
@@ -605,7 +424,7 @@ def preflight(argv: list[str], config_dir: str | os.PathLike, check: Callable[[A
               schema=None, typed: list[str] | None = None) -> None:
     """Compose the command's config, run ``check(cfg, run_dir)`` and the write probe; on a user error print it and
     exit before Hydra creates or writes anything. A command with Hydra flags is not pre-checked, except for the
-    misused config groups of :func:`group_misuse`.
+    misused config groups of :func:`core.groups.group_misuse`.
 
     An unknown key names the closest valid key(s); a list or dict value the shell split into pieces gets the
     quoting fix. ``schema``: the entry point's typed root config (a dataclass), for the shape of suggested values.

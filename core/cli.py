@@ -377,10 +377,11 @@ def _key_kind(cfg, schema, key: str) -> str | None:
     return "list" if isinstance(value, ListConfig) else "dict" if isinstance(value, DictConfig) else None
 
 
-def field_example(schema, key: str) -> str | None:
+def field_example(schema, key: str, what: str = "example") -> str | None:
     """The ``example`` metadata of the typed config field at dotted ``key`` of ``schema`` (a dataclass), e.g.
     ``draft.eagle3.target_layers``: ``[2, 15, 27]`` (three layers: a one-item list built from the user's value
-    would be wrong as written); None when the field gives none."""
+    would be wrong as written), or its ``what`` metadata (``example_note``: what the example depends on); None when
+    the field gives none."""
     owner = schema
     for part in key.split("."):
         f = next((f for f in dataclasses.fields(owner) if f.name == part), None) if dataclasses.is_dataclass(owner) \
@@ -388,7 +389,7 @@ def field_example(schema, key: str) -> str | None:
         if f is None:
             return None
         owner, last = (f.default_factory if f.default_factory is not dataclasses.MISSING else f.type), f
-    return last.metadata.get("example")
+    return last.metadata.get(what)
 
 
 def _shaped(cfg, schema, key: str, value: str) -> str:
@@ -627,7 +628,8 @@ def validate_structured(schema: type, cfg: DictConfig | dict[str, Any], keys: It
                 value = None
             example = value if isinstance(value, (str, int, float)) and not isinstance(value, bool) else "a, b"
             shown = field_example(schema, str(key)) or f"[{example}]"  # a list of fixed length: its own example
-            msg += f"; {key} takes a list: {key}='{shown}' (quoted for the shell)"
+            note = field_example(schema, str(key), "example_note")
+            msg += f"; {key} takes a list: {key}='{shown}' (quoted for the shell{f'; {note}' if note else ''})"
         elif key and ("is not a DictConfig" in msg or ("Cannot assign" in msg and "to Dict[" in msg)):
             msg += f"; {key} takes a mapping: {key}='{{name: value}}' (quoted for the shell)"
         elif "is not a subclass of" in msg and "value:" in msg:  # `distill=forward_kl`: a section set to a word

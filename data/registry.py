@@ -97,7 +97,7 @@ def read_csv(path: Path) -> Iterator[tuple[int, dict[str, str]]]:
 
 def read_text(path: Path) -> Iterator[tuple[int, str]]:
     """Yield ``(paragraph_index, paragraph)`` of a plain text file, paragraphs split on blank lines."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
+    with open(path, encoding="utf-8-sig") as f:  # bad bytes: UnicodeDecodeError, named by the caller
         text = f.read().replace("\r\n", "\n")
     for i, para in enumerate(p for p in text.split("\n\n") if p.strip()):
         yield i, para.strip("\n")
@@ -254,7 +254,13 @@ class Domain:
 
 
 def _clean(s: Any) -> str:
-    """Collapse runs of spaces/tabs and trim; keep newlines (they carry structure in code and dialogue)."""
+    """Collapse runs of spaces/tabs and trim; keep newlines (they carry structure in code and dialogue).
+
+    Raises:
+        DataFormatError: a JSON object or list where text belongs (the caller names the file and line)."""
+    if isinstance(s, (dict, list, tuple)):
+        raise DataFormatError(f"a text field holds a JSON {'object' if isinstance(s, dict) else 'list'}, not text; "
+                              f"fix the record or replace the file with the published one")
     s = str(s).replace("\r\n", "\n")
     s = re.sub(r"[ \t]+", " ", s)
     s = re.sub(r"\n\s*\n\s*\n+", "\n\n", s)
@@ -567,7 +573,8 @@ def _specbench(categories):
         if get("category") not in categories:
             return None
         ref = r.get("reference") or []
-        return chat(get("turns")[0], ref[0] if ref else None)
+        first = ref[0] if ref else None  # rag: a list of the answer's parts
+        return chat(get("turns")[0], ", ".join(map(str, first)) if isinstance(first, list) else first)
 
     return fmt
 

@@ -22,7 +22,8 @@ class Eagle3Options:
     """``draft.eagle3``: an EAGLE-3 head (draft.init=eagle3; models/eagle3.py, distill/eagle3.py)."""
 
     # three hidden_states indices (layer inputs); null: (2, N // 2, N - 3)
-    target_layers: list[int] | None = field(default=None, metadata={"example": "[2, 15, 27]"})
+    target_layers: list[int] | None = field(default=None, metadata={
+        "example": "[2, 15, 27]", "example_note": "three layers in [1, N - 1] of an N-layer target; these for 30"})
     ttt_steps: int = 3  # training-time test: draft steps unrolled per position (EAGLE-3 Sec. 3.1)
     step_weight: float = 0.8  # loss weight of step j: step_weight ** j
     init: str = "target"  # target (the layer, norm and head rows from the target's) | random

@@ -52,7 +52,22 @@ def check_before_eval(cfg: DictConfig | dict, run_dir: str | os.PathLike):
                          "eval.drafts={} to decode only the lookup drafts of eval.lookup_drafts")
     _check_same_experiment(rc, run_dir)
     check_eval_inputs(rc, run_dir)
+    _check_domain_files(rc)
     return rc
+
+
+def _check_domain_files(rc) -> None:
+    """The built-in ``eval.domains`` files exist and parse (a few MB, about a second each), before Hydra writes the
+    run folder: a damaged one would otherwise be found after the models load.
+
+    Raises:
+        DataSourceError, DataFormatError: naming the file (and line) and the fix."""
+    from data.loading import check_domain_files
+
+    extra = {e.name for e in rc.eval.extra_domains}  # user files: checked by check_eval_inputs
+    for name in rc.eval.domains:
+        if name not in extra:
+            check_domain_files(name, rc.data.options(), parse=True)
 
 
 def _check_same_experiment(rc, run_dir: Path) -> None:

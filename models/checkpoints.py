@@ -543,14 +543,37 @@ def _other_target(error, name: str, path, target: str) -> TokenizerMismatchError
         return error
     if not own or _same_path(own, target):
         return error
-    option = next((p.stem for p in sorted((PROJECT_ROOT / "conf" / "target").glob("*.yaml"))
-                   if f"/{Path(own).name}\n" in p.read_text() + "\n"), None)
+    option = next((stem for stem, folder in _target_folders() if folder == Path(own).name), None)
     how = f"target={option} (or target.name_or_path={own})" if option else f"target.name_or_path={own}"
     differences = str(error).split("\nFix:", 1)[0].split("\n", 1)[1] if "\n" in str(error) else ""
     return TokenizerMismatchError(
         f"draft {name!r} was trained for another target, {own} (its specdraft.json), not this evaluation's {target}: "
         f"evaluate it with its own target ({how}); do not give it this target's tokenizer, which would not make it a "
         f"draft of this target. The tokenizers differ:\n{differences}".rstrip())
+
+
+def _target_folders() -> list[tuple[str, str]]:
+    """``(option, folder name)`` of each ``conf/target/<option>.yaml``: the last part of its ``name_or_path``, with a
+    ``${paths.<key>}`` interpolation read from ``conf/config.yaml`` (``target=reference``: ``reference_target``)."""
+    import re
+
+    import yaml
+
+    def load(p: Path) -> dict:
+        try:
+            return yaml.safe_load(p.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            return {}
+
+    paths = load(PROJECT_ROOT / "conf" / "config.yaml").get("paths") or {}
+    out = []
+    for p in sorted((PROJECT_ROOT / "conf" / "target").glob("*.yaml")):
+        value = str(load(p).get("name_or_path") or "")
+        m = re.fullmatch(r"\$\{paths\.(\w+)\}", value)
+        value = str(paths.get(m.group(1), "")) if m else value
+        if value:
+            out.append((p.stem, value.rstrip("/").rpartition("/")[2]))
+    return out
 
 
 def _same_path(a: str, b: str) -> bool:

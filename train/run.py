@@ -341,7 +341,7 @@ def _check_data_files(rc: RootConfig) -> None:
 
     Local files are also parsed whole (a few MB, about a second per domain): a damaged file of a training domain would
     otherwise be found after Hydra has written the run folder, one of an evaluation domain after the drafts have
-    trained. (An eval-only run's domains are parsed by the eval inputs check.)
+    trained.
 
     Raises:
         DataSourceError: naming the file and both ways to supply it.
@@ -356,7 +356,7 @@ def _check_data_files(rc: RootConfig) -> None:
             domain = get_domain(name)
         except UnknownDomainError:
             continue  # an eval.extra_domains file: the eval inputs check reads it
-        check_domain_files(domain, rc.data.options(), parse=trains)
+        check_domain_files(domain, rc.data.options(), parse=True)
     _check_training_prompts(rc, names)
 
 

@@ -481,3 +481,16 @@ def test_non_utf8_data_file_names_the_file(tmp_path):
     with pytest.raises(DataFormatError) as ei:
         eval_prompts(user_domain("bad", f, "text"))
     assert str(f) in str(ei.value) and "UTF-8" in str(ei.value)
+
+
+def test_a_plain_text_file_that_is_not_utf8_is_refused_naming_it(tmp_path):
+    """Binary bytes in a corpus .txt file are an error naming the file, not text with replacement characters."""
+    from core.errors import DataFormatError
+    from data.loading import _records_from_file
+    from data.registry import DOMAINS
+
+    source = next(s for s in DOMAINS["corpus"].sources)
+    bad = tmp_path / "book.txt"
+    bad.write_bytes(b"Chapter 1\n\n" + bytes(range(128, 256)) * 4)
+    with pytest.raises(DataFormatError, match=f"{bad}: not valid UTF-8"):
+        list(_records_from_file(source, bad))

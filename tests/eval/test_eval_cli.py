@@ -61,7 +61,9 @@ def test_tokenizer_mismatch_is_a_clear_error(models, tmp_path):
     assert list(tmp_path.iterdir()) == []  # checked before any model loads or anything is written
 
 
-def test_a_draft_of_another_target_is_named_as_such_not_told_to_take_this_tokenizer(models, tmp_path):
+@pytest.mark.parametrize("own, option", [("/somewhere/.cache/specdraft/targets/SmolLM2-135M-Instruct-Q4_1", "smollm2"),
+                                         ("/elsewhere/specdraft/models/assets/reference_target", "reference")])
+def test_a_draft_of_another_target_is_named_as_such_not_told_to_take_this_tokenizer(models, tmp_path, own, option):
     """A draft whose specdraft.json names another target (here the converted SmolLM2's cache folder) and whose
     tokenizer differs: the error names that target and the option that evaluates the draft with it, still lists what
     differs, and gives no advice to save this target's tokenizer into the draft (which would damage it)."""
@@ -70,7 +72,6 @@ def test_a_draft_of_another_target_is_named_as_such_not_told_to_take_this_tokeni
     target, _, other, _ = models
     draft = tmp_path / "draft"
     shutil.copytree(other, draft)
-    own = "/somewhere/.cache/specdraft/targets/SmolLM2-135M-Instruct-Q4_1"
     (draft / "specdraft.json").write_text(json.dumps({"kind": "distilled", "target": own}))
     cfg = compose_config([f"target.name_or_path={target}", f"eval.drafts={{bad: {draft}}}", "eval.domains=[chat]",
                           "eval.max_prompts=1", "eval.max_new_tokens=4"])
@@ -78,7 +79,7 @@ def test_a_draft_of_another_target_is_named_as_such_not_told_to_take_this_tokeni
         run(cfg, tmp_path / "run")
     msg = str(ei.value)
     assert f"draft 'bad' was trained for another target, {own}" in msg, msg
-    assert f"target=smollm2 (or target.name_or_path={own})" in msg and "vocabulary" in msg, msg
+    assert f"target={option} (or target.name_or_path={own})" in msg and "vocabulary" in msg, msg
     assert "save_pretrained" not in msg, msg
 
 

@@ -102,7 +102,8 @@ TRAIN_CASES = {
                             "nothing to evaluate"),
     "experiments_listed_without_multirun": (["+experiment=smoke,lookup_drafts"], "a sweep: add -m"),
     "eagle3_layers_not_a_list": (["draft=eagle3", "draft.eagle3.target_layers=3"],
-                                 "draft.eagle3.target_layers takes a list: draft.eagle3.target_layers='[2, 15, 27]'"),
+                                 "draft.eagle3.target_layers takes a list: draft.eagle3.target_layers='[2, 15, 27]'",
+                                 "three layers in [1, N - 1]"),
     "plain_text_domain_without_prompts": (["overwrite=true", "data.domain=corpus"],
                                           "data.domain corpus: its validation split has no prompts",
                                           "set distill.eval_every=0"),
@@ -499,15 +500,25 @@ def _damage(case: str, root):
         header = lines[0].rstrip("\n").split(",")
         damaged.write_text(",".join(header[:1] + header[2:]) + "\n" + "".join(lines[1:]))
         return str(damaged)
+    if case == "training_field_not_text":
+        damaged = root / "medical" / "meqsum.jsonl"
+        lines = damaged.read_text().splitlines()
+        record = json.loads(lines[1])
+        record["CHQ"] = {"a": [1, 2]}
+        damaged.write_text("\n".join(lines[:1] + [json.dumps(record)] + lines[2:]) + "\n")
+        return f"{damaged}:2: a text field holds a JSON object, not text"
     damaged = root / "medical" / "meqsum.jsonl"  # training_file_is_a_folder
     damaged.unlink()
     damaged.mkdir()
     return f"{damaged}: a folder, not a file"
 
 
-@pytest.mark.parametrize("case", ["eval_domain_line_not_json", "training_csv_row_missing_a_field",
-                                  "training_file_is_a_folder"])
-def test_a_damaged_data_file_is_refused_before_any_stage(case, tmp_path):
+@pytest.mark.parametrize("case, module", [("eval_domain_line_not_json", "train"),
+                                          ("training_csv_row_missing_a_field", "train"),
+                                          ("training_file_is_a_folder", "train"),
+                                          ("training_field_not_text", "train"),
+                                          ("eval_domain_line_not_json", "eval")])
+def test_a_damaged_data_file_is_refused_before_any_stage(case, module, tmp_path):
     """A data file that exists but cannot be read as its domain's records, of a training domain (medical) or of an
     evaluation domain the training stages never read (code): refused before Hydra writes the run folder and before
     any model loads, naming the file (and line), not after the drafts train."""
@@ -527,7 +538,8 @@ def test_a_damaged_data_file_is_refused_before_any_stage(case, tmp_path):
             f.chmod(0o644)
     needle = _damage(case, root)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "train", "+experiment=smoke", f"data.root={root}",
+    only = ["eval.drafts={}", "eval.lookup_drafts=[prompt_lookup]"] if module == "eval" else []  # no trained draft
+    proc = subprocess.run([sys.executable, "-m", module, "+experiment=smoke", *only, f"data.root={root}",
                            f"hydra.run.dir={run_dir}"], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
                           timeout=120)
     assert_clean_error(proc, 2, needle)

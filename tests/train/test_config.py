@@ -201,6 +201,8 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("stages=[distil,evl]", "did you mean stages='[distill, eval]'?"),
         ("data.domain=medicl", "unknown domain 'medicl' (did you mean medical?)"),
         ("eval.domains=[cod]", "unknown domain 'cod' (did you mean code?)"),
+        ("eval.domains=[specbench]", "did you mean one of specbench_math_reasoning, specbench_mt_bench, specbench_qa, "
+                                     "specbench_rag, specbench_summarization, specbench_translation?"),
         ("trainer.max_steps=0", "trainer.max_steps"),
         ("trainer.lr=0", "trainer.lr"),
         ("+trainer.bogus=1", "trainer.bogus"),

@@ -32,8 +32,7 @@ import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from core.errors import closest_names, did_you_mean
-from core.groups import (_keys_of_other_options, _override_key, _program, _selected_groups,  # noqa: F401
-                         group_misuse)  # (_selected_groups: the tests read the defaults through it)
+from core.groups import _keys_of_other_options, _override_key, group_misuse
 
 EXIT_BAD_INPUT = 2
 EXIT_WRITE_FAULT = 3

@@ -15,12 +15,22 @@ def _override_key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~")
 
 
+def load_yaml(path: str | os.PathLike) -> dict:
+    """A config file of ``conf/`` as a mapping; ``{}`` when it is missing, unreadable, not YAML or not a mapping
+    (Hydra reports those in its own words when it composes)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
 def _keys_of_other_options(config_dir: str | os.PathLike, leaf: str) -> list[tuple[str, str]]:
     """``(group=option, dotted key)`` for each option file of a selectable config group (target, draft, trainer,
     lora, logger) that has a key named ``leaf``: ``target_layers`` is ``draft.eagle3.target_layers`` under
     ``draft=eagle3``, a key the composed config lacks because another option is selected."""
-    import yaml
-
     def walk(node, prefix):
         for k, v in (node.items() if isinstance(node, dict) else ()):
             yield f"{prefix}{k}"
@@ -29,23 +39,14 @@ def _keys_of_other_options(config_dir: str | os.PathLike, leaf: str) -> list[tup
     out = []
     for group in sorted(_selected_groups(config_dir)):
         for f in sorted((Path(config_dir) / group).glob("*.yaml")):
-            try:
-                doc = yaml.safe_load(f.read_text()) or {}
-            except (OSError, yaml.YAMLError):
-                continue
-            out += [(f"{group}={f.stem}", f"{group}.{k}") for k in walk(doc, "") if k.rpartition(".")[2] == leaf
-                    and k != "defaults"]
+            out += [(f"{group}={f.stem}", f"{group}.{k}") for k in walk(load_yaml(f), "")
+                    if k.rpartition(".")[2] == leaf and k != "defaults"]
     return out
 
 
 def _selected_groups(config_dir: str | os.PathLike) -> dict[str, str]:
     """``group -> option`` of the root config's defaults list (conf/config.yaml: target, draft, trainer, ...)."""
-    import yaml
-
-    try:
-        doc = yaml.safe_load((Path(config_dir) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return {}
+    doc = load_yaml(Path(config_dir) / "config.yaml")
     return {str(k): str(v) for d in doc.get("defaults") or [] if isinstance(d, dict) for k, v in d.items()}
 
 
@@ -68,16 +69,11 @@ def _deleted_section(arg: str, config_dir: Path) -> str | None:
     shows, so the run would go on with settings nobody chose. None for any other argument (``~a.b`` resets one key)."""
     import re
 
-    import yaml
-
     m = re.fullmatch(r"~([A-Za-z_]\w*)(?:=.*)?", arg, re.S)
     if m is None:
         return None
     name = m.group(1)
-    try:
-        doc = yaml.safe_load((config_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        doc = {}
+    doc = load_yaml(config_dir / "config.yaml")
     folder = config_dir / name
     if name not in _selected_groups(config_dir) and not isinstance(doc.get(name), dict):
         return None  # not a section (~seed, ~experiment, a typo): a single key resets, or Hydra names the miss
@@ -123,13 +119,8 @@ def _misspelt_group(plus: str, key: str, option: str, config_dir: Path) -> str |
     """``+experimnt=smoke``: a root override whose name is closer to a selectable config group of ``conf/`` than to
     any root key of ``conf/config.yaml``, and whose value is (close to) one of that group's options; the message
     names the override that selects it. Anything else is left to the unknown-key message."""
-    import yaml
-
     groups = sorted(p.name for p in config_dir.iterdir() if p.is_dir() and p.name not in ("accelerate", "domain"))
-    try:
-        roots = [k for k in (yaml.safe_load((config_dir / "config.yaml").read_text()) or {}) if k != "defaults"]
-    except (OSError, yaml.YAMLError):
-        roots = []
+    roots = [k for k in load_yaml(config_dir / "config.yaml") if k != "defaults"]
     if key in groups or key in roots:
         return None
     best = closest_names(key, [*groups, *(k for k in roots if k not in groups)], 1)

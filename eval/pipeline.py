@@ -358,7 +358,7 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
     from models.checkpoints import check_checkpoint_dir, check_draft_tokenizer, load_tokenizer
-    from models.checkpoints import read_specdraft_meta
+    from models.checkpoints import read_model_config, read_specdraft_meta
     from models.eagle3 import check_eagle3_dir, check_eagle3_fits, is_eagle3_dir
     from models.target import resolve_target
 
@@ -394,10 +394,10 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             heads[n] = check_eagle3_dir(path, role=f"draft {n!r}")
     resolve_target(rc)  # a GGUF target (target=smollm2) is converted once into its cached folder
     check_checkpoint_dir(rc.target.name_or_path, role="target")
-    if heads and Path(rc.target.name_or_path).is_dir():  # a head's vocabulary, width and layers: the target's?
+    doc = read_model_config(rc.target.name_or_path) if heads else None  # a head's vocabulary, width and layers
+    if doc is not None:
         from types import SimpleNamespace
 
-        doc = json.loads((Path(rc.target.name_or_path) / "config.json").read_text())
         if all(k in doc for k in ("vocab_size", "hidden_size", "num_hidden_layers")):  # else checked once loaded
             for n, cfg in heads.items():
                 check_eagle3_fits(cfg, SimpleNamespace(**doc), f"draft {n!r} ({paths.get(n) or hybrids[n]})")

@@ -332,6 +332,16 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
                               f"stage that produced it, or point {key} elsewhere.")
 
 
+def read_model_config(name_or_path: str | os.PathLike) -> dict | None:
+    """A local checkpoint's ``config.json`` as a mapping, read without loading the model; None when it is missing,
+    unreadable or not a JSON object (:func:`check_checkpoint_dir` reports that in its own words)."""
+    try:
+        doc = json.loads((Path(str(name_or_path)).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _siblings(p: Path) -> str:
     """For a missing ``p`` whose folder exists: the model folders beside it, the closest first named (``; did you
     mean``); ``""`` otherwise (a parent that is not there either says nothing useful)."""
@@ -557,18 +567,12 @@ def _target_folders() -> list[tuple[str, str]]:
     ``${paths.<key>}`` interpolation read from ``conf/config.yaml`` (``target=reference``: ``reference_target``)."""
     import re
 
-    import yaml
+    from core.groups import load_yaml
 
-    def load(p: Path) -> dict:
-        try:
-            return yaml.safe_load(p.read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            return {}
-
-    paths = load(PROJECT_ROOT / "conf" / "config.yaml").get("paths") or {}
+    paths = load_yaml(PROJECT_ROOT / "conf" / "config.yaml").get("paths") or {}
     out = []
     for p in sorted((PROJECT_ROOT / "conf" / "target").glob("*.yaml")):
-        value = str(load(p).get("name_or_path") or "")
+        value = str(load_yaml(p).get("name_or_path") or "")
         m = re.fullmatch(r"\$\{paths\.(\w+)\}", value)
         value = str(paths.get(m.group(1), "")) if m else value
         if value:

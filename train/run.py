@@ -261,11 +261,13 @@ def check_draft_source(rc: RootConfig) -> None:
     """
     if "draft_init" not in rc.stages and rc.draft.init == "config":
         return
+    from models.checkpoints import read_model_config
+
     if rc.draft.init == "layer_pruned" and rc.draft.layers.method != "search":
         from distill.drafts import resolve_layers
 
         try:
-            n = int((_target_config(rc) or {}).get("num_hidden_layers", 0))
+            n = int((read_model_config(rc.target.name_or_path) or {}).get("num_hidden_layers", 0))
         except (ValueError, TypeError):
             n = 0  # an odd config is reported by the checkpoint check with its own message
         if n:
@@ -280,16 +282,6 @@ def check_draft_source(rc: RootConfig) -> None:
         check_checkpoint_dir(rc.draft.name_or_path, role="pretrained draft (draft.name_or_path)")
 
 
-def _target_config(rc: RootConfig) -> dict | None:
-    """The target's ``config.json`` as a mapping; None when it is missing or unreadable (the checkpoint check
-    reports that in its own words)."""
-    try:
-        doc = json.loads((Path(rc.target.name_or_path).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def _check_eagle3_fits_target(rc: RootConfig) -> None:
     """An EAGLE-3 head's shape against the target's ``config.json``: ``draft.eagle3.target_layers`` inside its
     depth, ``draft.draft_vocab_size`` inside its vocabulary, a Llama-family target of >= 4 layers.
@@ -299,9 +291,10 @@ def _check_eagle3_fits_target(rc: RootConfig) -> None:
     """
     from types import SimpleNamespace
 
+    from models.checkpoints import read_model_config
     from models.eagle3 import Eagle3Config
 
-    doc = _target_config(rc)
+    doc = read_model_config(rc.target.name_or_path)
     try:
         target = SimpleNamespace(**doc)
         vocab = int(target.vocab_size)

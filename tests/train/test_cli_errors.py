@@ -374,7 +374,7 @@ def test_every_group_help_lists_is_either_selectable_or_refused_with_the_command
     import shlex
 
     from cliforks import run_commands
-    from core.cli import _selected_groups
+    from core.groups import _selected_groups
     from tinymodels import compose_config
     from train.run import validate
 

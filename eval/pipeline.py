@@ -97,7 +97,7 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
 
 
-def _later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
+def later_drafts(paths: dict[str, Path], run_dir: Path) -> dict[str, Path]:
     """The drafts of ``paths`` that are the run directory's and do not exist yet (an earlier stage writes them)."""
     run_drafts = (Path(run_dir) / "drafts").resolve()
     return {n: p for n, p in paths.items() if not p.exists() and run_drafts in p.resolve().parents}
@@ -108,7 +108,7 @@ def planned_drafts(rc, run_dir: Path) -> dict[str, Path]:
     earlier stage must write them (``{}`` under ``decode.draft_routing``, which names its own drafts)."""
     if not rc.eval.drafts or rc.decode.draft_routing:
         return {}
-    return _later_drafts(draft_paths(rc, run_dir), run_dir)
+    return later_drafts(draft_paths(rc, run_dir), run_dir)
 
 
 def check_planned_drafts(rc, run_dir: Path, later: dict[str, Path] | None = None) -> None:
@@ -369,13 +369,13 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             raise
         paths = {}
     if not need_drafts:  # drafts of this run that earlier stages will write are checked when the eval stage runs
-        later = _later_drafts(paths, run_dir)
+        later = later_drafts(paths, run_dir)
         check_planned_drafts(rc, run_dir, later)
         paths = {n: p for n, p in paths.items() if n not in later}
     domains = _domain_objects(rc)  # user files are checked before any model loads
     hybrids = hybrid_paths(rc, run_dir)  # the trained drafts behind named hybrids
     if not need_drafts:  # ngram:suffix+drafts/distilled: written by an earlier stage of this run
-        hybrids = {n: p for n, p in hybrids.items() if n not in _later_drafts(hybrids, run_dir)}
+        hybrids = {n: p for n, p in hybrids.items() if n not in later_drafts(hybrids, run_dir)}
     for n, path in hybrids.items():
         if not Path(path).is_dir():
             raise ValueError(f"draft {n!r}: {path} is not a directory; the trained draft behind a lookup "

@@ -220,14 +220,15 @@ def check_stage_inputs(rc: RootConfig, run_dir: Path) -> None:
 
 
 def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
-    """Every ``eval.drafts`` entry of this run's own ``drafts/`` that does not exist yet is written by a stage
-    before ``eval`` (``<name>_int8`` too under ``draft.quantize=int8``); not checked when an ``adapt`` stage runs
+    """Every ``eval.drafts`` entry of this run's own ``drafts/`` that does not exist yet, and every trained draft of
+    this run behind a hybrid entry (``ngram:<kind>+drafts/<name>``), is written by a stage before ``eval``
+    (``<name>_int8`` too under ``draft.quantize=int8``); not checked when an ``adapt`` stage runs
     (it names its drafts per domain as it goes).
 
     Raises:
         ValueError: naming the entry, the drafts the stages write, the closest one, and the fixes."""
-    from eval.config import hybrid_specs, lookup_specs
-    from eval.pipeline import planned_drafts
+    from eval.config import hybrid_paths, hybrid_specs, lookup_specs
+    from eval.pipeline import later_drafts, planned_drafts
 
     if "eval" not in rc.stages or "adapt" in rc.stages:
         return
@@ -239,14 +240,18 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
     before = rc.stages[:rc.stages.index("eval")]
     produced = {STAGES[s].draft(rc) for s in before if STAGES[s].draft is not None}
     written = produced | ({f"{n}_int8" for n in produced} if rc.draft.quantize == "int8" else set())
-    for name, path in planned_drafts(rc, run_dir).items():
+    hybrids = {} if rc.decode.draft_routing else later_drafts(hybrid_paths(rc, run_dir), run_dir)
+    for name, path in {**planned_drafts(rc, run_dir), **hybrids}.items():
         if path.name in written and path.parent.name == "drafts":
             continue
         rel = os.path.relpath(path, Path(run_dir).resolve())
-        hint = did_you_mean(path.name, sorted(written), lambda c: f"eval.drafts.{name}=drafts/{c}")
+        kind = hybrid_specs(rc)[name][0] if name in hybrids else None
+        entry = lambda d: f"eval.drafts.{name}={f'ngram:{kind}+' if kind else ''}{d}"  # noqa: E731
+        hint = did_you_mean(path.name, sorted(written), lambda c: entry(f"drafts/{c}"))
         writes = (f"the stages before eval write {', '.join(f'drafts/{w}' for w in sorted(written))}" if written
                   else "no stage before eval writes a draft")
-        raise ValueError(f"eval.drafts.{name} is {rel}, which does not exist in {run_dir} and no stage of this run "
+        what = f"ngram:{kind}+{rel}, whose trained draft {rel}" if kind else f"{rel}, which"
+        raise ValueError(f"eval.drafts.{name} is {what} does not exist in {run_dir} and no stage of this run "
                          f"writes ({writes}): point it at a draft this run writes or at an existing draft folder, "
                          f"leave it out (eval.drafts.{name}=null), or add the stage that trains it to stages"
                          f"{f'; {hint}' if hint else ''}")

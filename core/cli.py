@@ -475,12 +475,14 @@ def _option_hint(msg: str) -> str:
     return f"{msg.rstrip('.')}; {hint}" if hint else msg
 
 
-def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None) -> str:
+def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experiment_name: str | None = None,
+                sections: Iterable[str] | None = None) -> str:
     """``python -m <module>`` with the overrides of the command that made the run in ``run_dir`` (Hydra's
     ``.hydra/overrides.yaml``; without it ``+experiment=`` the run's ``experiment_name`` from
     ``resolved_config.json``, else ``experiment_name``), then ``extra``, shell-quoted and pointed at ``run_dir``:
     ``module="eval"`` re-evaluates the run as it was evaluated, ``module="train", extra=("trainer.resume=true",)``
-    resumes it with the settings it was started with."""
+    resumes it with the settings it was started with. ``sections``: keep only the overrides of these top-level
+    keys (and ``+experiment=``), for a module that reads no others (:func:`ignored_overrides`)."""
     import json
     import shlex
 
@@ -499,7 +501,18 @@ def run_command(run_dir: Path, module: str, extra: tuple[str, ...] = (), experim
         if experiment_name and (PROJECT_ROOT / "conf" / "experiment" / f"{experiment_name}.yaml").is_file():
             overrides = [f"+experiment={experiment_name}"]
     keep = [o for o in overrides if not o.lstrip("+~").startswith(("hydra.", "overwrite=", "trainer.resume="))]
+    if sections is not None:
+        keep = [o for o in keep if o not in ignored_overrides([o], sections)]
     return " ".join([f"python -m {module}", *map(shlex.quote, [*keep, *extra, f"hydra.run.dir={run_dir}"])])
+
+
+def ignored_overrides(argv: list[str], sections: Iterable[str]) -> list[str]:
+    """The overrides of ``argv`` that set or select a top-level key outside ``sections`` (``+experiment=``, Hydra's
+    own and flags excepted): ``python -m eval`` passes its sections, so ``draft=small`` or ``trainer.lr=1e-3``, which
+    it never reads, can be named instead of being dropped silently."""
+    keep = {*sections, "experiment", "hydra", "overwrite"}
+    return [a for a in argv if not a.startswith("-") and "=" in a
+            and a.lstrip("+~").split("=", 1)[0].split(".", 1)[0].split("@", 1)[0] not in keep]
 
 
 def _dotted_keys(node: Any, prefix: str = "", depth: int = 4) -> list[str]:

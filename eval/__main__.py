@@ -24,7 +24,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from core.cli import exit_on_error, interrupted, preflight, quiet_libraries, replace_mapping_overrides
+from core.cli import exit_on_error, ignored_overrides, interrupted, preflight, quiet_libraries
+from core.cli import replace_mapping_overrides
 from core.io import PROJECT_ROOT
 
 OmegaConf.register_new_resolver("specdraft_root", lambda: str(PROJECT_ROOT), replace=True)
@@ -78,6 +79,7 @@ def _check_same_experiment(rc, run_dir: Path) -> None:
     import json
 
     from core.cli import run_command
+    from eval.config import EVAL_SECTIONS
 
     try:
         stored = json.loads((run_dir / "resolved_config.json").read_text()).get("experiment_name")
@@ -87,7 +89,7 @@ def _check_same_experiment(rc, run_dir: Path) -> None:
         raise ValueError(
             f"{run_dir} holds a {stored!r} run, but this evaluation has the settings of {rc.experiment_name!r} "
             f"(other prompts, gammas or drafts; its report would replace the run's). Re-evaluate it with its own "
-            f"settings: {run_command(run_dir, 'eval', experiment_name=stored)} ; or evaluate its drafts with these "
+            f"settings: {run_command(run_dir, 'eval', experiment_name=stored, sections=EVAL_SECTIONS)} ; or evaluate its drafts with these "
             f"settings into a new folder: eval.drafts='{{name: {run_dir}/drafts/<name>}}' hydra.run.dir=<new dir>")
 
 
@@ -135,11 +137,16 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from eval.config import EvalRootConfig
+    from eval.config import EVAL_SECTIONS, EvalRootConfig
 
     typed = sys.argv[1:]
     sys.argv[1:] = argv = replace_mapping_overrides(typed, EvalRootConfig)
     preflight(argv, PROJECT_ROOT / "conf", check_before_eval, EvalRootConfig, typed=typed)
+    ignored = ignored_overrides(argv, EVAL_SECTIONS)
+    if ignored:
+        print(f"warning: python -m eval reads only {', '.join(EVAL_SECTIONS)}; ignored: {' '.join(ignored)} (the "
+              "drafts it evaluates are eval.drafts' checkpoints, each with its own config.json; python -m train "
+              "reads these)", file=sys.stderr)
     if not any(a.lstrip("+").startswith("hydra.output_subdir=") for a in argv):
         # Hydra writes its record before the evaluation starts; writing it to .hydra-eval directly would let a
         # failed evaluation replace the record of the command behind the current report. evaluate_run publishes

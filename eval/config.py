@@ -396,8 +396,11 @@ class EvalRootConfig:
                              f"{self.eval.max_new_tokens}, or raise eval.max_new_tokens")
 
 
+EVAL_SECTIONS = tuple(EvalRootConfig.__dataclass_fields__)  # the top-level keys python -m eval reads
+
+
 def validate_eval(cfg: Any) -> EvalRootConfig:
-    return validate_structured(EvalRootConfig, cfg, keys=[f.name for f in EvalRootConfig.__dataclass_fields__.values()])
+    return validate_structured(EvalRootConfig, cfg, keys=EVAL_SECTIONS)
 
 
 # ------------------------------------------------------------------ the drafts the config names

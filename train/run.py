@@ -164,11 +164,14 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
     held = [n for n in ("drafts", "report.md", "train", "reference_train") if (run_dir / n).exists()]
     if not held:  # an earlier attempt that stopped on bad input before producing anything: nothing to lose
         return
+    from eval.config import EVAL_SECTIONS
+
+    eval_cmd = run_command(run_dir, "eval", experiment_name=rc.experiment_name, sections=EVAL_SECTIONS)
     raise RunDirInUseError(
         f"run directory {run_dir} already holds a run (resolved_config.json, {', '.join(held)}); "
         f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
         f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
-        f"with the run's own settings: {run_command(run_dir, 'eval', experiment_name=rc.experiment_name)}"
+        f"with the run's own settings: {eval_cmd}"
     )
 
 

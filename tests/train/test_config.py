@@ -355,13 +355,33 @@ def test_a_mapping_of_names_on_the_command_line_replaces_the_experiments(experim
         cfg.eval.deployment.memory_bound
 
 
+def test_overrides_python_m_eval_never_reads_are_named_and_left_out_of_its_replay(tmp_path):
+    """``draft=small`` or ``trainer.lr=...`` on ``python -m eval`` is named (it reads only its own sections), and
+    the command that re-evaluates a training run keeps the training command's eval-side overrides only."""
+    from core.cli import ignored_overrides, run_command
+    from eval.config import EVAL_SECTIONS
+
+    argv = ["+experiment=distill_med", "draft=small", "+trainer.lr=1e-3", "~distill.cache_dir", "eval.max_prompts=2",
+            "target@target=smollm2", "hydra.run.dir=/x", "overwrite=true", "--cfg", "data.root=/d", "stages=[eval]"]
+    assert ignored_overrides(argv, EVAL_SECTIONS) == ["draft=small", "+trainer.lr=1e-3", "stages=[eval]"]
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(
+        "- +experiment=distill_med\n- draft=eagle3\n- trainer.max_steps=3\n- eval.max_prompts=2\n")
+    cmd = run_command(tmp_path, "eval", sections=EVAL_SECTIONS)
+    assert cmd == f"python -m eval +experiment=distill_med eval.max_prompts=2 hydra.run.dir={tmp_path}"
+    assert "draft=eagle3 trainer.max_steps=3" in run_command(tmp_path, "train")
+
+
 def test_eval_with_hydra_flags_after_the_overrides_composes_as_a_run_would():
     """``python -m eval OVERRIDES --cfg job`` prints the config a run would use (the entry point's own override
-    goes first, where Hydra's parser accepts it), the mapping of drafts replaced as typed."""
+    goes first, where Hydra's parser accepts it), the mapping of drafts replaced as typed; a training-only override
+    (``draft=small``) is named on stderr as ignored."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "eval", "+experiment=lora_med", "eval.drafts={x: /n1}", "--cfg",
-                           "job"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "eval", "+experiment=lora_med", "eval.drafts={x: /n1}", "draft=small",
+                           "--cfg", "job"], cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: python -m eval reads only seed, experiment_name" in proc.stderr
+    assert "ignored: draft=small (" in proc.stderr
     drafts = OmegaConf.create(proc.stdout).eval.drafts
     assert OmegaConf.to_container(drafts) == {"x": "/n1"}
 

@@ -161,8 +161,8 @@ def _formatter(shape: str, spec: dict):
     field = spec.get("field") or _DEFAULT_FIELD.get(shape)
     if shape == "text":
         def fmt(r, get):
-            text = r if isinstance(r, str) else get(field)
-            return (str(text).strip(), "") if str(text).strip() else None
+            text = r if isinstance(r, str) else _content(get(field), f"field {field!r}")  # a number or a list: refused
+            return (text.strip(), "") if text.strip() else None
     elif shape == "prompt_completion":
         pf, cf, as_chat = spec.get("prompt_field") or "prompt", spec.get("completion_field") or "completion", \
             spec.get("as_chat", True)
@@ -508,8 +508,14 @@ def _records_from_hub(source: Source) -> Iterable[tuple[Any, Any]]:
 
 
 def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any]], origin: str) -> Iterable[Example]:
-    """Turn raw ``(position, record)`` pairs into :class:`Example` s; field errors name ``origin`` and the line."""
+    """Turn raw ``(position, record)`` pairs into :class:`Example` s; field errors name ``origin`` and the line.
+
+    Raises:
+        DataFormatError: a record's field is missing, null or of the wrong type; every record of ``origin`` is
+            blank (nothing would be read from it)."""
+    seen = kept = 0
     for pos, rec in records:
+        seen += 1
         where = f"{origin}:{pos}" if isinstance(pos, int) else f"{origin} (record {pos})"
 
         def get(name: str, _rec=rec, _where=where):
@@ -539,7 +545,11 @@ def format_records(domain: str, source: Source, records: Iterable[tuple[Any, Any
             rid = str(rec[source.record_id])
         else:
             rid = str(pos)
+        kept += 1
         yield Example(f"{domain}/{source.name}/{rid}", prompt, completion, messages)
+    if seen and not kept:
+        raise DataFormatError(f"{origin}: all {seen} of its records are blank (empty or whitespace-only text): nothing "
+                              "to read from it; fill them in, or drop the file")
 
 
 def _where_to_read(dom: Domain, source: Source, opts: DataOptions, root: Path | None) -> tuple[str, Path | None]:

@@ -89,8 +89,9 @@ def _check_same_experiment(rc, run_dir: Path) -> None:
         raise ValueError(
             f"{run_dir} holds a {stored!r} run, but this evaluation has the settings of {rc.experiment_name!r} "
             f"(other prompts, gammas or drafts; its report would replace the run's). Re-evaluate it with its own "
-            f"settings: {run_command(run_dir, 'eval', experiment_name=stored, sections=EVAL_SECTIONS)} ; or evaluate its drafts with these "
-            f"settings into a new folder: eval.drafts='{{name: {run_dir}/drafts/<name>}}' hydra.run.dir=<new dir>")
+            f"settings: {run_command(run_dir, 'eval', experiment_name=stored, sections=EVAL_SECTIONS)} ; or "
+            f"evaluate its drafts with these settings into a new folder: python -m eval <this command's overrides> "
+            f"eval.drafts='{{name: {run_dir}/drafts/<name>}}' hydra.run.dir=<new dir>")
 
 
 def run(cfg: DictConfig | dict, run_dir: str | os.PathLike) -> dict:

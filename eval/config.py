@@ -192,14 +192,17 @@ class EvalConfig:
                                      f"eval.drafts='{{{name}: /path/to/draft}}'")
         from decode.ngram import NGRAM_KINDS
 
-        bad = [k for k in self.lookup_drafts if k not in NGRAM_KINDS]
-        if bad or len(set(self.lookup_drafts)) != len(self.lookup_drafts):
-            raise ValueError(f"eval.lookup_drafts must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
-                             f"got {list(self.lookup_drafts)}")
-        bad = [k for k in self.hybrid_lookups if k not in NGRAM_KINDS]
-        if bad or len(set(self.hybrid_lookups)) != len(self.hybrid_lookups):
-            raise ValueError(f"eval.hybrid_lookups must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
-                             f"got {list(self.hybrid_lookups)}")
+        from core.errors import did_you_mean
+
+        for key, kinds in (("lookup_drafts", self.lookup_drafts), ("hybrid_lookups", self.hybrid_lookups)):
+            bad = [k for k in kinds if k not in NGRAM_KINDS]
+            if bad:
+                hint = did_you_mean(str(bad[0]), NGRAM_KINDS)
+                raise ValueError(f"eval.{key}: unknown lookup kind {bad[0]!r} (the kinds: {', '.join(NGRAM_KINDS)})"
+                                 f"{f'; {hint}' if hint else ''}")
+            if len(set(kinds)) != len(kinds):
+                raise ValueError(f"eval.{key} must list each of {list(NGRAM_KINDS)} at most once ([] for none), "
+                                 f"got {list(kinds)}")
         self.check_domain_sampling()
         if self.num_draft_tokens is not None:
             if not self.num_draft_tokens or any(g < 1 for g in self.num_draft_tokens):
@@ -456,6 +459,14 @@ def hybrid_paths(rc, run_dir: Path) -> dict[str, Path]:
     """name -> the trained draft behind each hybrid named by path (``ngram:<kind>+<draft dir>``,
     :func:`eval.config.hybrid_specs`), read as :func:`in_run` reads a draft path."""
     return {n: in_run(p, run_dir) for n, (_, p) in hybrid_specs(rc).items()}
+
+
+def hybrid_head_error(name: str, kind: str, path) -> ValueError:
+    """The error for a hybrid (``ngram:<kind>+<dir>``) whose draft is an EAGLE-3 head: a head drafts from the
+    target's features, which a lookup in front of it does not give (decode/hybrid.py)."""
+    return ValueError(f"draft {name!r}: a hybrid (ngram:{kind}+<dir>) needs a trained token draft behind the lookup, "
+                      f"and {path} is an EAGLE-3 head; evaluate the head on its own instead "
+                      f"(eval.drafts.{name}={path}), or put a token draft behind the lookup")
 
 
 def check_draft_names(rc, paths: dict[str, Path]) -> None:

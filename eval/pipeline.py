@@ -35,7 +35,7 @@ from core.runtime import torch_threads
 from core.errors import PromptTooLongError
 from core.io import atomic_file_set, write_text_atomic
 from data.loading import DataOptions, eval_prompts, user_domain
-from eval.config import (check_draft_names, hybrid_paths, hybrid_specs, in_run,  # noqa: F401
+from eval.config import (check_draft_names, hybrid_head_error, hybrid_paths, hybrid_specs, in_run,  # noqa: F401
                          lookup_specs)  # (lookup_specs: eval.pipeline's API)
 from eval.decision import routing_section, write_routing
 from eval.evaluate import Prompt, evaluate_drafts
@@ -92,6 +92,10 @@ def draft_paths(rc, run_dir: Path) -> dict[str, Path]:
     paths = {n: q for n, q in paths.items() if not str(q).startswith("ngram:")}  # lookup drafts: lookup_specs
     if not paths and not rc.decode.draft_routing and not lookup_specs(rc) and not hybrid_specs(rc):
         # (a table may route to the target alone)
+        if rc.eval.drafts is not None and drafts_dir.is_dir() and any(drafts_dir.iterdir()):
+            raise ValueError(f"no drafts to evaluate: eval.drafts names none (it is {{}} or every entry is null) and "
+                             f"eval.lookup_drafts is []; set eval.drafts=null to evaluate every draft under "
+                             f"{drafts_dir}, or name one: eval.drafts='{{name: /path/to/draft_dir}}'.")
         raise ValueError(f"no drafts to evaluate: none under {drafts_dir} and eval.drafts is empty. Run the distill "
                          f"and/or baseline stage first, or pass eval.drafts='{{name: /path/to/draft_dir}}'.")
     return dict(sorted(paths.items(), key=lambda kv: (kv[0] != "distilled", kv[0])))
@@ -380,6 +384,8 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         if not Path(path).is_dir():
             raise ValueError(f"draft {n!r}: {path} is not a directory; the trained draft behind a lookup "
                              "(ngram:<kind>+<draft dir>) must be a local checkpoint folder")
+        if is_eagle3_dir(path):
+            raise hybrid_head_error(n, hybrid_specs(rc)[n][0], path)
     check_draft_names(rc, paths)
     for d in rc.eval.domain_sampling or {}:  # decode's settings merged with the domain's
         try:
@@ -600,8 +606,7 @@ def _add_hybrids(rc, target, tokenizer, drafts: dict, meta: dict, paths: dict, d
         else:
             model, (saved, _) = _load_draft(rc, name, path, target, tokenizer, device, dtype)
         if not token_draft(model):
-            raise ValueError(f"draft {name!r}: a hybrid (ngram:{kind}+<dir>) needs a trained token draft behind the "
-                             f"lookup, and {path} is an EAGLE-3 head; evaluate the head on its own instead")
+            raise hybrid_head_error(name, kind, path)
         drafts[name], meta[name] = HybridDraft(rc.decode.lookup.make(kind).to(device), model), (saved, "hybrid")
         specs[name] = hybrid_spec(kind, key)
     return specs

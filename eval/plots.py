@@ -209,8 +209,11 @@ def per_position_acceptance(doc: dict, path: Path) -> Path:
 
 
 def write_plots(doc: dict, out_dir: str | Path, alert: float | None = None) -> dict[str, Path]:
-    """Write every figure into ``<out_dir>/plots/``; returns name -> path."""
+    """Write every figure into ``<out_dir>/plots/``; returns name -> path (``{}`` when no draft was decoded, as under
+    a routing table that sends every domain to the target alone)."""
     plots = Path(out_dir) / "plots"
+    if not _domains(doc):
+        return {}
     return {
         "acceptance_by_domain": acceptance_by_domain(doc, plots / "acceptance_by_domain.png", alert),
         "accepted_length_histograms": accepted_length_histograms(doc, plots / "accepted_length_histograms.png"),

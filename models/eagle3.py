@@ -107,7 +107,8 @@ class Eagle3Config:
                              f"three different target layers, integers >= 1 (got {layers!r})")
         self.target_layers = tuple(layers)
         if self.draft_vocab_size > self.vocab_size:
-            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}] (got {self.draft_vocab_size})")
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} is larger than vocab_size {self.vocab_size}: "
+                             f"one of the two is wrong (a head's draft vocabulary is a subset of the target's)")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -501,8 +502,9 @@ def check_eagle3_fits(head, target, role: str = "draft") -> None:
                               f"{c.target_hidden_size}, but this target has {t.vocab_size} and {t.hidden_size}: train "
                               f"a head for this target (draft=eagle3)")
     if max(c.target_layers) >= int(t.num_hidden_layers):
-        raise CheckpointError(f"{role} reads target layers {list(c.target_layers)}, past this target's "
-                              f"{t.num_hidden_layers} layers: train a head for this target (draft=eagle3)")
+        n = int(t.num_hidden_layers)
+        raise CheckpointError(f"{role} reads target layers {list(c.target_layers)}, but this target has {n} layers "
+                              f"(feature layers are in [1, {n - 1}]): train a head for this target (draft=eagle3)")
 
 
 def is_eagle3(model) -> bool:

@@ -230,7 +230,7 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
 
     Raises:
         ValueError: naming the entry, the drafts the stages write, the closest one, and the fixes."""
-    from eval.config import hybrid_paths, hybrid_specs, lookup_specs
+    from eval.config import hybrid_head_error, hybrid_paths, hybrid_specs, lookup_specs
     from eval.pipeline import later_drafts, planned_drafts
 
     if "eval" not in rc.stages or "adapt" in rc.stages:
@@ -243,7 +243,12 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
     before = rc.stages[:rc.stages.index("eval")]
     produced = {STAGES[s].draft(rc) for s in before if STAGES[s].draft is not None}
     written = produced | ({f"{n}_int8" for n in produced} if rc.draft.quantize == "int8" else set())
-    hybrids = {} if rc.decode.draft_routing else later_drafts(hybrid_paths(rc, run_dir), run_dir)
+    behind = {} if rc.decode.draft_routing else hybrid_paths(rc, run_dir)
+    run_drafts = (Path(run_dir) / "drafts").resolve()
+    for name, path in behind.items():  # under draft=eagle3 the stages write heads, which no lookup can front
+        if rc.draft.init == "eagle3" and path.name in produced and path.resolve().parent == run_drafts:
+            raise hybrid_head_error(name, hybrid_specs(rc)[name][0], f"drafts/{path.name} (draft=eagle3)")
+    hybrids = later_drafts(behind, run_dir)
     for name, path in {**planned_drafts(rc, run_dir), **hybrids}.items():
         if path.name in written and path.parent.name == "drafts":
             continue

@@ -340,6 +340,25 @@ def test_user_domain(tmp_path, write_jsonl):
     assert f"{csv_path.resolve()}:2:" in str(ei.value) and "'prompt'" in str(ei.value)
 
 
+@pytest.mark.parametrize("value, says", [(5, "must be a string"), (["a", "b"], "must be a string"),
+                                         ({"x": 1}, "must be a string"), (True, "must be a string")])
+def test_a_user_text_field_that_holds_no_text_is_refused_naming_the_line(tmp_path, write_jsonl, value, says):
+    path = write_jsonl(tmp_path / "mine.jsonl", [{"text": "a real prompt"}, {"text": value}])
+    with pytest.raises(DataFormatError, match=says) as ei:
+        list(iter_examples(user_domain("mine", path, text_field="text")))
+    assert f"{path.resolve()}:2:" in str(ei.value) and "'text'" in str(ei.value)
+
+
+@pytest.mark.parametrize("blank", ["", "   ", "\n\t"])
+def test_a_user_file_whose_every_record_is_blank_is_named_as_such(tmp_path, write_jsonl, blank):
+    path = write_jsonl(tmp_path / "mine.jsonl", [{"text": blank}] * 3)
+    with pytest.raises(DataFormatError, match="all 3 of its records are blank") as ei:
+        eval_prompts(user_domain("mine", path, text_field="text"))
+    assert str(path.resolve()) in str(ei.value) and "test_fraction" not in str(ei.value)
+    write_jsonl(path, [{"text": blank}, {"text": "one prompt"}])  # a blank record among real ones is skipped
+    assert [e.prompt for e in eval_prompts(user_domain("mine", path, text_field="text"))] == ["one prompt"]
+
+
 def test_user_domain_missing_file_and_bad_extension(tmp_path):
     missing = tmp_path / "nope.jsonl"
     with pytest.raises(DataSourceError) as ei:

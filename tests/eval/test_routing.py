@@ -165,6 +165,17 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     assert all(doc["drafts"][n][d]["expected_speedup_components"] is not None for n, d in (("a", "medical"),
                                                                                           ("b", "code")))
 
+    # a table that sends every domain to the target alone (a smoke run's): decoded, no plots, no traceback
+    alone = tmp_path / "alone.json"
+    alone.write_text(json.dumps({"routes": {d: {"draft": None, "path": None, "target_only": True}
+                                            for d in ("medical", "code")}}))
+    rc = validate({**cfg, "decode": {"draft_routing": str(alone)},
+                   "eval": {**cfg["eval"], "domains": ["medical", "code"]}})
+    out = evaluate_run(rc, rc.data.options(), tmp_path / "alone")
+    assert out["plots"] == {} and out["routed"] == {"medical": None, "code": None}
+    report = (tmp_path / "alone" / "report.md").read_text()
+    assert "## Plots" not in report and "- **code**: decoded with the target alone" in report
+
     # a domain without a route (and no default) fails before any model loads
     cfg["eval"]["plots"] = False
     rc = validate({**cfg, "eval": {**cfg["eval"], "domains": ["medical", "math"]}})

@@ -92,6 +92,7 @@ CONFIG_EDITS = {
     "tied_output": ("tie_word_embeddings", True),
     "model_type_gpt2": ("model_type", "gpt2"),
     "scaled_rope": ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+    "vocab_below_draft_vocab": ("vocab_size", 20),
 }
 
 
@@ -139,6 +140,7 @@ TENSOR_EDITS = {"d2t_below_0": _shift_d2t, "d2t_repeated": _repeat_d2t, "int32_w
     ("tied_output", "tie_word_embeddings is True"),
     ("model_type_gpt2", "model_type is 'gpt2'"),
     ("scaled_rope", "scaled RoPE is not supported"),
+    ("vocab_below_draft_vocab", "draft_vocab_size 32 is larger than vocab_size 20: one of the two is wrong"),
     ("d2t_below_0", "1 draft ids map outside the target vocabulary"),
     ("d2t_repeated", "1 target ids are reached by two draft ids"),
     ("int32_weights", "fc.weight I32"),
@@ -168,8 +170,9 @@ def test_the_intact_head_loads(head_dir, tmp_path):
                                        ("config_a_list", "config.json holds a JSON list"),
                                        ("intermediate_huge", "config.json disagrees with the weights"),
                                        ("d2t_below_0", "its d2t is damaged"),
-                                       ("layers_past_target", "reads target layers [1, 3, 9], past this target's 6"),
-                                       ("meta_not_json", "specdraft.json is not valid JSON")])
+                                       ("layers_past_target", "reads target layers [1, 3, 9], but this target has 6 layers (feature layers are in [1, 5])"),
+                                       ("meta_not_json", "specdraft.json is not valid JSON"),
+                                       ("hybrid_of_the_head", "needs a trained token draft behind the lookup")])
 def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, tmp_path, how, says):
     """``python -m eval`` with a head whose config.json is damaged: the eval inputs check names the fault (before the
     target's tokenizer is compared with the head's), exit 2, no traceback, no report."""
@@ -186,10 +189,11 @@ def test_python_m_eval_names_the_heads_config_fault_not_the_tokenizer(head_dir, 
     tiny_llama(vocab_size=len(tok), num_layers=6, seed=3).save_pretrained(str(target_dir))  # the head's target
     tok.save_pretrained(str(target_dir))
     bad = tmp_path / how
-    _damage(head_dir, bad, how)
+    _damage(head_dir, bad, how)  # hybrid_of_the_head: an intact head behind a lookup (ngram:suffix+<head>)
     run_dir = tmp_path / "run"
+    spec = f"'ngram:suffix+{bad}'" if how == "hybrid_of_the_head" else bad
     proc = subprocess.run([sys.executable, "-m", "eval", f"target.name_or_path={target_dir}",
-                           f"eval.drafts={{h: {bad}}}", "eval.domains=[chat]", "eval.max_prompts=1",
+                           f"eval.drafts={{h: {spec}}}", "eval.domains=[chat]", "eval.max_prompts=1",
                            f"hydra.run.dir={run_dir}"], cwd=Path(__file__).resolve().parents[2], env=cli_env(), capture_output=True, text=True,
                           timeout=300)
     err = assert_clean_error(proc, 2, says, str(bad))

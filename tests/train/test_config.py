@@ -100,6 +100,19 @@ def test_an_eval_drafts_entry_set_to_null_is_left_out():
     assert "baseline" not in _check(compose_cfg(["+experiment=selfdraft_med"])).eval.drafts
 
 
+def test_evaluating_a_run_with_every_eval_drafts_entry_null_says_so(tmp_path):
+    """``python -m eval eval.drafts='{a: null}'`` on a training run: the message names the null entries and
+    ``eval.drafts=null`` (the run's drafts), not a missing ``drafts/`` folder."""
+    from eval.pipeline import draft_paths
+
+    (tmp_path / "drafts" / "distilled").mkdir(parents=True)
+    rc = _check(compose_cfg(["eval.drafts={a: null}", "eval.lookup_drafts=[]"]))
+    with pytest.raises(ValueError, match="eval.drafts names none .* set eval.drafts=null to evaluate every draft"):
+        draft_paths(rc, tmp_path)
+    with pytest.raises(ValueError, match="none under .* Run the distill"):
+        draft_paths(rc, tmp_path / "empty")
+
+
 @pytest.mark.parametrize("override", GROUP_OPTIONS)
 def test_every_group_option_composes_and_validates(override):
     _check(compose_cfg([override]))
@@ -217,6 +230,10 @@ def test_lora_target_modules_forms_from_the_command_line(override, want):
         ("adapt.min_mean_accepted_length=0.5", "adapt.min_mean_accepted_length"),
         ("eval.min_mean_accepted_length=-1", "eval.min_mean_accepted_length"),
         ("eval.min_mean_accepted_length=cheap", "break_even"),
+        ("eval.lookup_drafts=[prompt_lookups]", "unknown lookup kind 'prompt_lookups'"),
+        ("eval.hybrid_lookups=[sufix]", "eval.hybrid_lookups: unknown lookup kind 'sufix' (the kinds: prompt_lookup, "
+                                        "suffix); did you mean suffix?"),
+        ("eval.hybrid_lookups=[suffix,suffix]", "eval.hybrid_lookups must list each of"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(override, key):

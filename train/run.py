@@ -167,9 +167,11 @@ def check_run_dir_free(rc: RootConfig, run_dir: Path) -> None:
     from eval.config import EVAL_SECTIONS
 
     eval_cmd = run_command(run_dir, "eval", experiment_name=rc.experiment_name, sections=EVAL_SECTIONS)
+    resume_cmd = run_command(run_dir, "train", ("trainer.resume=true",), experiment_name=rc.experiment_name)
     raise RunDirInUseError(
         f"run directory {run_dir} already holds a run (resolved_config.json, {', '.join(held)}); "
-        f"nothing was changed. Continue it with trainer.resume=true, replace its artifacts with overwrite=true, or "
+        f"nothing was changed. Continue it with its own settings ({resume_cmd}), replace its artifacts with "
+        f"overwrite=true, or "
         f"choose a new hydra.run.dir (or leave it unset for a fresh timestamped one). To re-evaluate its drafts "
         f"with the run's own settings: {eval_cmd}"
     )

@@ -119,7 +119,8 @@ TRAIN_CASES = {
     "misspelt_group_option": (["draft=eagle"], "did you mean draft=eagle3?"),
     "missing_target": (["target.name_or_path=/nonexistent/target"], "target path /nonexistent/target does not exist"),
     "missing_data_root": (["data.root=/nonexistent/data"], "data root /nonexistent/data (data.root) does not exist"),
-    "existing_run_without_resume": ([], "already holds a run", "trainer.resume=true", "overwrite=true"),
+    "existing_run_without_resume": ([], "already holds a run", "Continue it with its own settings (python -m train",
+                                    "trainer.resume=true hydra.run.dir=", "overwrite=true"),
     # overwrite=true passes the run-dir policy: these are caught by the checks that read only config files
     "self_draft_layers_out_of_range": (["overwrite=true", "draft=layer_pruned", "draft.layers.method=list",
                                         "draft.layers.indices=[0,99]"], "draft.layers.indices [99] out of range"),
@@ -299,8 +300,9 @@ def test_overwrite_or_resume_lets_a_run_reuse_its_directory(finished_run):
 
 
 def test_a_reused_run_directory_names_the_command_that_re_evaluates_it_as_it_was(finished_run):
-    """The refusal's re-evaluation command carries the run's own overrides (shell-quoted), so pasting it evaluates
-    with the run's settings, not the defaults; it composes to the run's experiment and eval settings."""
+    """The refusal's re-evaluation command carries the run's own eval-side overrides (shell-quoted; the training
+    ones, which python -m eval never reads, are left out), so pasting it evaluates with the run's settings, not the
+    defaults; it composes to the run's experiment and eval settings. Its resume command keeps every override."""
     import shlex
 
     from core.cli import compose
@@ -309,8 +311,10 @@ def test_a_reused_run_directory_names_the_command_that_re_evaluates_it_as_it_was
         "- +experiment=smoke\n- eval.domains=[medical, code]\n- trainer.max_steps=3\n")
     msg = assert_clean_error(cli("train", "+experiment=smoke", f"hydra.run.dir={finished_run}"), 2)
     command = msg.split("with the run's own settings: ", 1)[1].strip()
-    assert command == (f"python -m eval +experiment=smoke 'eval.domains=[medical, code]' trainer.max_steps=3 "
+    assert command == (f"python -m eval +experiment=smoke 'eval.domains=[medical, code]' "
                        f"hydra.run.dir={finished_run}"), command
+    assert (f"(python -m train +experiment=smoke 'eval.domains=[medical, code]' trainer.max_steps=3 "
+            f"trainer.resume=true hydra.run.dir={finished_run})") in msg, msg
     argv = shlex.split(command)[3:]
     cfg, run_dir = compose(argv, ROOT / "conf")
     assert (cfg.experiment_name, list(cfg.eval.domains), run_dir) == ("smoke", ["medical", "code"], finished_run)

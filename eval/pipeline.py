@@ -362,7 +362,7 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
             ``TokenizerMismatchError``; ``DataSourceError`` (a user domain file is missing).
     """
     from models.checkpoints import check_checkpoint_dir, check_draft_tokenizer, load_tokenizer
-    from models.checkpoints import read_model_config, read_specdraft_meta
+    from models.checkpoints import read_model_config, read_specdraft_meta, sibling_hint
     from models.eagle3 import check_eagle3_dir, check_eagle3_fits, is_eagle3_dir
     from models.target import resolve_target
 
@@ -382,8 +382,8 @@ def check_eval_inputs(rc, run_dir: Path, need_drafts: bool = True):
         hybrids = {n: p for n, p in hybrids.items() if n not in later_drafts(hybrids, run_dir)}
     for n, path in hybrids.items():
         if not Path(path).is_dir():
-            raise ValueError(f"draft {n!r}: {path} is not a directory; the trained draft behind a lookup "
-                             "(ngram:<kind>+<draft dir>) must be a local checkpoint folder")
+            raise ValueError(f"draft {n!r}: {path} is not a directory{sibling_hint(Path(path))}; the trained draft "
+                             "behind a lookup (ngram:<kind>+<draft dir>) must be a local checkpoint folder")
         if is_eagle3_dir(path):
             raise hybrid_head_error(n, hybrid_specs(rc)[n][0], path)
     check_draft_names(rc, paths)

@@ -292,7 +292,7 @@ def check_checkpoint_dir(name_or_path: str | os.PathLike, role: str = "model", k
                   "draft.name_or_path" if "draft.name_or_path" in role else "eval.drafts")
     if not p.exists():
         raise CheckpointError(
-            f"{role} path {p} does not exist{_siblings(p)}. Point {key} at a Hugging Face model directory "
+            f"{role} path {p} does not exist{sibling_hint(p)}. Point {key} at a Hugging Face model directory "
             f"(config.json + *.safetensors + tokenizer files) or a hub id."
         )
     if not p.is_dir():
@@ -342,7 +342,7 @@ def read_model_config(name_or_path: str | os.PathLike) -> dict | None:
     return doc if isinstance(doc, dict) else None
 
 
-def _siblings(p: Path) -> str:
+def sibling_hint(p: Path) -> str:
     """For a missing ``p`` whose folder exists: the model folders beside it, the closest first named (``; did you
     mean``); ``""`` otherwise (a parent that is not there either says nothing useful)."""
     from core.errors import did_you_mean

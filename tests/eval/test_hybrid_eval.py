@@ -196,5 +196,9 @@ def test_a_hybrid_named_by_a_runs_draft_path_reads_the_runs_draft(tmp_path, monk
     assert check_eval_inputs(rc, run, need_drafts=False)[0] == {}  # not written yet: checked when eval runs
     with pytest.raises(ValueError, match="is not a directory"):  # an evaluation alone needs it now
         check_eval_inputs(rc, run)
+    (run / "drafts" / "distiled").mkdir(parents=True)  # a near name beside it: offered
+    (run / "drafts" / "distiled" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"is not a directory \(.* holds distiled; did you mean .*distiled\?\)"):
+        check_eval_inputs(rc, run)
     (tmp_path / "drafts" / "distilled").mkdir(parents=True)  # only the working directory has one: that one
     assert hybrid_paths(rc, run) == {"d": Path("drafts/distilled")}

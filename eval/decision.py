@@ -689,8 +689,8 @@ def routing_section(table: dict, path: str) -> str:
         others = ", ".join(f"`{n}` {f(c['mean_accepted_length'])}, {fx(c['measured_speedup'])}"
                            for n, c in r["candidates"].items() if n != r["draft"]) or "-"
         if r.get("target_only"):
-            lines.append(f"| {d} | none: the target alone | - | {fx(r['measured_speedup'])} (fastest draft) | - | "
-                         f"{others} |")
+            lines.append(f"| {d} | none: the target alone | - | {fx(r['measured_speedup'])} (fastest draft setting "
+                         f"whose tau explains its timing) | - | {others} |")
             continue
         policy = r.get("draft_length_policy", "fixed")
         setting = r["num_draft_tokens"] if policy == "fixed" else f"{policy} policy"

@@ -243,7 +243,8 @@ def verdict_line(doc: dict, domain: str) -> str:
 # ------------------------------------------------------------------------------------------------ sections
 def verdicts_table(doc: dict) -> list[str]:
     """Markdown rows: per domain what to deploy, the measured speedup [interval], tau (for the target alone after
-    every setting was set aside: the best tau measured) and the flags."""
+    every setting was set aside: the best tau measured; when no draft measured faster: the fastest setting's) and
+    the flags."""
     level = int(round(100 * doc.get("confidence", 0.95)))
     lines = [f"| domain | deploy | measured speedup [{level}% CI] | tau | flags |", "|---|---|---|---|---|"]
     for d, r in doc["recommendation"].items():
@@ -255,7 +256,8 @@ def verdicts_table(doc: dict) -> list[str]:
             what = "target alone" if r["action"] == TARGET_ONLY else "no measurement"
             speed = "-" if not best else ("1.00x (no draft setting pays for itself)" if r["basis"] == "low_tau" else
                                           f"1.00x (fastest draft setting {_speedup(best)})")
-            tau = fmt(r.get("highest_tau"), '.2f') if r["basis"] == "low_tau" else "-"
+            tau = fmt(r.get("highest_tau") if r["basis"] == "low_tau" else best.get("mean_accepted_length"), '.2f') \
+                if best or r["basis"] == "low_tau" else "-"
         lines.append(f"| {d} | {what} | {speed} | {tau} | {', '.join(flags(doc, d)) or '-'} |")
     return lines
 

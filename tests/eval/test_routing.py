@@ -184,3 +184,31 @@ def test_evaluation_with_routing_decodes_each_domain_with_its_routed_draft(tmp_p
     rc = validate({**cfg, "eval": {**cfg["eval"], "drafts": {"x": str(a)}}})
     with pytest.raises(RoutingError, match="both name drafts"):
         evaluate_run(rc, rc.data.options(), tmp_path / "run3")
+
+
+def test_the_routing_section_says_what_the_target_alone_rows_speedup_is():
+    """A domain sent to the target alone shows the fastest draft setting whose timing its tau can explain (a
+    disturbed, faster one is only among the other drafts), not "the fastest draft"."""
+    from eval.decision import routing_section
+
+    table = {"routes": {"code": {"target_only": True, "draft": None, "measured_speedup": 0.52,
+                                 "candidates": {"distilled": {"mean_accepted_length": 1.0, "measured_speedup": 0.52},
+                                                "baseline": {"mean_accepted_length": 1.0, "measured_speedup": 1.39}}}}}
+    row = [r for r in routing_section(table, "routing.json").splitlines() if r.startswith("| code |")][0]
+    assert "0.52x (fastest draft setting whose tau explains its timing)" in row and "`baseline` 1.00, 1.39x" in row
+
+
+def test_a_target_alone_verdict_shows_the_tau_beside_the_speedup_it_shows():
+    """The verdict row of a domain no draft measured faster on gives the tau of the setting whose speedup it shows;
+    one whose every setting was set aside for its tau gives the best tau measured."""
+    from eval.report import verdicts_table
+
+    best = {"draft": "d", "draft_length_policy": "fixed", "num_draft_tokens": 3, "measured_speedup": 0.75,
+            "measured_speedup_ci": [0.63, 0.84], "mean_accepted_length": 1.5}
+    doc = {"recommendation": {"code": {"action": "target_only", "basis": "measured", "best_measured": best},
+                              "chat": {"action": "target_only", "basis": "low_tau", "best_measured": best,
+                                       "highest_tau": 1.2}},
+           "verdicts": {}, "flags": {}, "drafts": {}}
+    rows = {r.split(" | ")[0][2:]: r.split(" | ") for r in verdicts_table(doc)[2:]}
+    assert rows["code"][3] == "1.50" and "0.75x" in rows["code"][2]
+    assert rows["chat"][3] == "1.20"

@@ -256,8 +256,8 @@ def check_drafts_written_before_eval(rc: RootConfig, run_dir: Path) -> None:
             continue
         rel = os.path.relpath(path, Path(run_dir).resolve())
         kind = hybrid_specs(rc)[name][0] if name in hybrids else None
-        entry = lambda d: f"eval.drafts.{name}={f'ngram:{kind}+' if kind else ''}{d}"  # noqa: E731
-        hint = did_you_mean(path.name, sorted(written), lambda c: entry(f"drafts/{c}"))
+        prefix = f"ngram:{kind}+" if kind else ""  # a hybrid's fix keeps its lookup
+        hint = did_you_mean(path.name, sorted(written), lambda c: f"eval.drafts.{name}={prefix}drafts/{c}")
         writes = (f"the stages before eval write {', '.join(f'drafts/{w}' for w in sorted(written))}" if written
                   else "no stage before eval writes a draft")
         what = f"ngram:{kind}+{rel}, whose trained draft {rel}" if kind else f"{rel}, which"
